@@ -1,0 +1,187 @@
+"""Run megatron-core on CPU with the gloo backend.
+
+Needed by: megatron-core 0.16.x and 0.19.x (checked on 0.16.1; 0.19.2 has the same hard-coded CUDA calls).
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
+
+- ``torch.cuda.current_device()`` as a ``device=`` argument (rotary embeddings, layers, DDP buffers, schedules);
+- factory calls and ``.cuda()`` / ``.to("cuda")`` with an explicit CUDA device;
+- the CUDA RNG tracker (``torch.cuda.get_rng_state`` / ``manual_seed``);
+- ``torch.cuda.Event``, ``Stream``, ``current_stream``, ``synchronize`` and ``empty_cache`` in the
+  schedules, DDP and the inference engine.
+
+:func:`cpu_gloo` redirects those, for the duration of a ``with`` block, to the CPU: a
+``TorchFunctionMode`` rewrites CUDA devices to ``cpu`` in every torch call, and the ``torch.cuda`` entry points
+above are swapped for CPU stand-ins (the RNG tracker forks the CPU generator instead). Everything else runs the
+real megatron-core code. It refuses to run when CUDA is available, so it cannot leak into GPU production use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_state = threading.local()
+
+
+def cpu_gloo_active() -> bool:
+    """Whether a :func:`cpu_gloo` block is active in this thread."""
+    return getattr(_state, "depth", 0) > 0
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is a CUDA ordinal in torch's factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU in every torch function and tensor method."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        name = getattr(func, "__name__", "")
+        if name == "cuda":  # Tensor.cuda(...)
+            return args[0]
+        if name == "to" and args:
+            rest = list(args[1:])
+            if rest and _is_cuda(rest[0]):
+                rest[0] = _CPU
+            args = (args[0], *rest)
+        if name in ("pin_memory",):
+            return args[0]
+        if name == "is_pinned":
+            return False
+        return func(*args, **kwargs)
+
+
+class _Event:
+    """CPU stand-in for ``torch.cuda.Event``: records wall time so elapsed_time still means something."""
+
+    def __init__(self, enable_timing: bool = False, **_: Any) -> None:
+        self._t = None
+
+    def record(self, stream: Any = None) -> None:
+        import time
+
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end._t - self._t) * 1e3
+
+
+class _Stream:
+    """CPU stand-in for ``torch.cuda.Stream``: everything is synchronous on CPU."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event or _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+_STREAM = _Stream()
+
+
+def _cuda_stand_ins() -> dict[str, Any]:
+    return {
+        "current_device": lambda: _CPU,
+        "device_count": lambda: 1,
+        "set_device": lambda *a, **k: None,
+        "synchronize": lambda *a, **k: None,
+        "empty_cache": lambda: None,
+        "Event": _Event,
+        "Stream": _Stream,
+        "current_stream": lambda *a, **k: _STREAM,
+        "default_stream": lambda *a, **k: _STREAM,
+        "stream": lambda *a, **k: contextlib.nullcontext(),
+        "set_stream": lambda *a, **k: None,
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda s, *a, **k: torch.set_rng_state(s),
+        # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "reset_peak_memory_stats": lambda *a, **k: None,
+    }
+
+
+def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
+    """Attributes of megatron-core modules that bound CUDA helpers at import time."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    out = [
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (mrandom, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
+    ]
+    return out
+
+
+@contextlib.contextmanager
+def cpu_gloo() -> Iterator[None]:
+    """Redirect megatron-core's hard-coded CUDA calls to the CPU inside the block.
+
+    Use around model construction, forward/backward, the pipeline schedules, DDP and the inference engine when
+    running on CPU with gloo. Raises ``RuntimeError`` when CUDA is available: on a GPU, run the real thing.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_gloo() is for CPU-only runs; CUDA is available here, so use it instead")
+    depth = getattr(_state, "depth", 0)
+    if depth:
+        _state.depth = depth + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+        return
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for name, fn in _cuda_stand_ins().items():
+            saved.append((torch.cuda, name, getattr(torch.cuda, name)))
+            setattr(torch.cuda, name, fn)
+        for owner, name, fn in _megatron_stand_ins():
+            saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, fn)
+        _state.depth = 1
+        with _CudaToCpu():
+            yield
+    finally:
+        _state.depth = 0
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)

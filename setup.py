@@ -1,0 +1,92 @@
+"""Build and install megatron-hybrid.
+
+The library is pure Python; the native ops in ``csrc/`` are optional:
+
+- the CPU (C++) part is built when torch is importable at build time and a C++ compiler is found;
+- the CUDA part is built when a CUDA toolkit is found (``CUDA_HOME`` or ``nvcc`` on ``PATH``), for the archs in
+  ``TORCH_CUDA_ARCH_LIST`` (default ``9.0``, Hopper).
+
+``MEGATRON_HYBRID_BUILD_CPP=0`` / ``MEGATRON_HYBRID_BUILD_CUDA=0`` turn either part off. A machine without a
+compiler or CUDA never fails the install: the library then uses its pure-PyTorch reference ops. To build the
+extension, install with ``--no-build-isolation`` so the build sees the torch you installed (an isolated build
+would download another torch).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _extensions():
+    """Return (ext_modules, cmdclass) for the native ops, or ([], {}) when they cannot be built here."""
+    sources_cpp = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    sources_cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
+    if not _flag("MEGATRON_HYBRID_BUILD_CPP") or not sources_cpp:
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("megatron-hybrid: torch is not importable at build time; skipping the native ops "
+              "(install torch first and use --no-build-isolation to build them)", file=sys.stderr)
+        return [], {}
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        print("megatron-hybrid: no C++ compiler found; skipping the native ops", file=sys.stderr)
+        return [], {}
+    cuda_home = cpp_extension.CUDA_HOME
+    build_cuda = _flag("MEGATRON_HYBRID_BUILD_CUDA") and bool(sources_cu) and cuda_home is not None
+    if build_cuda and torch.version.cuda is None:
+        print(f"megatron-hybrid: a CUDA toolkit is at {cuda_home} but this torch ({torch.__version__}) is a "
+              "CPU build; building the CPU ops only. Install a CUDA build of torch to get the CUDA kernels.",
+              file=sys.stderr)
+        build_cuda = False
+    cxx = ["-O3", "-std=c++17"]
+    if build_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        ext = cpp_extension.CUDAExtension(
+            "megatron_hybrid._C", sources_cpp + sources_cu,
+            extra_compile_args={"cxx": cxx + ["-DMH_WITH_CUDA"], "nvcc": ["-O3", "-DMH_WITH_CUDA"]},
+        )
+    else:
+        ext = cpp_extension.CppExtension("megatron_hybrid._C", sources_cpp, extra_compile_args={"cxx": cxx})
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="megatron-hybrid",
+    version="0.1.0",
+    description="One copy of an RL actor's weights for Megatron-core training and rollout (3D-HybridEngine)",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["megatron_hybrid", "megatron_hybrid.patches"],
+    package_dir={"megatron_hybrid": "megatron_hybrid", "megatron_hybrid.patches": "patches"},
+    install_requires=[
+        # torch: whatever megatron-core accepts; the README pins the CPU wheel for CPU machines.
+        "torch",
+        "megatron-core>=0.16.1,<0.20",
+        "sentencepiece",
+        "transformers",
+        "safetensors",
+        "tqdm",
+        "packaging",
+        # megatron-core 0.16.1's dist_checkpointing.save imports psutil without declaring it.
+        "psutil",
+    ],
+    extras_require={"test": ["pytest"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
