@@ -191,6 +191,7 @@ class GPTArchitecture:
 def tiny_llama(**overrides: Any) -> GPTArchitecture:
     """A tiny Llama-shaped model (GQA, SwiGLU, RMSNorm, RoPE, untied embeddings) for tests and demos."""
     base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
-                vocab_size=200, make_vocab_size_divisible_by=16, max_position_embeddings=256)
+                vocab_size=250, make_vocab_size_divisible_by=32, max_position_embeddings=256)
+    # 250 pads to 256 rows at every TP size up to 8, so all layouts compute the same function.
     base.update(overrides)
     return GPTArchitecture(**base)

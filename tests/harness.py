@@ -42,6 +42,7 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_hybrid.patches import cpu_gloo
 
@@ -53,6 +54,8 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
         try:
             with cpu_gloo():
                 ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                # Seeds the (CPU-backed) RNG tracker and the default generator alike on every rank.
+                model_parallel_cuda_manual_seed(1234)
                 try:
                     result = fn(*args, **kwargs)
                 finally:
