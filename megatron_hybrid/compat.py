@@ -32,3 +32,23 @@ def build_gpt_model(*args, **kwargs):
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             warnings.filterwarnings("ignore", message=".*GPTModel.*deprecat.*")
         return GPTModel(*args, **kwargs)
+
+
+def all_gather_into_tensor(output, input_, group, async_op: bool = False):
+    """``torch.distributed.all_gather_into_tensor``; torch 2.13 deprecates it for ``all_gather_single``."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
+
+
+def megatron_groups():
+    """Megatron's global training groups (tp, pp, dp, cp), read in this one place."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("megatron.core.parallel_state is not initialized: call initialize_model_parallel(t, p) "
+                         "first, or pass tp_group, pp_group and dp_group explicitly")
+    return (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+            ps.get_data_parallel_group(), ps.get_context_parallel_group())

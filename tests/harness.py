@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import os
 import queue
 import sys
@@ -51,6 +52,8 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
         if job is None:
             break
         fn, args, kwargs, tp, pp = job
+        # A rank that hangs prints where it hangs (to the test's stderr) just before the parent gives up.
+        faulthandler.dump_traceback_later(max(DEFAULT_TIMEOUT_S - 10, 5), exit=False)
         try:
             with cpu_gloo():
                 ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -60,10 +63,24 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
                     result = fn(*args, **kwargs)
                 finally:
                     ps.destroy_model_parallel()
+                    _destroy_subgroups(dist)
             outbox.put((rank, True, result))
         except BaseException:  # report every failure, including assertion errors, to the parent
             outbox.put((rank, False, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
+
+
+def _destroy_subgroups(dist) -> None:
+    """Free every process group but the world: a long-lived rank would otherwise pile up gloo groups (and
+    their sockets and threads) test after test."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
 
 
 @dataclass

@@ -1,0 +1,120 @@
+"""Per-dtype flat buffers that hold the training shards in place and the peers' slots only while rolling out.
+
+One ``RolloutBuffer`` per dtype spans the plan's regions (see :mod:`megatron_hybrid.plan`). The ranges that hold
+this rank's own training tensors are backed for the engine's lifetime; every other range this rank takes part
+in is backed at the switch to rollout and released at the switch back. Backing comes from
+:mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` + ``madvise`` on CPU): the address range is
+reserved once, so tensors viewing it keep their addresses across switches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import torch
+
+
+def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for lo, hi in ranges:
+        cur = lo
+        for hlo, hhi in holes:
+            if hhi <= cur or hlo >= hi:
+                continue
+            if hlo > cur:
+                out.append((cur, hlo))
+            cur = max(cur, hhi)
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
+class RolloutBuffer:
+    """A reserved flat range of ``numel`` elements: ``own`` ranges always backed, ``peer`` ranges on demand."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, own: list[tuple[int, int]],
+                 used: list[tuple[int, int]]) -> None:
+        self.dtype, self.device, self.numel = dtype, device, numel
+        self._mem = _reserve(numel, dtype, device)
+        gran = self._mem.granularity  # elements per page/granule
+        # Round the own ranges out to whole granules: they stay backed; the peers' part is what is left.
+        own_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in own)
+        used_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in used)
+        self.own_ranges = own_pages
+        self.peer_ranges = _subtract(used_pages, own_pages)
+        for lo, hi in self.own_ranges:
+            self._mem.map(lo, hi)
+        self.peers_mapped = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._mem.tensor()[: self.numel]
+
+    @property
+    def granularity(self) -> int:
+        return self._mem.granularity
+
+    @property
+    def peer_bytes(self) -> int:
+        return sum(hi - lo for lo, hi in self.peer_ranges) * self.tensor.element_size()
+
+    def map_peers(self) -> None:
+        if not self.peers_mapped:
+            for lo, hi in self.peer_ranges:
+                self._mem.map(lo, hi)
+            self.peers_mapped = True
+
+    def unmap_peers(self) -> None:
+        if self.peers_mapped:
+            for lo, hi in self.peer_ranges:
+                self._mem.unmap(lo, hi)
+            self.peers_mapped = False
+
+    def close(self) -> None:
+        self._mem.close()
+
+
+def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a process-wide memo on purpose
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+class _Reservation:
+    """Adapts :class:`megatron_hybrid.memory.ReservedBuffer` (element ranges, page-aligned)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        from .memory import ReservedBuffer
+
+        self._buf = ReservedBuffer(numel, dtype, device=device)
+        self.numel = numel
+        self.granularity = self._buf.granularity_numel
+        if not self._buf.releases_memory:
+            warn_once(f"no releasable memory backend on {device}: peers' slots stay allocated while training")
+
+    def tensor(self) -> torch.Tensor:
+        return self._buf.tensor()
+
+    def map(self, lo: int, hi: int) -> None:
+        self._buf.map(lo, hi)
+
+    def unmap(self, lo: int, hi: int) -> None:
+        self._buf.unmap(lo, hi)
+
+    def close(self) -> None:
+        self._buf.close()
+
+
+def _reserve(numel: int, dtype: torch.dtype, device: torch.device) -> _Reservation:
+    return _Reservation(max(numel, 1), dtype, device)

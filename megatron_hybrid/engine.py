@@ -1,0 +1,508 @@
+"""The HybridEngine: one copy of the actor's weights serves the training layout and the rollout layout.
+
+Where the bytes move: :meth:`HybridEngine.switch_to_rollout` (one in-place collective per region of the plan).
+Where the rollout groups come from: :meth:`HybridEngine._create_groups` (all ranks, once, next to Megatron's).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .aliased import Blocks, make_aliased, placeholder, supports_blocks
+from .buffers import RolloutBuffer
+from .layout import Grid, ParallelLayout, RolloutLayout
+from .plan import GroupPlan, MemberInfo, ParamInfo, build_group_plan
+from .sharding import TPSpec, global_name, layer_offset
+
+WEIGHT_MODES = ("aliased", "canonical")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+ModelProvider = Callable[..., torch.nn.Module]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside Megatron's DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(parameter) -> the module that registered it."""
+    out = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                out[id(p)] = m
+    return out
+
+
+@contextmanager
+def _weightless_parameters() -> Iterator[None]:
+    """Build modules whose parameters own no memory: every registered parameter becomes a placeholder.
+
+    Keeps the rollout model's construction from allocating a second copy of the weights (each parameter's
+    temporary allocation is dropped as soon as it is registered).
+    """
+    def hook(module, name, param):
+        if param is None or getattr(param, "_mh_blocks", 0) != 0:
+            return None
+        return placeholder(param, None)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    op: str
+    group_ranks: list[int]
+    bytes_received: int
+    seconds: float
+
+
+class HybridEngine:
+    """Switch an actor between its Megatron training layout and a rollout layout without a second copy.
+
+    Args:
+        model: the training-layout model on this rank: a GPTModel, a list of model chunks, or a Megatron-DDP
+            wrapped model (without the distributed optimizer), after ``initialize_model_parallel(t, p)``.
+        rollout: the rollout layout (t_g, p_g).
+        weight_mode: ``"aliased"`` (default; zero redundancy: the rollout model computes on the training shards
+            as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
+            buffers; costs the own shard twice while rolling out).
+        bucket_size_mb: the size of one gather bucket.
+        tp_group, pp_group, dp_group: the training groups; default: Megatron's ``parallel_state``.
+        model_provider: ``model_provider(config, pg_collection, pre_process, post_process)`` building one
+            rollout stage, for model classes other than GPTModel.
+    """
+
+    def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
+                 weight_mode: str = "aliased", bucket_size_mb: float = 256.0, tp_group=None, pp_group=None,
+                 dp_group=None, model_provider: Optional[ModelProvider] = None) -> None:
+        # ---- validation: everything below this block may run collectives ----
+        if weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb ({bucket_size_mb}) must be positive")
+        if not isinstance(rollout, RolloutLayout):
+            raise ValueError(f"rollout ({rollout!r}) must be a RolloutLayout")
+        self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not self.chunks:
+            raise ValueError("model is an empty list of model chunks")
+        for c in self.chunks:
+            ddp_buffers = getattr(c, "buffers", None)  # Megatron DDP's param-and-grad buffers (a list)
+            for buf in ddp_buffers if isinstance(ddp_buffers, list) else []:
+                if getattr(buf, "param_data", None) is not None:
+                    raise ValueError("Megatron DDP with use_distributed_optimizer=True keeps parameters in its "
+                                     "own buckets; the HybridEngine supports DDP without the distributed "
+                                     "optimizer for now")
+        self.modules = [_unwrap(c) for c in self.chunks]
+        if tp_group is None or pp_group is None or dp_group is None:
+            m_tp, m_pp, m_dp, self._cp_group = compat.megatron_groups()
+            tp_group, pp_group, dp_group = tp_group or m_tp, pp_group or m_pp, dp_group or m_dp
+        else:
+            self._cp_group = None
+        self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
+        t, p, d = tp_group.size(), pp_group.size(), dp_group.size()
+        self.layout = ParallelLayout.create(training=(t, p, d), rollout=rollout)
+        if t * p * d != dist.get_world_size():
+            raise ValueError(f"tensor ({t}) × pipeline ({p}) × data ({d}) parallel sizes must cover the world "
+                             f"({dist.get_world_size()} ranks); context/expert parallelism is not supported yet")
+        if self.layout.q > 1 and len(self.chunks) > 1:
+            raise ValueError(f"rollout pipeline_model_parallel_size ({rollout.pipeline_model_parallel_size}) < "
+                             f"pipeline_model_parallel_size ({p}) is not supported with virtual pipeline chunks")
+        self.config = self.modules[0].config
+        self._check_model(self.config)
+        self.weight_mode = weight_mode
+        self.bucket_size_mb = bucket_size_mb
+        self.model_provider = model_provider
+        self.tp_rank, self.pp_rank = dist.get_rank(tp_group), dist.get_rank(pp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        needs_blocks = self.layout.k > 1 or self.layout.widens
+        if weight_mode == "aliased" and needs_blocks:
+            for mod in self.modules:
+                owners = _owner_modules(mod)
+                for name, prm in mod.named_parameters():
+                    if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
+                        raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
+                                         ") on blocks; use weight_mode='canonical' for this model")
+
+        # ---- collectives from here on ----
+        self._create_groups()
+        self.rollout_chunks = self._build_rollout_model()
+        self._plan_and_place()
+        self.mode = "training"
+        self._fingerprint: Optional[int] = None
+        self._records: list[CollectiveRecord] = []
+        self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
+        self.profiling = True
+
+    # ------------------------------------------------------------------------------------------------------
+    def _check_model(self, config) -> None:
+        lay = self.layout
+        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        if heads % lay.t_g:
+            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "
+                             f"({heads})")
+        if config.ffn_hidden_size % lay.t_g:
+            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide ffn_hidden_size "
+                             f"({config.ffn_hidden_size})")
+        if lay.widens and groups % lay.t_g:
+            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_query_groups "
+                             f"({groups}) when it is larger than tensor_model_parallel_size ({lay.t})")
+        if config.num_layers % lay.p_g:
+            raise ValueError(f"rollout pipeline_model_parallel_size ({lay.p_g}) must divide num_layers "
+                             f"({config.num_layers})")
+        if config.tensor_model_parallel_size != lay.t or config.pipeline_model_parallel_size != lay.p:
+            raise ValueError(f"the model was built for tensor/pipeline sizes ({config.tensor_model_parallel_size}, "
+                             f"{config.pipeline_model_parallel_size}) but the groups are ({lay.t}, {lay.p})")
+        if getattr(config, "sequence_parallel", False):
+            raise ValueError("sequence_parallel=True is not supported by the rollout layout yet")
+        vocab = getattr(self.modules[0], "vocab_size", None)
+        if vocab is not None and vocab % lay.t_g:
+            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
+                             f"({vocab})")
+
+    def _create_groups(self) -> None:
+        """Create every rollout group on every rank (torch needs all ranks in every new_group call)."""
+        coords = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.tp_rank, self.pp_rank, self.dp_rank))
+        self.grid = Grid.from_coords({r: tuple(c) for r, c in enumerate(coords)})
+        me = dist.get_rank()
+        lay = self.layout
+        self.group_ranks: dict[str, list[int]] = {}
+        self.groups: dict[str, Any] = {}
+        for name, lists in (("tp", lay.rollout_tp_groups(self.grid)), ("pp", lay.rollout_pp_groups(self.grid)),
+                            ("dp", lay.rollout_dp_groups(self.grid)), ("micro_dp", lay.micro_dp_groups(self.grid)),
+                            ("cross_stage", lay.cross_stage_groups(self.grid)),
+                            ("single", [[r] for r in range(dist.get_world_size())] if self._cp_group is None else [])):
+            for ranks in lists:
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    self.groups[name], self.group_ranks[name] = g, ranks
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgc = ProcessGroupCollection()
+        pgc.tp, pgc.pp, pgc.dp = self.groups["tp"], self.groups["pp"], self.groups["dp"]
+        pgc.cp = self._cp_group if self._cp_group is not None else self.groups["single"]
+        pgc.tp_cp = pgc.tp
+        pgc.dp_cp = pgc.dp
+        pgc.embd = None
+        pgc.pos_embd = None
+        self.pg_collection = pgc
+        i, s, dp = self.tp_rank, self.pp_rank, self.dp_rank
+        self.rollout_tp_rank, self.rollout_pp_rank, self.rollout_replica = lay.rollout_coords((i, s, dp))
+        # Which rollout TP shard each member of this rank's rollout TP group serves, in group-rank order. torch
+        # orders group ranks by global rank; with t_g > t the shard a rank can serve without communication is
+        # fixed by its training shard, so the two orders differ and vocabulary-parallel outputs must be gathered
+        # with this order (forward.gather_vocab(order=...)). For t_g <= t it is the identity.
+        coord_of = dict(self.grid.coords())
+        self.rollout_tp_order = [lay.rollout_coords(coord_of[r])[0] for r in self.group_ranks["tp"]]
+
+    def _build_rollout_model(self) -> list[torch.nn.Module]:
+        lay = self.layout
+        config = copy.copy(self.config)
+        config.tensor_model_parallel_size = lay.t_g
+        config.pipeline_model_parallel_size = lay.p_g
+        config.perform_initialization = False
+        pre = self.rollout_pp_rank == 0
+        post = self.rollout_pp_rank == lay.p_g - 1
+        chunks = []
+        for vp, train in enumerate(self.modules):
+            vp_stage = vp if len(self.modules) > 1 else None
+            with _weightless_parameters():
+                if self.model_provider is not None:
+                    chunk = self.model_provider(config=config, pg_collection=self.pg_collection, pre_process=pre,
+                                                post_process=post)
+                else:
+                    chunk = self._rebuild_gpt(train, config, pre, post, vp_stage)
+            chunk.eval()
+            if self.weight_mode == "aliased":
+                for mod in chunk.modules():
+                    if supports_blocks(mod):
+                        make_aliased(mod)
+            # Non-parameter state (rotary frequencies) is replicated: take it from the training model.
+            train_buffers = dict(train.named_buffers())
+            for name, buf in chunk.named_buffers():
+                src = train_buffers.get(name)
+                if src is not None and src.shape == buf.shape:
+                    buf.copy_(src)
+            chunk.register_forward_pre_hook(self._check_rollout_mode)
+            for mod in chunk.modules():
+                if hasattr(mod, "vocab_start_index") and hasattr(mod, "num_embeddings_per_partition"):
+                    n = mod.num_embeddings_per_partition
+                    mod.vocab_start_index = self.rollout_tp_rank * n
+                    mod.vocab_end_index = mod.vocab_start_index + n
+            chunks.append(chunk)
+        return chunks
+
+    def _rebuild_gpt(self, train: torch.nn.Module, config, pre: bool, post: bool, vp_stage):
+        from megatron.core.models.gpt import GPTModel
+
+        if not isinstance(train, GPTModel):
+            raise ValueError(f"model is a {type(train).__name__}; pass model_provider= to build its rollout stage")
+        kwargs = dict(config=config, transformer_layer_spec=train.transformer_layer_spec,
+                      vocab_size=train.vocab_size, max_sequence_length=train.max_sequence_length,
+                      pre_process=pre, post_process=post, fp16_lm_cross_entropy=train.fp16_lm_cross_entropy,
+                      parallel_output=train.parallel_output,
+                      share_embeddings_and_output_weights=train.share_embeddings_and_output_weights,
+                      position_embedding_type=train.position_embedding_type, rotary_percent=train.rotary_percent,
+                      rotary_base=train.rotary_base, rope_scaling=train.rotary_scaling,
+                      pg_collection=self.pg_collection)
+        if vp_stage is not None:
+            kwargs["vp_stage"] = vp_stage
+        return compat.build_gpt_model(**kwargs)
+
+    def _check_rollout_mode(self, module, args) -> None:
+        if self.mode != "rollout":
+            raise RuntimeError("the rollout model was used in training mode: call engine.switch_to_rollout() "
+                               "first (its weights are not there while training)")
+
+    # ------------------------------------------------------------------------------------------------------
+    def _param_infos(self, chunks: list[torch.nn.Module]) -> list[tuple[ParamInfo, torch.Tensor]]:
+        out = []
+        for chunk in chunks:
+            offset = layer_offset(chunk)
+            for name, prm in chunk.named_parameters():
+                spec = TPSpec.of(prm)
+                out.append((ParamInfo(global_name(name, offset), name, tuple(prm.shape), _DTYPE_NAMES[prm.dtype],
+                                      spec.sharded, spec.dim, spec.stride), prm))
+        return out
+
+    def _plan_and_place(self) -> None:
+        lay = self.layout
+        mine = self._param_infos(self.modules)
+        names = [info.name for info, _ in mine]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate parameter names across model chunks")
+        self._train_params = {info.name: prm for info, prm in mine}
+        rollout_infos = self._param_infos(self.rollout_chunks)
+        self._rollout_params = {info.name: prm for info, prm in rollout_infos}
+        layers_per_stage = self.config.num_layers // lay.p
+        member = MemberInfo(dist.get_rank(), self.tp_rank, self.pp_rank, tuple(i for i, _ in mine), layers_per_stage)
+        group = self.groups["micro_dp"]
+        members: list[Any] = [None] * group.size()
+        if lay.widens:
+            members = [member]
+        else:
+            dist.all_gather_object(members, member, group=group)
+        members.sort(key=lambda m: m.rank)
+        # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
+        # attributes: they are layout-invariant, so take them from the training tensor of the same name.
+        info_by_name = {p.name: p for m in members for p in m.params}
+        for name, prm in self._rollout_params.items():
+            if name not in info_by_name:
+                raise ValueError(f"no training rank of this micro-DP group holds {name}: the rollout model does "
+                                 "not correspond to the training model")
+            info = info_by_name[name]
+            shape = list(info.shape)
+            if info.sharded:
+                from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+                set_tensor_model_parallel_attributes(prm, True, info.dim, info.stride)
+                shape[info.dim] = shape[info.dim] * lay.t // lay.t_g
+            if tuple(shape) != tuple(prm.shape):
+                raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
+                                 "from the training model")
+        self.member_index = [m.rank for m in members].index(dist.get_rank())
+        device = next(iter(self._train_params.values())).device
+        bucket_numel = max(1, int(self.bucket_size_mb * 2**20 // 4))
+        if lay.widens:
+            self.plan = None
+            self.buffers = {}
+            return
+        self.plan = build_group_plan(members, [i.name for i, _ in rollout_infos], k=lay.k, q=lay.q,
+                                     bucket_numel=bucket_numel)
+        # Place the training tensors in their own slots (a one-time copy at construction).
+        self.buffers: dict[str, RolloutBuffer] = {}
+        j = self.member_index
+        for dtype, regions in self.plan.regions.items():
+            own, used = [], []
+            for reg in regions:
+                if j not in reg.members:
+                    continue
+                used.append((reg.offset, reg.offset + reg.numel))
+                if reg.kind != "broadcast" or reg.owner == j:
+                    lo = reg.slot_offset(j)
+                    own.append((lo, lo + reg.slot_numel))
+            buf = RolloutBuffer(self.plan.buffer_numel(dtype), _DTYPES[dtype], device, own=own, used=used)
+            self.buffers[dtype] = buf
+            flat = buf.tensor
+            for reg in regions:
+                for sl in reg.slices:
+                    if sl.member != j:
+                        continue
+                    prm = self._train_params[sl.name]
+                    view = flat[sl.offset: sl.offset + sl.numel].view(sl.shape)
+                    with torch.no_grad():
+                        view.copy_(prm.data)
+                    prm.data = view
+        self._sources = self.plan.sources(j)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _fingerprint_now(self) -> int:
+        return sum(p._version for p in self._train_params.values())
+
+    @property
+    def rollout_model(self) -> Union[torch.nn.Module, list[torch.nn.Module]]:
+        """The megatron-core model of the rollout layout (a list when the training model was a list)."""
+        return self.rollout_chunks if len(self.chunks) > 1 else self.rollout_chunks[0]
+
+    def switch_to_rollout(self) -> None:
+        """Gather the missing shards and bind the rollout model to them. No-op when already rolling out."""
+        if self.mode == "rollout":
+            if self._fingerprint_now() != self._fingerprint:
+                raise RuntimeError("the training weights changed while in rollout mode; call "
+                                   "switch_to_training() before training")
+            self._last_report = self._report([], 0.0)
+            return
+        start = time.perf_counter()
+        records: list[CollectiveRecord] = []
+        if self.plan is not None:
+            j = self.member_index
+            for buf in self.buffers.values():
+                buf.map_peers()
+            for dtype, regions in self.plan.regions.items():
+                flat = self.buffers[dtype].tensor
+                for reg in regions:
+                    if j not in reg.members:
+                        continue
+                    records.append(self._run_region(flat, reg, j))
+        self._bind_rollout()
+        self._synchronize()
+        self.mode = "rollout"
+        self._fingerprint = self._fingerprint_now()
+        self._last_report = self._report(records, time.perf_counter() - start)
+
+    def _group_for(self, reg) -> tuple[Any, list[int]]:
+        if reg.members == list(range(len(self.plan.members))):
+            return self.groups["micro_dp"], self.group_ranks["micro_dp"]
+        return self.groups["cross_stage"], self.group_ranks["cross_stage"]
+
+    def _run_region(self, flat: torch.Tensor, reg, j: int) -> CollectiveRecord:
+        group, ranks = self._group_for(reg)
+        region = flat[reg.offset: reg.offset + reg.numel]
+        elem = flat.element_size()
+        t0 = time.perf_counter()
+        if reg.kind == "broadcast":
+            src = self.plan.members[reg.owner].rank
+            dist.broadcast(region, src=src, group=group)
+            received = 0 if reg.owner == j else reg.slot_numel * elem
+            op = "broadcast"
+        else:
+            lo = reg.slot_offset(j) - reg.offset
+            compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
+            received = reg.slot_numel * (len(reg.members) - 1) * elem
+            op = "all_gather_into_tensor"
+        if self.profiling:
+            self._synchronize()
+        return CollectiveRecord(op, ranks, received, time.perf_counter() - t0)
+
+    def _synchronize(self) -> None:
+        if torch.cuda.is_available() and next(iter(self._train_params.values())).is_cuda:
+            torch.cuda.synchronize()
+
+    def _blocks_for(self, name: str) -> Blocks:
+        """The rollout parameter ``name`` as views of training tensors (own or in peers' slots)."""
+        lay = self.layout
+        if lay.widens:
+            prm = self._train_params[name]
+            spec = TPSpec.of(prm)
+            if not spec.sharded:
+                return Blocks([prm.data], 0, 1)
+            j = self.rollout_tp_rank % lay.m
+            pieces = prm.data.chunk(spec.stride * lay.m, dim=spec.dim)
+            return Blocks([pieces[s * lay.m + j] for s in range(spec.stride)], spec.dim, 1)
+        src = self._sources[name]
+        views = []
+        for blk in src.blocks:
+            if blk.member == self.member_index:
+                views.append(self._train_params[name].data)
+            else:
+                dtype, off = self.plan.where(blk.member, name)
+                info = self.plan.by_name[blk.member][name]
+                views.append(self.buffers[dtype].tensor[off: off + info.numel].view(info.shape))
+        return Blocks(views, src.dim, src.stride if len(views) > 1 else 1)
+
+    def _bind_rollout(self) -> None:
+        for chunk in self.rollout_chunks:
+            owners = _owner_modules(chunk)
+            for name, prm in list(self._rollout_iter(chunk)):
+                blocks = self._blocks_for(name)
+                owner = owners[id(prm)]
+                attr = next(a for a, v in owner._parameters.items() if v is prm)
+                if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
+                    new = placeholder(prm, None)
+                    new.data = blocks.views[0]
+                elif self.weight_mode == "canonical" or prm.dim() == 1:
+                    # Canonical mode, and 1-D sharded tensors (biases: tiny) in either mode, are rebuilt.
+                    new = placeholder(prm, None)
+                    new.data = blocks.materialize()
+                else:
+                    new = placeholder(prm, blocks)
+                new._mh_rollout_name = name
+                owner._parameters[attr] = new
+
+    def _rollout_iter(self, chunk):
+        offset = layer_offset(chunk)
+        for name, prm in chunk.named_parameters():
+            yield global_name(name, offset), prm
+
+    def switch_to_training(self) -> None:
+        """Release the peers' slots and the rollout bindings; the training shards never moved."""
+        if self.mode == "training":
+            return
+        for chunk in self.rollout_chunks:
+            owners = _owner_modules(chunk)
+            for _, prm in list(chunk.named_parameters()):
+                owner = owners[id(prm)]
+                attr = next(a for a, v in owner._parameters.items() if v is prm)
+                owner._parameters[attr] = placeholder(prm, None)
+        for buf in self.buffers.values():
+            buf.unmap_peers()
+        self.mode = "training"
+
+    @contextmanager
+    def rollout(self) -> Iterator[torch.nn.Module]:
+        """``with engine.rollout() as model:`` switch to rollout, and back to training on exit."""
+        self.switch_to_rollout()
+        try:
+            yield self.rollout_model
+        finally:
+            self.switch_to_training()
+
+    # ------------------------------------------------------------------------------------------------------
+    def _report(self, records: list[CollectiveRecord], seconds: float) -> dict[str, Any]:
+        return {
+            "total_bytes": sum(r.bytes_received for r in records),
+            "num_collectives": len(records),
+            "switch_seconds": seconds,
+            "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
+                                                     else 0.0} for r in records],
+            "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
+            "peer_bytes_mapped": sum(b.peer_bytes for b in self.buffers.values()) if self.mode == "rollout" or
+            records else 0,
+            "weight_mode": self.weight_mode,
+            "layout": dataclasses.asdict(self.layout),
+        }
+
+    def communication_report(self) -> dict[str, Any]:
+        """What the last switch to rollout moved: ``total_bytes`` is what this rank received."""
+        return dict(self._last_report)
+
+    def set_profiling(self, enabled: bool) -> None:
+        """Time each collective separately (synchronising after each) or only the whole switch."""
+        self.profiling = bool(enabled)

@@ -1,0 +1,195 @@
+"""Training and rollout layouts, validated once, and the pure rank arithmetic of the optimised grouping.
+
+Legend: t, p, d are the training tensor-, pipeline- and data-parallel sizes; t_g, p_g the rollout ones;
+k = t / t_g training TP shards per rollout TP shard, q = p / p_g training stages per rollout stage, and
+d_g = k · q the micro-DP size (HybridFlow §5). A rank is addressed by its training coordinates
+(tp, pp, dp); ``Grid`` maps coordinates to global ranks as Megatron actually laid them out.
+
+Optimised grouping (t_g ≤ t, p_g ≤ p): inside one training model-parallel group, the rank at (i, s) takes
+rollout TP rank i // k and rollout stage s // q. Rollout TP groups take TP ranks at a stride of k, rollout PP
+groups take stages at a stride of q, and the micro-DP group is the k · q ranks {i // k = r, s // q = s'}
+between them: gathering over it turns each member's training shard into its rollout shard, of which the
+training shard is a sub-block. No ``torch.distributed`` here: everything is testable in microseconds.
+
+t_g > t (rollout TP wider than training TP) is valid when m = t_g / t divides d and p_g = p: m training DP
+replicas form one rollout TP group, and each rank's rollout shard is a sub-block of the training shard it
+already holds, so the switch moves nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """The parallel layout the actor generates with."""
+
+    tensor_model_parallel_size: int = 1
+    """Rollout tensor-parallel size t_g (a divisor of the training TP size, or a multiple that divides TP × DP)."""
+    pipeline_model_parallel_size: int = 1
+    """Rollout pipeline-parallel size p_g (a divisor of the training PP size)."""
+
+
+Coord = tuple[int, int, int]  # (tp, pp, dp)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Where each training coordinate lives: ``ranks[dp][pp][tp]`` is a global rank."""
+
+    ranks: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @classmethod
+    def megatron_default(cls, t: int, p: int, d: int) -> "Grid":
+        """Megatron-core's default order ``tp-cp-ep-dp-pp``: TP fastest, then DP, then PP."""
+        return cls(tuple(tuple(tuple(i + t * dp + t * d * s for i in range(t)) for s in range(p))
+                         for dp in range(d)))
+
+    @classmethod
+    def from_coords(cls, coords: dict[int, Coord]) -> "Grid":
+        """Build from ``{global rank: (tp, pp, dp)}``, as gathered from the training process groups."""
+        t = 1 + max(c[0] for c in coords.values())
+        p = 1 + max(c[1] for c in coords.values())
+        d = 1 + max(c[2] for c in coords.values())
+        table = [[[-1] * t for _ in range(p)] for _ in range(d)]
+        for rank, (i, s, dp) in coords.items():
+            table[dp][s][i] = rank
+        if any(r < 0 for plane in table for row in plane for r in row):
+            raise ValueError(f"the training process groups do not form a {t}×{p}×{d} grid: {coords}")
+        return cls(tuple(tuple(tuple(row) for row in plane) for plane in table))
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return len(self.ranks[0][0]), len(self.ranks[0]), len(self.ranks)
+
+    def rank(self, tp: int, pp: int, dp: int) -> int:
+        return self.ranks[dp][pp][tp]
+
+    def coords(self) -> Iterator[tuple[int, Coord]]:
+        for dp, plane in enumerate(self.ranks):
+            for s, row in enumerate(plane):
+                for i, r in enumerate(row):
+                    yield r, (i, s, dp)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Training (t, p, d) and rollout (t_g, p_g) sizes, checked once; everything else asks this object."""
+
+    t: int
+    p: int
+    d: int
+    t_g: int
+    p_g: int
+
+    def __post_init__(self) -> None:
+        for name, v in (("tensor_model_parallel_size", self.t), ("pipeline_model_parallel_size", self.p),
+                        ("data_parallel_size", self.d), ("rollout tensor_model_parallel_size", self.t_g),
+                        ("rollout pipeline_model_parallel_size", self.p_g)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} ({v!r}) must be a positive integer")
+        if self.p % self.p_g:
+            raise ValueError(f"rollout pipeline_model_parallel_size ({self.p_g}) must divide "
+                             f"pipeline_model_parallel_size ({self.p})")
+        if self.t_g <= self.t:
+            if self.t % self.t_g:
+                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) must divide "
+                                 f"tensor_model_parallel_size ({self.t})")
+        else:
+            if self.t_g % self.t:
+                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) must divide or be a multiple "
+                                 f"of tensor_model_parallel_size ({self.t})")
+            m = self.t_g // self.t
+            if self.d % m:
+                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) = {m} × "
+                                 f"tensor_model_parallel_size ({self.t}) needs {m} to divide data_parallel_size "
+                                 f"({self.d}): the rollout shard must be held by every rank of the group")
+            if self.p_g != self.p:
+                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) > tensor_model_parallel_size "
+                                 f"({self.t}) needs rollout pipeline_model_parallel_size ({self.p_g}) == "
+                                 f"pipeline_model_parallel_size ({self.p})")
+
+    @classmethod
+    def create(cls, *, training: tuple[int, int, int], rollout: RolloutLayout) -> "ParallelLayout":
+        t, p, d = training
+        return cls(t=t, p=p, d=d, t_g=rollout.tensor_model_parallel_size, p_g=rollout.pipeline_model_parallel_size)
+
+    # Derived sizes -------------------------------------------------------------------------------------------
+    @property
+    def widens(self) -> bool:
+        """Rollout TP wider than training TP: a no-communication switch."""
+        return self.t_g > self.t
+
+    @property
+    def k(self) -> int:
+        """Training TP shards per rollout TP shard (1 when the rollout TP is wider)."""
+        return 1 if self.widens else self.t // self.t_g
+
+    @property
+    def m(self) -> int:
+        """Rollout TP shards per training TP shard (1 unless the rollout TP is wider)."""
+        return self.t_g // self.t if self.widens else 1
+
+    @property
+    def q(self) -> int:
+        """Training stages per rollout stage."""
+        return self.p // self.p_g
+
+    @property
+    def d_g(self) -> int:
+        """Micro-DP size: rollout replicas per training replica (1 when the rollout TP is wider)."""
+        return self.k * self.q
+
+    @property
+    def world_size(self) -> int:
+        return self.t * self.p * self.d
+
+    @property
+    def rollout_dp(self) -> int:
+        """Rollout data-parallel size."""
+        return self.world_size // (self.t_g * self.p_g)
+
+    # Rank arithmetic ----------------------------------------------------------------------------------------
+    def rollout_coords(self, coord: Coord) -> tuple[int, int, int]:
+        """(rollout tp rank, rollout stage, rollout replica) of the rank at training ``coord``."""
+        i, s, dp = coord
+        if self.widens:
+            return i * self.m + dp % self.m, s, dp // self.m
+        a, b = i % self.k, s % self.q
+        return i // self.k, s // self.q, dp * self.d_g + b * self.k + a
+
+    def _groups(self, grid: Grid, key: Callable[[Coord], tuple]) -> list[list[int]]:
+        if grid.sizes != (self.t, self.p, self.d):
+            raise ValueError(f"grid sizes {grid.sizes} do not match the layout ({self.t}, {self.p}, {self.d})")
+        groups: dict[tuple, list[int]] = {}
+        for rank, coord in grid.coords():
+            groups.setdefault(key(coord), []).append(rank)
+        return sorted(sorted(g) for g in groups.values())
+
+    def rollout_tp_groups(self, grid: Grid) -> list[list[int]]:
+        return self._groups(grid, lambda c: (self.rollout_coords(c)[1], self.rollout_coords(c)[2]))
+
+    def rollout_pp_groups(self, grid: Grid) -> list[list[int]]:
+        return self._groups(grid, lambda c: (self.rollout_coords(c)[0], self.rollout_coords(c)[2]))
+
+    def rollout_dp_groups(self, grid: Grid) -> list[list[int]]:
+        return self._groups(grid, lambda c: self.rollout_coords(c)[:2])
+
+    def micro_dp_groups(self, grid: Grid) -> list[list[int]]:
+        """The groups a switch gathers over: same training replica, same rollout (tp rank, stage)."""
+        if self.widens:
+            return [[r] for r, _ in grid.coords()]
+        return self._groups(grid, lambda c: (c[2], c[0] // self.k, c[1] // self.q))
+
+    def cross_stage_groups(self, grid: Grid) -> list[list[int]]:
+        """Micro-DP members with the same training TP rank: they exchange TP-replicated parameters."""
+        if self.widens:
+            return [[r] for r, _ in grid.coords()]
+        return self._groups(grid, lambda c: (c[2], c[0], c[1] // self.q))
+
+    # Byte arithmetic ---------------------------------------------------------------------------------------
+    def missing_fraction(self) -> float:
+        """Fraction of the model (M) each rank receives per switch: (d_g − 1) / (t · p) (HybridFlow §5)."""
+        return (self.d_g - 1) / (self.t * self.p)

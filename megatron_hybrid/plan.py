@@ -1,0 +1,276 @@
+"""The reshard plan: which bytes move where, and where every rollout parameter's blocks live. Pure arithmetic.
+
+Inputs are plain descriptions of parameters (``ParamInfo``) gathered once from the ranks of a micro-DP group;
+the output (``GroupPlan``) is identical on every member, so each member can execute its part without further
+agreement. Buffers are laid out per dtype as a list of *regions*:
+
+- ``gather`` regions (one per bucket): d_g equal slots in micro-DP order; member j's training tensors live in
+  slot j, so a switch is one in-place ``all_gather_into_tensor`` per bucket. They hold the tensor-parallel
+  shards that every member has a counterpart of (all of them when q = 1; the transformer layers when q > 1).
+- ``stage_gather`` regions (q > 1 only): q slots over the cross-stage group, for TP-replicated layer tensors
+  (norm weights, row-parallel biases), which TP peers already share.
+- ``broadcast`` regions (q > 1 only): tensors that exist on one training stage only (embedding, output layer,
+  final norm), sent in place by their owner.
+
+A rank receives exactly the bytes of its rollout shard that it does not hold: (d_g − 1) slots of every gather
+region, (q − 1) of every stage_gather region and every broadcast region it does not own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+_LAYER = re.compile(r"^(?P<prefix>.*?layers)\.(?P<idx>\d+)\.(?P<rest>.+)$")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One training parameter of one rank, as the plan sees it."""
+
+    name: str
+    """Global name (layer indices counted from the first layer of the model)."""
+    local_name: str
+    """The name inside the rank's model chunk."""
+    shape: tuple[int, ...]
+    dtype: str
+    sharded: bool
+    dim: int = 0
+    stride: int = 1
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A micro-DP member: its training coordinates and parameters (in module order)."""
+
+    rank: int
+    tp: int
+    pp: int
+    params: tuple[ParamInfo, ...]
+    layers_per_stage: int
+
+
+@dataclass
+class Slice:
+    """``numel`` elements at ``offset`` of a dtype's buffer holding parameter ``name`` of member ``member``."""
+
+    member: int  # index into the group's members
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Region:
+    """A contiguous part of one dtype's buffer that one collective fills."""
+
+    kind: str  # "gather" | "stage_gather" | "broadcast"
+    offset: int
+    slot_numel: int
+    members: list[int]  # member indices of the collective's group, in group-rank order
+    owner: Optional[int] = None  # for broadcasts
+    slices: list[Slice] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.slot_numel * (1 if self.kind == "broadcast" else len(self.members))
+
+    def slot_offset(self, member: int) -> int:
+        if self.kind == "broadcast":
+            return self.offset
+        return self.offset + self.members.index(member) * self.slot_numel
+
+
+@dataclass
+class Block:
+    """Where a block of a rollout parameter lives: a training tensor of some member."""
+
+    member: int
+    name: str
+
+
+@dataclass
+class RolloutSource:
+    """The blocks that make one rollout parameter, in canonical order along ``dim``."""
+
+    blocks: list[Block]
+    sharded: bool
+    dim: int
+    stride: int  # Megatron's partition_stride of the parameter: how the stacked blocks interleave
+
+
+@dataclass
+class GroupPlan:
+    members: list[MemberInfo]
+    regions: dict[str, list[Region]]  # per dtype
+    stage_of: dict[str, int]  # rollout parameter (global name) -> stage offset b of its training tensors
+    at: dict[tuple[int, int], int]  # (tp offset a, stage offset b) -> member index
+    k: int
+    by_name: list[dict[str, ParamInfo]]
+
+    def sources(self, member: int) -> dict[str, RolloutSource]:
+        """The blocks of every rollout parameter as ``member`` reads them, in canonical order.
+
+        A TP-sharded parameter is the k shards of its stage's TP ranks, stacked along ``partition_dim``; a
+        replicated one is the copy of the member's own TP column (which its cross-stage group delivered).
+        """
+        me = self.members[member]
+        a_self = me.tp - min(m.tp for m in self.members)
+        out = {}
+        for name, b in self.stage_of.items():
+            src = self.by_name[self.at[(0, b)]][name]
+            if src.sharded:
+                out[name] = RolloutSource([Block(self.at[(a, b)], name) for a in range(self.k)], True, src.dim,
+                                          src.stride)
+            else:
+                out[name] = RolloutSource([Block(self.at[(a_self, b)], name)], False, 0, 1)
+        return out
+
+    def buffer_numel(self, dtype: str) -> int:
+        regs = self.regions.get(dtype, [])
+        return max((r.offset + r.numel for r in regs), default=0)
+
+    def where(self, member: int, name: str) -> tuple[str, int]:
+        """(dtype, offset) of member's tensor ``name`` in the buffers, if it is placed there."""
+        for dtype, regs in self.regions.items():
+            for reg in regs:
+                for s in reg.slices:
+                    if s.member == member and s.name == name:
+                        return dtype, s.offset
+        raise KeyError((member, name))
+
+    def received_numel(self, member: int) -> dict[str, int]:
+        """Elements per dtype that ``member`` receives in a switch."""
+        out: dict[str, int] = {}
+        for dtype, regs in self.regions.items():
+            n = 0
+            for reg in regs:
+                if member not in reg.members:
+                    continue
+                if reg.kind == "broadcast":
+                    n += 0 if reg.owner == member else reg.slot_numel
+                else:
+                    n += reg.slot_numel * (len(reg.members) - 1)
+            out[dtype] = n
+        return out
+
+    def collectives(self, member: int) -> int:
+        return sum(1 for regs in self.regions.values() for reg in regs if member in reg.members)
+
+
+def _pair_key(info: ParamInfo, layers_per_stage: int) -> tuple:
+    m = _LAYER.match(info.name)
+    if m is None:
+        return ("stage", info.name)
+    return ("layer", int(m.group("idx")) % layers_per_stage, m.group("prefix"), m.group("rest"))
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
+                     bucket_numel: int, alignment: int = 1) -> GroupPlan:
+    """Plan the switch for one micro-DP group.
+
+    ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
+    training coordinates (tp, pp). ``needed`` lists the global names of the rollout parameters that the group's
+    rollout shard consists of. ``k``, ``q`` as in :mod:`megatron_hybrid.layout`. ``alignment``
+    (elements) pads every slot, so that slots can be mapped and unmapped page by page.
+    """
+    if len(members) != k * q:
+        raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q}")
+    tp0 = min(m.tp for m in members)
+    pp0 = min(m.pp for m in members)
+    at: dict[tuple[int, int], int] = {(m.tp - tp0, m.pp - pp0): j for j, m in enumerate(members)}
+    by_name = [{p.name: p for p in m.params} for m in members]
+
+    def owners_of(name: str) -> list[int]:
+        return [j for j in range(len(members)) if name in by_name[j]]
+
+    # Which rollout parameters exist, and where (which stage offset b) their training tensors live.
+    needed_stage: dict[str, int] = {}
+    for need in needed:
+        owners = owners_of(need)
+        if not owners:
+            raise ValueError(f"no member of the micro-DP group holds {need}")
+        needed_stage[need] = members[owners[0]].pp - pp0
+
+    def wanted(p: ParamInfo) -> bool:
+        return p.name in needed_stage
+
+    regions: dict[str, list[Region]] = {}
+    offsets: dict[str, int] = {}
+
+    def add_region(dtype: str, kind: str, group: list[int], per_member: dict[int, list[ParamInfo]],
+                   owner: Optional[int] = None) -> None:
+        sizes = {j: sum(p.numel for p in ps) for j, ps in per_member.items()}
+        slot = _align(max(sizes.values()), alignment)
+        if kind != "broadcast" and len(set(sizes.values())) != 1:
+            raise AssertionError(f"uneven {kind} slots {sizes}")
+        reg = Region(kind, offsets.get(dtype, 0), slot, group, owner)
+        for j, ps in per_member.items():
+            off = reg.slot_offset(j)
+            for p in ps:
+                reg.slices.append(Slice(j, p.name, off, p.numel, p.shape))
+                off += p.numel
+        regions.setdefault(dtype, []).append(reg)
+        offsets[dtype] = reg.offset + reg.numel
+
+    everyone = list(range(len(members)))
+    # 1. gather regions: TP shards with a counterpart on every member, bucketed.
+    even: dict[int, list[ParamInfo]] = {}
+    for j, m in enumerate(members):
+        even[j] = [p for p in m.params if p.sharded and wanted(p)
+                   and (q == 1 or _pair_key(p, m.layers_per_stage)[0] == "layer")]
+    keys = {j: [(_pair_key(p, members[j].layers_per_stage), p.numel, p.dtype) for p in ps] for j, ps in even.items()}
+    if len({tuple(v) for v in keys.values()}) != 1:
+        raise ValueError("the micro-DP members' tensor-parallel parameters do not correspond one to one; "
+                         "every pipeline stage must hold the same number of identical layers")
+    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per))
+
+    if q > 1:
+        # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.
+        for a in range(k):
+            group = [at[(a, b)] for b in range(q)]
+            rep = {j: [p for p in members[j].params if not p.sharded and wanted(p)
+                       and _pair_key(p, members[j].layers_per_stage)[0] == "layer"] for j in group}
+            _bucketed(rep, bucket_numel, lambda dtype, per, group=group: add_region(dtype, "stage_gather", group, per))
+        # 3. broadcast regions: tensors of one stage only.
+        for j, m in enumerate(members):
+            a = m.tp - tp0
+            stage_only = [p for p in m.params if _pair_key(p, m.layers_per_stage)[0] == "stage"]
+            sharded = [p for p in stage_only if p.sharded and wanted(p)]
+            replicated = [p for p in stage_only if not p.sharded and wanted(p)]
+            cross = [at[(a, b)] for b in range(q)]
+            for dtype in sorted({p.dtype for p in sharded}):
+                add_region(dtype, "broadcast", everyone, {j: [p for p in sharded if p.dtype == dtype]}, owner=j)
+            for dtype in sorted({p.dtype for p in replicated}):
+                add_region(dtype, "broadcast", cross, {j: [p for p in replicated if p.dtype == dtype]}, owner=j)
+    return GroupPlan(members, regions, needed_stage, at, k, by_name)
+
+
+def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: int, emit) -> None:
+    """Split each member's (corresponding) lists into dtype-homogeneous buckets of about ``bucket_numel``."""
+    first = next(iter(per_member))
+    n = len(per_member[first])
+    dtypes = sorted({p.dtype for p in per_member[first]})
+    for dtype in dtypes:
+        idx = [i for i in range(n) if per_member[first][i].dtype == dtype]
+        start = 0
+        while start < len(idx):
+            end, total = start, 0
+            while end < len(idx) and (end == start or total + per_member[first][idx[end]].numel <= bucket_numel):
+                total += per_member[first][idx[end]].numel
+                end += 1
+            emit(dtype, {j: [ps[i] for i in idx[start:end]] for j, ps in per_member.items()})
+            start = end

@@ -1,0 +1,172 @@
+"""Rank bodies for the engine tests (module-level so the harness can send them to its ranks)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+SEQ, BATCH, LR = 12, 2, 0.1
+
+
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 250, (BATCH, SEQ), generator=g)
+
+
+def arch(**kw):
+    from megatron_hybrid.models import tiny_llama
+
+    return tiny_llama(**kw)
+
+
+def seeded(name: str, shape, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + salt)
+    return torch.randn(shape, generator=g)
+
+
+def reference(arch_kw: dict, state=None):
+    """World of one: the unsharded model. Makes the initial weights when ``state`` is None."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid.sharding import load_full_state_dict
+
+    a = arch(**arch_kw)
+    model = a.build()
+    if state is None:
+        state = {}
+        for name, p in model.named_parameters():
+            w = seeded(name, p.shape, 0) * 0.05
+            if p.dim() == 1 and "bias" not in name:
+                w = 1.0 + w  # norm weights near one
+            state[name] = w.to(p.dtype)
+    load_full_state_dict([model], state, tp_rank=0, tp_size=1)
+    with torch.no_grad():
+        logits = model(tokens(), torch.arange(SEQ).expand(BATCH, -1), None)
+    del ps
+    return state, logits.float()
+
+
+def full_grads(state: dict) -> dict:
+    return {n: (seeded(n, w.shape, 1) * 0.01).to(w.dtype) for n, w in state.items()}
+
+
+def stepped(state: dict) -> dict:
+    g = full_grads(state)
+    return {n: torch.add(w, g[n], alpha=-LR) for n, w in state.items()}
+
+
+def _objects(obj, group) -> list:
+    out = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def rollout_full_weights(engine) -> dict:
+    """Every rollout parameter as a full tensor, rebuilt here from what the rollout model computes with.
+
+    Aliased parameters carry their blocks (views of the gather buffers); the canonical shard is the blocks
+    stacked along partition_dim, re-interleaved by partition_stride (Megatron's [gate_r; up_r]).
+    """
+    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, unshard
+
+    local = {}
+    for chunk in engine.rollout_chunks:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
+                continue
+            blocks = getattr(p, "_mh_blocks", None)
+            if blocks is None:
+                t = p.detach().clone()
+            else:
+                s = blocks.stride
+                chunks = [v.chunk(s, dim=blocks.dim) for v in blocks.views]
+                t = torch.cat([c[j] for j in range(s) for c in chunks], dim=blocks.dim)
+            assert tuple(t.shape) == tuple(p.shape), (name, t.shape, p.shape)
+            local[global_name(name, off)] = (t, TPSpec.of(p))
+    parts = _objects(local, engine.groups["tp"])
+    parts = [parts[engine.rollout_tp_order.index(shard)] for shard in range(len(parts))]
+    merged = {n: unshard([part[n][0] for part in parts], spec) for n, (_, spec) in local.items()}
+    full = {}
+    for stage in _objects(merged, engine.groups["pp"]):
+        full.update(stage)
+    return full
+
+
+def expected_missing_bytes(engine) -> int:
+    """Rollout shard bytes minus the bytes of this rank's own training tensors that are part of it."""
+    from megatron_hybrid.sharding import global_name, layer_offset
+
+    rollout = {}
+    for chunk in engine.rollout_chunks:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            rollout[global_name(name, off)] = p.numel() * p.element_size()
+    own = 0
+    for chunk in engine.modules:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            if global_name(name, off) in rollout:
+                own += p.numel() * p.element_size()
+    if engine.layout.widens:
+        return 0
+    return sum(rollout.values()) - own
+
+
+def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, *, ddp: bool = False,
+                bucket_size_mb: float = 0.01):
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.forward import gather_vocab, pipeline_forward
+    from megatron_hybrid.sharding import TPSpec, full_state_dict, global_name, layer_offset, shard
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    a = arch(**arch_kw)
+    config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    from megatron_hybrid.sharding import load_full_state_dict
+
+    load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    if ddp:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode,
+                          bucket_size_mb=bucket_size_mb)
+    tok = tokens()
+    pos = torch.arange(SEQ).expand(BATCH, -1)
+
+    def observe():
+        engine.switch_to_rollout()
+        report = engine.communication_report()
+        with torch.no_grad():
+            logits = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
+        if logits is not None:
+            logits = gather_vocab(logits, engine.groups["tp"], engine.rollout_tp_order).float()
+        weights = rollout_full_weights(engine)
+        again = (engine.switch_to_rollout(), engine.communication_report())[1]
+        engine.switch_to_training()
+        return {"logits": logits, "weights": weights, "bytes": report["total_bytes"],
+                "again_bytes": again["total_bytes"], "report": report}
+
+    first = observe()
+    first["expected_bytes"] = expected_missing_bytes(engine)
+    train_full = full_state_dict(engine.chunks, tp_group=ps.get_tensor_model_parallel_group(),
+                                 pp_group=ps.get_pipeline_model_parallel_group())
+    # An optimizer step on the training layout (gradients: this rank's shard of a known full gradient).
+    grads = full_grads(state)
+    params = []
+    for chunk in engine.modules:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            key = global_name(name, off)
+            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
+                key = "embedding.word_embeddings.weight"
+            p.grad = shard(grads[key], TPSpec.of(p), ps.get_tensor_model_parallel_rank(), tp).to(p.dtype)
+            params.append(p)
+    torch.optim.SGD(params, lr=LR).step()
+    second = observe()
+    return {"first": first, "second": second, "train_full": train_full}

@@ -1,0 +1,77 @@
+"""The HybridEngine on CPU/gloo: exact resharding, logits, bytes and errors for every claimed layout."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests import engine_cases as cases
+from tests.harness import run_distributed
+
+# (t, p, d) -> (t_g, p_g)
+LAYOUTS = [
+    ((2, 1, 4), (1, 1)), ((4, 1, 2), (2, 1)), ((4, 1, 2), (1, 1)), ((8, 1, 1), (2, 1)), ((4, 2, 1), (2, 1)),
+    ((4, 2, 1), (2, 2)), ((2, 2, 2), (1, 1)), ((2, 4, 1), (1, 2)), ((2, 1, 4), (4, 1)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(arch_items: tuple):
+    arch_kw = dict(arch_items)
+    state, logits = run_distributed(cases.reference, 1, arch_kw)[0]
+    new_state = cases.stepped(state)
+    _, new_logits = run_distributed(cases.reference, 1, arch_kw, new_state)[0]
+    return state, logits, new_state, new_logits
+
+
+def _check(arch_kw: dict, layout, mode: str, *, logits_tol: dict, **kwargs):
+    (t, p, d), (t_g, p_g) = layout
+    state, logits, new_state, new_logits = _reference(tuple(sorted(arch_kw.items())))
+    runs = run_distributed(cases.engine_case, t * p * d, arch_kw, t_g, p_g, mode, state,
+                           tensor_model_parallel_size=t, pipeline_model_parallel_size=p, **kwargs)
+    seen_logits = 0
+    for rank, r in enumerate(runs):
+        for phase, ref_state, ref_logits in (("first", state, logits), ("second", new_state, new_logits)):
+            obs = r[phase]
+            # Resharding is exact: the rollout weights are the training weights, bit for bit.
+            assert obs["weights"].keys() == ref_state.keys()
+            for name, w in ref_state.items():
+                assert torch.equal(obs["weights"][name], w), (rank, phase, name)
+            assert obs["bytes"] == r["first"]["expected_bytes"], (rank, phase, obs["bytes"])
+            assert obs["again_bytes"] == 0
+            if obs["logits"] is not None:
+                seen_logits += 1
+                torch.testing.assert_close(obs["logits"], ref_logits, **logits_tol)
+        for name, w in state.items():
+            assert torch.equal(r["train_full"][name], w), (rank, name)
+    assert seen_logits >= 2 * t_g
+    if t_g > t:
+        assert all(r["first"]["expected_bytes"] == 0 for r in runs)
+    else:
+        assert any(r["first"]["expected_bytes"] > 0 for r in runs)
+
+
+# fp32: the rollout model sums the same products in a different order than the unsharded reference (TP splits
+# the inner dimension of row-parallel matmuls and the all-reduce adds the partial sums): relative error ~1e-6.
+FP32 = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"t{l[0][0]}p{l[0][1]}d{l[0][2]}-tg{l[1][0]}pg{l[1][1]}")
+def test_layouts(layout, mode):
+    _check({}, layout, mode, logits_tol=FP32)
+
+
+@pytest.mark.parametrize("layout", [((2, 2, 2), (1, 1)), ((4, 2, 1), (2, 2))], ids=["t2p2d2-tg1", "t4p2-tg2pg2"])
+def test_tied_embeddings_qkv_bias(layout):
+    _check({"untie_embeddings_and_output_weights": False, "add_qkv_bias": True}, layout, "aliased",
+           logits_tol=FP32)
+
+
+def test_bf16_ddp():
+    # bf16 weights, Megatron DDP wrapper. Weights: exact. Logits: bf16 matmuls round each partial sum to
+    # 8 mantissa bits, so a different TP split differs by a few bf16 ulps of values ~0.5: 3e-2 absolute.
+    _check({"params_dtype": "bfloat16"}, ((4, 1, 2), (2, 1)), "aliased", logits_tol=dict(rtol=0, atol=3e-2),
+           ddp=True)
