@@ -310,9 +310,7 @@ class HybridEngine:
             info = info_by_name[name]
             shape = list(info.shape)
             if info.sharded:
-                from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-                set_tensor_model_parallel_attributes(prm, True, info.dim, info.stride)
+                prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
                 shape[info.dim] = shape[info.dim] * lay.t // lay.t_g
             if tuple(shape) != tuple(prm.shape):
                 raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "

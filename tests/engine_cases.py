@@ -170,3 +170,81 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
     torch.optim.SGD(params, lr=LR).step()
     second = observe()
     return {"first": first, "second": second, "train_full": train_full}
+
+
+def bad_inputs_case():
+    """Each bad input must raise ValueError before the engine runs any collective."""
+    import pytest
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran before the input was validated")
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    model = arch().build(tensor_model_parallel_size=tp)
+    saved = {n: getattr(dist, n) for n in ("all_gather_object", "new_group", "all_gather_into_tensor", "broadcast")}
+    messages = []
+    try:
+        for n in saved:
+            setattr(dist, n, no_collective)
+        cases = [
+            (dict(rollout=RolloutLayout(3, 1)), "rollout tensor_model_parallel_size (3) must divide"),
+            (dict(rollout=RolloutLayout(1, 2)), "rollout pipeline_model_parallel_size (2) must divide"),
+            (dict(rollout=RolloutLayout(1, 1), weight_mode="fast"), "weight_mode ('fast')"),
+            (dict(rollout=RolloutLayout(1, 1), bucket_size_mb=0), "bucket_size_mb (0)"),
+            (dict(rollout=(1, 1)), "must be a RolloutLayout"),
+        ]
+        for kwargs, expected in cases:
+            with pytest.raises(ValueError) as err:
+                HybridEngine(model, **kwargs)
+            assert expected in str(err.value), (expected, str(err.value))
+            messages.append(str(err.value))
+        # A model built for another TP size than the groups describe.
+        wrong = arch().transformer_config(tensor_model_parallel_size=1)
+        with pytest.raises(ValueError, match="built for tensor/pipeline sizes"):
+            HybridEngine(arch().build(wrong), rollout=RolloutLayout(1, 1))
+        # Heads that the rollout TP size cannot split (6 heads, 2 query groups; t=2 -> t_g=4 over DP).
+        with pytest.raises(ValueError):
+            odd = arch(num_attention_heads=6, num_query_groups=2)
+            HybridEngine(odd.build(tensor_model_parallel_size=tp), rollout=RolloutLayout(4, 1))
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return messages
+
+
+def memory_case(mode: str):
+    """Resident memory while rolling out and after switching back, against the bytes the switch moved."""
+    import ctypes
+    import gc
+
+    import psutil
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    a = arch(hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
+    model = a.build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=mode, bucket_size_mb=1)
+    proc = psutil.Process()
+    libc = ctypes.CDLL("libc.so.6")
+
+    def rss() -> int:
+        # gloo stages collectives through temporaries that glibc keeps cached after free: hand them back first,
+        # so that what is measured is what the engine holds.
+        gc.collect()
+        libc.malloc_trim(0)
+        return proc.memory_info().rss
+
+    engine.switch_to_rollout()  # warm-up: gloo's own buffers and pairs are set up on first use
+    engine.switch_to_training()
+    base = rss()
+    engine.switch_to_rollout()
+    during = rss()
+    moved = engine.communication_report()["total_bytes"]
+    mapped = sum(b.peer_bytes for b in engine.buffers.values())
+    engine.switch_to_training()
+    after = rss()
+    return {"base": base, "during": during, "after": after, "moved": moved, "mapped": mapped}

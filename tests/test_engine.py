@@ -75,3 +75,19 @@ def test_bf16_ddp():
     # 8 mantissa bits, so a different TP split differs by a few bf16 ulps of values ~0.5: 3e-2 absolute.
     _check({"params_dtype": "bfloat16"}, ((4, 1, 2), (2, 1)), "aliased", logits_tol=dict(rtol=0, atol=3e-2),
            ddp=True)
+
+
+def test_bad_inputs_fail_before_any_collective():
+    messages = run_distributed(cases.bad_inputs_case, 4, tensor_model_parallel_size=2)
+    assert all(len(m) == 5 for m in messages)
+
+
+def test_extra_memory_is_the_peers_slots_only():
+    # ~10 MB of weights per rank at TP=2; rollout TP=1 receives the other half. Resident memory while rolling out
+    # may exceed the start by at most the received bytes plus one 1 MB bucket (plus 2 MB of allocator noise), and
+    # must come back down after the switch back (madvise returns the peers' pages to the OS).
+    for r in run_distributed(cases.memory_case, 2, "aliased", tensor_model_parallel_size=2):
+        assert r["moved"] > 8 * 2**20
+        assert r["during"] - r["base"] <= r["moved"] + 2**20 + 2 * 2**20, r
+        assert r["during"] - r["base"] >= 0.9 * r["moved"], r  # the peers' slots really were resident
+        assert r["after"] - r["base"] <= 2 * 2**20, r
