@@ -29,7 +29,25 @@ def _flag(name: str) -> bool:
 
 
 def _extensions():
-    """Return (ext_modules, cmdclass) for the native ops, or ([], {}) when they cannot be built here."""
+    """Return (ext_modules, cmdclass) for the native ops, or ([], {}) when they cannot be built here.
+
+    Automatic builds never fail the install: a failed compile is reported and skipped (the extension is optional)
+    and the library uses its reference ops. Setting ``MEGATRON_HYBRID_BUILD_CUDA=1`` explicitly asks for the CUDA
+    kernels: then a missing toolkit, a CPU torch or a toolkit/torch CUDA major-version mismatch is an error.
+    """
+    import re
+    import subprocess
+
+    def nvcc_major(cuda_home):
+        """Major version of the toolkit's nvcc, or None when it cannot be read."""
+        try:
+            out = subprocess.run([str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True,
+                                 text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        match = re.search(r"release (\d+)\.", out)
+        return int(match.group(1)) if match else None
+
     sources_cpp = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
     sources_cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
     if not _flag("MEGATRON_HYBRID_BUILD_CPP") or not sources_cpp:
@@ -44,14 +62,30 @@ def _extensions():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         print("megatron-hybrid: no C++ compiler found; skipping the native ops", file=sys.stderr)
         return [], {}
+    cuda_required = "MEGATRON_HYBRID_BUILD_CUDA" in os.environ and _flag("MEGATRON_HYBRID_BUILD_CUDA")
+
+    def skip_cuda(reason):
+        if cuda_required:
+            raise RuntimeError(f"megatron-hybrid: MEGATRON_HYBRID_BUILD_CUDA=1 but {reason}")
+        print(f"megatron-hybrid: {reason}; building the CPU ops only", file=sys.stderr)
+        return False
+
     cuda_home = cpp_extension.CUDA_HOME
-    build_cuda = _flag("MEGATRON_HYBRID_BUILD_CUDA") and bool(sources_cu) and cuda_home is not None
+    build_cuda = _flag("MEGATRON_HYBRID_BUILD_CUDA") and bool(sources_cu)
+    if build_cuda and cuda_home is None:
+        build_cuda = cuda_required and skip_cuda("no CUDA toolkit was found (set CUDA_HOME or put nvcc on PATH)")
     if build_cuda and torch.version.cuda is None:
-        print(f"megatron-hybrid: a CUDA toolkit is at {cuda_home} but this torch ({torch.__version__}) is a "
-              "CPU build; building the CPU ops only. Install a CUDA build of torch to get the CUDA kernels.",
-              file=sys.stderr)
-        build_cuda = False
-    cxx = ["-O3", "-std=c++17"]
+        build_cuda = skip_cuda(f"a CUDA toolkit is at {cuda_home} but this torch ({torch.__version__}) is a CPU "
+                               "build. Install a CUDA build of torch to get the CUDA kernels")
+    if build_cuda:
+        toolkit_major, torch_major = nvcc_major(cuda_home), int(torch.version.cuda.split(".")[0])
+        if toolkit_major is not None and toolkit_major != torch_major:
+            build_cuda = skip_cuda(f"the CUDA toolkit at {cuda_home} is CUDA {toolkit_major} but torch "
+                                   f"{torch.__version__} was built with CUDA {torch.version.cuda}. Point CUDA_HOME "
+                                   f"at a CUDA {torch_major}.x toolkit, or install a torch built for CUDA "
+                                   f"{toolkit_major}")
+    # No -std flag: torch's cpp_extension passes the standard its headers need (C++17 or C++20).
+    cxx = ["-O3"]
     if build_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         ext = cpp_extension.CUDAExtension(
@@ -60,7 +94,25 @@ def _extensions():
         )
     else:
         ext = cpp_extension.CppExtension("megatron_hybrid._C", sources_cpp, extra_compile_args={"cxx": cxx})
-    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}
+    ext.optional = not cuda_required
+
+    class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+        """torch's build_ext (parallel ninja builds when ninja is installed) that skips a failed optional build.
+
+        setuptools skips optional extensions only on distutils' compile errors; torch's ninja path raises
+        RuntimeError / CalledProcessError instead.
+        """
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                if not ext.optional:
+                    raise
+                print(f"megatron-hybrid: building {ext.name} failed ({exc}); the library will use its PyTorch "
+                      "reference ops", file=sys.stderr)
+
+    return [ext], {"build_ext": BuildExt}
 
 
 ext_modules, cmdclass = _extensions()

@@ -38,19 +38,20 @@ struct CopyChunk {
   int32_t width;              // same-dtype copies: bytes per unit (1..16); casts: elements per unit (1, 2, 4, 8)
 };
 
-// Offset (in units) of unit `u` on the strided side. Index is uint32_t when the chunk has < 2^32 units: 64-bit
-// division costs several times more instructions on the GPU and the strided path divides once per dim.
-template <typename Index>
-MH_HOST_DEVICE int64_t strided_offset(const CopyChunk& c, Index u) {
-  if (c.ndim == 1) return static_cast<int64_t>(u) * c.strides[0];
+// Offset (in units) of unit `u` on the strided side. Chunks with ndim > 1 have fewer than 2^32 units (the planner
+// splits larger ones along dim 0), so the per-dim divisions are 32-bit: 64-bit division is a slow subroutine call
+// on the GPU.
+MH_HOST_DEVICE int64_t strided_offset(const CopyChunk& c, int64_t u) {
+  if (c.ndim == 1) return u * c.strides[0];
+  uint32_t v = static_cast<uint32_t>(u);
   int64_t off = 0;
   for (int d = c.ndim - 1; d > 0; --d) {
-    const Index size = static_cast<Index>(c.sizes[d]);
-    const Index q = u / size;
-    off += static_cast<int64_t>(u - q * size) * c.strides[d];
-    u = q;
+    const uint32_t size = static_cast<uint32_t>(c.sizes[d]);
+    const uint32_t q = v / size;
+    off += static_cast<int64_t>(v - q * size) * c.strides[d];
+    v = q;
   }
-  return off + static_cast<int64_t>(u) * c.strides[0];
+  return off + static_cast<int64_t>(v) * c.strides[0];
 }
 
 // All the work of one op call. `copies` need no conversion (any dtype, copied as bytes); `casts` are grouped by

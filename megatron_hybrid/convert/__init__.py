@@ -1,0 +1,21 @@
+"""Hugging Face ⇄ Megatron checkpoint conversion, streamed.
+
+- ``virtual.py``: tensors planned as rectangles of stored tensors and read in bands (the streaming).
+- ``safetensors_io.py``: header checks, lazy reads, a streaming safetensors writer.
+- ``families.py``: Llama/Mistral/Qwen2/Qwen3 configs ⇄ :class:`~megatron_hybrid.models.GPTArchitecture`, and
+  their tensors ⇄ megatron-core's (QKV interleave, [gate; up], vocabulary padding).
+- ``layout.py``: the Megatron-side checkpoint (per-rank safetensors in Megatron-LM's directory layout), its
+  metadata, and :func:`load_megatron_checkpoint` into a live GPTModel at any TP/PP.
+- ``hf_checkpoint.py``: a Hugging Face directory: config, sharded weights, checks.
+- ``conversions.py``: :func:`hf_to_megatron`, :func:`megatron_to_hf`.
+- ``verify.py``: Hugging Face vs megatron-core logits.
+
+Importing this package does not import megatron-core; the conversions do not need it.
+"""
+
+from .conversions import hf_to_megatron, megatron_to_hf
+from .layout import MegatronCheckpoint, load_megatron_checkpoint, read_architecture
+from .safetensors_io import CheckpointError
+
+__all__ = ["CheckpointError", "MegatronCheckpoint", "hf_to_megatron", "load_megatron_checkpoint", "megatron_to_hf",
+           "read_architecture"]

@@ -1,0 +1,144 @@
+"""The two conversions, Hugging Face → Megatron and back, each planned and checked in full before writing.
+
+Output goes to a hidden ``.<name>.partial-*`` directory next to the target and is renamed onto it at the end;
+on any failure (an exception or Ctrl-C) the partial directory is removed. An existing target is replaced only with
+``force=True``. (A killed process can leave a ``.partial-*`` directory; it is never mistaken for a checkpoint.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ..models import GPTArchitecture
+from . import hf_checkpoint as hfc
+from .families import architecture_from_hf, family_of, hf_config_from_architecture, hf_from_megatron, infer_family
+from .families import megatron_from_hf
+from .layout import (ASSETS_DIR, ITERATION_DIR, WEIGHTS_FILE, CheckpointMeta, MegatronCheckpoint, check_parallel_sizes,
+                     json_ready, megatron_lm_args, rank_dir_name, rank_tensors, write_meta)
+from .safetensors_io import CheckpointError, TensorReader, write_safetensors
+
+#: As ``save_pretrained``'s historical default.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+@contextlib.contextmanager
+def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ...] = ()) -> Iterator[Path]:
+    """A fresh directory that becomes ``target`` when the block succeeds and vanishes when it fails."""
+    target = Path(os.path.abspath(target))
+    for other in keep_clear_of:
+        other = Path(os.path.abspath(other))
+        if target == other or target in other.parents:
+            raise CheckpointError(f"the output {target} would overwrite the input {other}")
+    if (target.exists() or target.is_symlink()) and not force:
+        raise CheckpointError(f"{target} exists; pass --force to overwrite it")
+    created = [p for p in [target.parent, *target.parent.parents] if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield tmp
+        old = None
+        if target.exists() or target.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "x")
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled)
+
+
+def hf_to_megatron(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
+                   pipeline_model_parallel_size: int = 1, transformer_impl: str = "local",
+                   make_vocab_size_divisible_by: int = 128, force: bool = False,
+                   progress: bool = True) -> GPTArchitecture:
+    """Convert a Hugging Face checkpoint directory into a Megatron checkpoint for the given TP/PP.
+
+    Returns the architecture. Raises :class:`CheckpointError` (a ``ValueError``) before writing anything when
+    the input or the request is unusable.
+    """
+    hf_dir, out = Path(hf_dir), Path(megatron_dir)
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir} is not a directory")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise CheckpointError(f"{out} exists; pass --force to overwrite it")
+    raw_config, config = hfc.read_config(hf_dir)
+    stored = hfc.open_weights(hf_dir)
+    embedding = stored.get("model.embed_tokens.weight")
+    family, arch = architecture_from_hf(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                        fallback_dtype=embedding.dtype if embedding is not None else None)
+    check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    hf = hfc.check_tensors(family, arch, stored, hf_dir)
+    full = megatron_from_hf(family, arch, hf, padded_vocab_size=arch.padded_vocab_size(tp))
+    files = {(t, p): rank_tensors(full, arch, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp,
+                                  transformer_impl=transformer_impl)
+             for p in range(pp) for t in range(tp)}
+    meta = CheckpointMeta(architecture=arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          transformer_impl=transformer_impl, hf_model_type=family.model_type,
+                          hf_config=json_ready(raw_config),
+                          megatron_lm_args=megatron_lm_args(arch, tensor_model_parallel_size=tp,
+                                                            pipeline_model_parallel_size=pp,
+                                                            transformer_impl=transformer_impl))
+    total = sum(v.nbytes for tensors in files.values() for v in tensors.values())
+    with staged_directory(out, force=force, keep_clear_of=(hf_dir,)) as tmp, TensorReader() as reader, \
+            _progress(total, f"{hf_dir.name} → Megatron TP{tp} PP{pp}", progress) as bar:
+        for (t, p), tensors in files.items():
+            rank_dir = tmp / ITERATION_DIR / rank_dir_name(t, p, pp)
+            rank_dir.mkdir(parents=True)
+            write_safetensors(rank_dir / WEIGHTS_FILE, tensors, reader, progress=bar.update)
+        hfc.copy_assets(hf_dir, tmp / ASSETS_DIR)
+        write_meta(tmp, meta)
+    return arch
+
+
+def megatron_to_hf(megatron_dir: str | os.PathLike, hf_dir: str | os.PathLike, *, model_type: Optional[str] = None,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False,
+                   progress: bool = True) -> GPTArchitecture:
+    """Convert a Megatron checkpoint (as written by :func:`hf_to_megatron`) into a Hugging Face directory.
+
+    The Hugging Face config is the one the checkpoint was converted from, or else one made from the stored
+    architecture for ``model_type`` (default: the stored family, else inferred from the architecture).
+    """
+    src, out = Path(megatron_dir), Path(hf_dir)
+    if (out.exists() or out.is_symlink()) and not force:
+        raise CheckpointError(f"{out} exists; pass --force to overwrite it")
+    ckpt = MegatronCheckpoint(src)
+    arch, meta = ckpt.architecture, ckpt.meta
+    family = family_of(model_type or meta.hf_model_type or infer_family(arch).model_type)
+    if meta.hf_config is not None and meta.hf_model_type == family.model_type:
+        config = meta.hf_config
+    else:
+        config = json_ready(hf_config_from_architecture(arch, family))
+    tensors = hf_from_megatron(family, arch, ckpt.tensors)
+    shards = hfc.shard_files(tensors, max_shard_bytes)
+    names = ([hfc.SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(v.nbytes for v in tensors.values())
+    with staged_directory(out, force=force, keep_clear_of=(src,)) as tmp, TensorReader() as reader, \
+            _progress(total, f"{src.name} → Hugging Face", progress) as bar:
+        if (src / ASSETS_DIR).is_dir():
+            hfc.copy_assets(src / ASSETS_DIR, tmp)
+        (tmp / hfc.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, shard in zip(names, shards):
+            write_safetensors(tmp / name, shard, reader, progress=bar.update)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
+            (tmp / hfc.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return arch

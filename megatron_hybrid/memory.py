@@ -1,0 +1,483 @@
+"""Rollout-only memory: an address range reserved once, with physical memory mapped only while it is needed.
+
+A rank's all-gather output during rollout is ``d_g`` slots; only its own slot (the training shard) must exist
+during training. :class:`ReservedBuffer` reserves the whole range once, so ``tensor()`` and every view of it
+(parameters, the all-gather output) keep their addresses across training/rollout switches; the peers' slots are
+mapped before the all-gather and unmapped after rollout, and their memory goes back to the device or OS.
+
+Backends, picked by ``backend="auto"``:
+
+- ``cuda_vmm``: the CUDA driver's virtual memory API through ctypes on ``libcuda`` (the mechanism behind
+  PyTorch's expandable segments): ``cuMemAddressReserve`` once, ``cuMemCreate`` + ``cuMemMap`` +
+  ``cuMemSetAccess`` per mapped range, ``cuMemUnmap`` to give it back. Granularity: the device's minimum
+  allocation granularity (2 MiB on Hopper). Freshly mapped memory holds undefined values; touching an unmapped
+  range from a kernel is an illegal address error.
+- ``mmap``: CPU, an anonymous private mapping; unmap is ``madvise(MADV_DONTNEED)`` (the pages go back to the OS
+  and the range reads zeros afterwards). Granularity: the page size.
+- ``plain``: a fallback when neither works: one ordinary allocation of the whole range that stays allocated;
+  ``map``/``unmap`` only keep the books and ``releases_memory`` is False. (Freeing the peers' part of a plain
+  allocation would move the part that must survive, and break the fixed addresses that ``tensor()`` promises;
+  callers that prefer the memory back can check ``releases_memory`` and allocate a temporary gather buffer.)
+
+Ranges are in elements of the buffer's dtype and must start on a granule (``granularity_numel``); the end may also
+be ``numel``. ``map`` fills every unmapped hole in the range (each hole becomes one mapping); ``unmap`` removes the
+mappings inside the range and refuses to split one. The same rules hold for every backend so that code tested on
+CPU behaves the same on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["ReservedBuffer", "allocation_granularity", "pad_to_granularity"]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA driver API (ctypes)
+
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemAllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _CUmemAllocationProp(ctypes.Structure):
+    # cuda.h, CUmemAllocationProp_v1 (unchanged from CUDA 10.2 to 13.0).
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _CUmemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _CUmemAllocFlags)]
+
+
+class _CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", _CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class _CudaDriver:
+    """The few driver entry points we need, with errors turned into RuntimeError."""
+
+    _instance: _CudaDriver | None = None
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, size_t, p = ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER
+        self._sigs = {
+            "cuInit": [ctypes.c_uint],
+            "cuDeviceGet": [p(ctypes.c_int), ctypes.c_int],
+            "cuCtxGetCurrent": [p(ctypes.c_void_p)],
+            "cuCtxSetCurrent": [ctypes.c_void_p],
+            "cuDevicePrimaryCtxRetain": [p(ctypes.c_void_p), ctypes.c_int],
+            "cuMemGetAllocationGranularity": [p(size_t), p(_CUmemAllocationProp), ctypes.c_int],
+            "cuMemAddressReserve": [p(u64), size_t, size_t, u64, ctypes.c_ulonglong],
+            "cuMemAddressFree": [u64, size_t],
+            "cuMemCreate": [p(u64), size_t, p(_CUmemAllocationProp), ctypes.c_ulonglong],
+            "cuMemRelease": [u64],
+            "cuMemMap": [u64, size_t, size_t, u64, ctypes.c_ulonglong],
+            "cuMemUnmap": [u64, size_t],
+            "cuMemSetAccess": [u64, size_t, p(_CUmemAccessDesc), size_t],
+            "cuGetErrorString": [ctypes.c_int, p(ctypes.c_char_p)],
+        }
+        for name, argtypes in self._sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            setattr(self, name, fn)
+        self.check(self.cuInit(0), "cuInit")
+
+    @classmethod
+    def get(cls) -> _CudaDriver:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self.cuGetErrorString(rc, ctypes.byref(msg))
+            text = msg.value.decode() if msg.value else "unknown error"
+            raise RuntimeError(f"{what} failed with CUDA driver error {rc}: {text}")
+
+    def ensure_context(self, ordinal: int) -> None:
+        # The runtime (torch) makes the primary context current per thread lazily; the driver calls below need one.
+        ctx = ctypes.c_void_p()
+        self.check(self.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self.check(self.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+            self.check(self.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev.value), "cuDevicePrimaryCtxRetain")
+            self.check(self.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def allocation_prop(self, ordinal: int) -> _CUmemAllocationProp:
+        prop = _CUmemAllocationProp()
+        prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = _CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        return prop
+
+    def granularity(self, ordinal: int) -> int:
+        size = ctypes.c_size_t()
+        prop = self.allocation_prop(ordinal)
+        self.check(self.cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(prop),
+                                                      _CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                   "cuMemGetAllocationGranularity")
+        return int(size.value)
+
+
+class _CudaArray:
+    """Exposes a device address range to torch through ``__cuda_array_interface__``; keeps its owner alive."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backends: reserve once; map(lo, hi) / unmap(lo, hi) in bytes, aligned to `granularity`
+
+
+class _CudaVmmBackend:
+    name = "cuda_vmm"
+    releases_memory = True
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.init()
+        self.driver = _CudaDriver.get()
+        with torch.cuda.device(self.ordinal):
+            self.driver.ensure_context(self.ordinal)
+        self.granularity = self.driver.granularity(self.ordinal)
+        self.nbytes = _round_up(nbytes, self.granularity)
+        ptr = ctypes.c_uint64()
+        self.driver.check(self.driver.cuMemAddressReserve(ctypes.byref(ptr), self.nbytes, self.granularity, 0, 0),
+                          f"cuMemAddressReserve({self.nbytes} bytes)")
+        self.ptr = int(ptr.value)
+
+    def map(self, lo: int, hi: int) -> None:
+        d = self.driver
+        prop = d.allocation_prop(self.ordinal)
+        handle = ctypes.c_uint64()
+        d.check(d.cuMemCreate(ctypes.byref(handle), hi - lo, ctypes.byref(prop), 0), f"cuMemCreate({hi - lo} bytes)")
+        try:
+            d.check(d.cuMemMap(self.ptr + lo, hi - lo, 0, handle.value, 0), "cuMemMap")
+            try:
+                access = _CUmemAccessDesc()
+                access.location.type = _CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = self.ordinal
+                access.flags = _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                d.check(d.cuMemSetAccess(self.ptr + lo, hi - lo, ctypes.byref(access), 1), "cuMemSetAccess")
+            except RuntimeError:
+                d.cuMemUnmap(self.ptr + lo, hi - lo)
+                raise
+        finally:
+            # The mapping holds the physical memory; dropping the handle now means cuMemUnmap frees it.
+            d.check(d.cuMemRelease(handle.value), "cuMemRelease")
+
+    def unmap(self, lo: int, hi: int) -> None:
+        # Kernels queued on any stream may still read or write the range.
+        torch.cuda.synchronize(self.device)
+        self.driver.check(self.driver.cuMemUnmap(self.ptr + lo, hi - lo), "cuMemUnmap")
+
+    def tensor(self) -> torch.Tensor:
+        return torch.as_tensor(_CudaArray(self.ptr, self.nbytes, self), device=self.device)
+
+    def close(self) -> None:
+        self.driver.check(self.driver.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
+
+
+class _MmapBackend:
+    name = "mmap"
+    releases_memory = True
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.granularity = mmap.PAGESIZE
+        self.nbytes = _round_up(nbytes, self.granularity)
+        self.mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def map(self, lo: int, hi: int) -> None:
+        # Fault the pages in now (one byte per page) so that a mapped range is resident, as on the GPU.
+        self.bytes[lo:hi:self.granularity].zero_()
+
+    def unmap(self, lo: int, hi: int) -> None:
+        self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def tensor(self) -> torch.Tensor:
+        return self.bytes
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.mm.close()
+        except BufferError:
+            # Tensors over the mapping are still alive; the mapping goes away with the last of them.
+            pass
+
+
+class _PlainBackend:
+    name = "plain"
+    releases_memory = False
+    granularity = 512  # bookkeeping only; matches the caching allocator's rounding
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = _round_up(nbytes, self.granularity)
+        self.bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+
+    def map(self, lo: int, hi: int) -> None:
+        pass
+
+    def unmap(self, lo: int, hi: int) -> None:
+        pass
+
+    def tensor(self) -> torch.Tensor:
+        return self.bytes
+
+    def close(self) -> None:
+        self.bytes = None
+
+
+_BACKENDS = {"cuda_vmm": _CudaVmmBackend, "mmap": _MmapBackend, "plain": _PlainBackend}
+
+
+def _make_backend(backend: str, nbytes: int, device: torch.device) -> Any:
+    if backend != "auto":
+        if backend not in _BACKENDS:
+            raise ValueError(f"ReservedBuffer: backend must be one of auto, {', '.join(_BACKENDS)}; got {backend!r}")
+        return _BACKENDS[backend](nbytes, device)
+    preferred = {"cuda": _CudaVmmBackend, "cpu": _MmapBackend}.get(device.type)
+    if preferred is not None:
+        try:
+            return preferred(nbytes, device)
+        except (OSError, RuntimeError, AttributeError, ValueError) as exc:
+            warnings.warn(f"ReservedBuffer: the {preferred.name} backend is unavailable on {device} ({exc}); "
+                          "falling back to a plain allocation that stays allocated (unmap releases nothing)",
+                          RuntimeWarning, stacklevel=3)
+    return _PlainBackend(nbytes, device)
+
+
+def allocation_granularity(device: torch.device | str | int, *, backend: str = "auto") -> int:
+    """Bytes to which mapped ranges are aligned on ``device`` (to size slots before creating a buffer)."""
+    device = _as_device(device)
+    if backend == "plain":
+        return _PlainBackend.granularity
+    if device.type == "cuda" and backend in ("auto", "cuda_vmm"):
+        try:
+            torch.cuda.init()
+            driver = _CudaDriver.get()
+            ordinal = device.index if device.index is not None else torch.cuda.current_device()
+            with torch.cuda.device(ordinal):
+                driver.ensure_context(ordinal)
+            return driver.granularity(ordinal)
+        except (OSError, RuntimeError, AttributeError):
+            if backend == "cuda_vmm":
+                raise
+            return _PlainBackend.granularity
+    if device.type == "cpu" and backend in ("auto", "mmap"):
+        return mmap.PAGESIZE
+    return _PlainBackend.granularity
+
+
+def pad_to_granularity(numel: int, dtype: torch.dtype, device: torch.device | str | int, *,
+                       backend: str = "auto") -> int:
+    """``numel`` rounded up to whole granules of ``device``: the slot size that lets each slot map on its own."""
+    granule_numel = allocation_granularity(device, backend=backend) // torch.empty((), dtype=dtype).element_size()
+    return _round_up(numel, granule_numel)
+
+
+def _as_device(device: torch.device | str | int) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ReservedBuffer:
+    """``numel`` elements of ``dtype`` at a fixed address, with physical memory mapped per sub-range.
+
+    Args:
+        numel: elements in the buffer.
+        dtype: element type.
+        device: where the memory lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+        backend: ``"auto"`` (CUDA VMM on GPUs, mmap on CPU, plain if those fail), or one of ``"cuda_vmm"``,
+            ``"mmap"``, ``"plain"`` to insist.
+
+    Nothing is mapped at construction. ``tensor()`` covers the whole range; only mapped parts may be touched.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, *, device: torch.device | str | int = "cuda",
+                 backend: str = "auto") -> None:
+        if numel <= 0:
+            raise ValueError(f"ReservedBuffer: numel must be > 0, got {numel}")
+        self.numel = int(numel)
+        self.dtype = dtype
+        self.device = _as_device(device)
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self._backend = _make_backend(backend, self.numel * self.element_size, self.device)
+        self._mappings: list[tuple[int, int]] = []  # byte ranges [lo, hi), sorted, disjoint
+        self._tensor: torch.Tensor | None = None
+        self._closed = False
+
+    # -- properties ------------------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend in use: ``cuda_vmm``, ``mmap`` or ``plain``."""
+        return self._backend.name
+
+    @property
+    def releases_memory(self) -> bool:
+        """Whether ``unmap`` returns physical memory (False only for the plain fallback)."""
+        return self._backend.releases_memory
+
+    @property
+    def granularity(self) -> int:
+        """Alignment of mapped ranges, in bytes."""
+        return self._backend.granularity
+
+    @property
+    def granularity_numel(self) -> int:
+        """Alignment of mapped ranges, in elements: pad slots to a multiple of this to map them one by one."""
+        return self._backend.granularity // self.element_size
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of address space reserved (``numel`` rounded up to whole granules)."""
+        return self._backend.nbytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes currently backed by physical memory (as far as this buffer's mappings go)."""
+        return sum(hi - lo for lo, hi in self._mappings)
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """Mapped element ranges ``[(start, end), ...]``, in order (ends clipped to ``numel``)."""
+        return [(lo // self.element_size, min(hi // self.element_size, self.numel)) for lo, hi in self._mappings]
+
+    def is_mapped(self, start: int, end: int) -> bool:
+        """Whether every element of ``[start, end)`` is mapped."""
+        lo, hi = start * self.element_size, end * self.element_size
+        for m_lo, m_hi in self._mappings:
+            if m_lo <= lo < m_hi:
+                lo = m_hi
+        return lo >= hi
+
+    # -- mapping ---------------------------------------------------------------------------------------------
+
+    def _byte_range(self, op: str, start: int, end: int) -> tuple[int, int]:
+        self._check_open()
+        g = self.granularity_numel
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"ReservedBuffer.{op}: need 0 <= start <= end <= numel={self.numel}, got start={start}, "
+                             f"end={end}")
+        if start % g or (end % g and end != self.numel):
+            raise ValueError(f"ReservedBuffer.{op}: start={start} and end={end} must be multiples of "
+                             f"granularity_numel={g} ({self.granularity} bytes; end may also be numel={self.numel})")
+        return start * self.element_size, min(_round_up(end * self.element_size, self.granularity),
+                                               self.reserved_bytes)
+
+    def map(self, start: int, end: int) -> None:
+        """Back elements ``[start, end)`` with physical memory; already mapped parts are left as they are.
+
+        Each unmapped hole in the range becomes one mapping. New memory holds undefined values (zeros on CPU).
+        """
+        lo, hi = self._byte_range("map", start, end)
+        holes, cursor = [], lo
+        for m_lo, m_hi in self._mappings:
+            if m_hi <= cursor or m_lo >= hi:
+                continue
+            if m_lo > cursor:
+                holes.append((cursor, m_lo))
+            cursor = max(cursor, m_hi)
+        if cursor < hi:
+            holes.append((cursor, hi))
+        for h_lo, h_hi in holes:
+            self._backend.map(h_lo, h_hi)
+            self._mappings.append((h_lo, h_hi))
+            self._mappings.sort()
+
+    def unmap(self, start: int, end: int) -> None:
+        """Give back the physical memory of every mapping inside ``[start, end)``; the address stays reserved.
+
+        A mapping that straddles either end is an error (map in smaller pieces to unmap in smaller pieces). On CUDA
+        this synchronizes the device first, so no queued kernel touches the range afterwards.
+        """
+        lo, hi = self._byte_range("unmap", start, end)
+        inside = []
+        for m_lo, m_hi in self._mappings:
+            if m_hi <= lo or m_lo >= hi:
+                continue
+            if m_lo < lo or m_hi > hi:
+                raise ValueError(
+                    f"ReservedBuffer.unmap: elements [{start}, {end}) would split the mapping of elements "
+                    f"[{m_lo // self.element_size}, {min(m_hi // self.element_size, self.numel)}), which was mapped "
+                    "in one piece")
+            inside.append((m_lo, m_hi))
+        for m in inside:
+            self._backend.unmap(*m)
+            self._mappings.remove(m)
+
+    # -- access ----------------------------------------------------------------------------------------------
+
+    def tensor(self) -> torch.Tensor:
+        """A 1-D tensor over the whole range; its ``data_ptr`` never changes. Touch only mapped parts."""
+        self._check_open()
+        if self._tensor is None:
+            self._tensor = self._backend.tensor().view(self.dtype)[: self.numel]
+        return self._tensor
+
+    def data_ptr(self) -> int:
+        """Address of element 0."""
+        return self.tensor().data_ptr()
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("ReservedBuffer: the buffer is closed")
+
+    def close(self) -> None:
+        """Unmap everything and free the address range. Tensors from ``tensor()`` must not be used afterwards."""
+        if self._closed:
+            return
+        for m in list(self._mappings):
+            self._backend.unmap(*m)
+        self._mappings.clear()
+        self._tensor = None
+        self._backend.close()
+        self._closed = True
+
+    def __enter__(self) -> ReservedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: the driver or torch may already be gone
+                pass
+
+    def __repr__(self) -> str:
+        return (f"ReservedBuffer(numel={self.numel}, dtype={self.dtype}, device={self.device}, backend={self.backend}, "
+                f"mapped={self.mapped_ranges()})")

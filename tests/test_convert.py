@@ -1,0 +1,474 @@
+"""Hugging Face ⇄ Megatron checkpoint conversion (megatron_hybrid.convert, tools/convert_checkpoint.py,
+tools/verify_checkpoint.py).
+
+Tiny random models saved by transformers (no downloads): round trips must be bit-exact, the converted model must
+compute transformers' logits in megatron-core (TP=1, and TP=2 × PP=2 on gloo), bad inputs must fail early with
+the culprit named and leave nothing behind, and conversion memory must not grow with the tensor size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_hybrid.convert import CheckpointError, hf_to_megatron, megatron_to_hf, read_architecture
+from megatron_hybrid.convert.layout import canonical_name, stored_name
+from tests.harness import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 1000  # pads to 1024 at TP 2 (multiple of 128 × 2): the padding rows are exercised
+
+# Random init with std 0.2 (not transformers' 0.02) so that attention is far from uniform: a wrong rotary
+# embedding, head order or scaling then moves the logits by ~1e-1 (checked: Llama 3 rope scaling left out gives
+# 0.16), not by noise.
+BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=4,
+            vocab_size=VOCAB, initializer_range=0.2, max_position_embeddings=131072)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+FAMILY_KWARGS = {
+    "llama": dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(),  # q/k/v biases
+    "qwen3": dict(head_dim=32),  # q/k norms; head_dim 32 ≠ 64 / 4
+}
+CASES = [(family, tied) for family in FAMILY_KWARGS for tied in (False, True)]
+
+
+def _case_id(case) -> str:
+    return f"{case[0]}-{'tied' if case[1] else 'untied'}"
+
+
+def make_hf(directory: Path, family: str, tied: bool, *, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**BASE, **FAMILY_KWARGS[family], "tie_word_embeddings": tied, **overrides}
+    config = AutoConfig.for_model(family, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if family == "qwen2":  # transformers initialises biases to zero; make them count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf")
+    return {case: make_hf(root / _case_id(case), *case) for case in CASES}
+
+
+def _load_all(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+# ---------------------------------------------------------------- 1. bit-exact round trips
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_round_trip_tp2_pp2_is_bit_exact(hf_models, tmp_path, case):
+    src = hf_models[case]
+    hf_to_megatron(src, tmp_path / "mg", tensor_model_parallel_size=2, pipeline_model_parallel_size=2, progress=False)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    a, b = _load_all(src), _load_all(tmp_path / "back")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert (tmp_path / "back" / "generation_config.json").is_file()
+    # The rank files are plain safetensors; a tied model's last stage holds the embedding as output_layer.
+    ranks = sorted(p.parent.name for p in (tmp_path / "mg" / "release").glob("*/model.safetensors"))
+    assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    first, last = load_file(tmp_path / "mg/release/mp_rank_01_000/model.safetensors"), \
+        load_file(tmp_path / "mg/release/mp_rank_01_001/model.safetensors")
+    assert first["embedding.word_embeddings.weight"].shape == (512, 64)  # 1024 padded rows over 2 ranks
+    assert torch.equal(first["embedding.word_embeddings.weight"][VOCAB - 512:], torch.zeros(1024 - VOCAB, 64))
+    assert "decoder.layers.1.input_layernorm.weight" in last and "decoder.layers.2.input_layernorm.weight" not in last
+    assert ("output_layer.weight" in last) and ("output_layer.weight" not in first)
+    if case[1]:
+        assert torch.equal(last["output_layer.weight"], first["embedding.word_embeddings.weight"])
+
+
+def test_sharded_index_and_reshard_on_export(hf_models, tmp_path):
+    """Sharded input (index json) and sharded output; TP 4 × PP 1 with 2 KV heads (fewer groups than ranks)."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(hf_models[("qwen2", False)])
+    model.save_pretrained(src, max_shard_size="200KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    hf_to_megatron(src, tmp_path / "mg", tensor_model_parallel_size=4, progress=False)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", max_shard_bytes=300_000, progress=False)
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a, b = _load_all(src), _load_all(tmp_path / "back")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")  # transformers reads what we wrote
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_transformer_engine_names(hf_models, tmp_path):
+    src = hf_models[("qwen3", False)]
+    hf_to_megatron(src, tmp_path / "te", tensor_model_parallel_size=2, transformer_impl="transformer_engine",
+                   progress=False)
+    keys = set(load_file(tmp_path / "te/release/mp_rank_00/model.safetensors"))
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in keys
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in keys)
+    megatron_to_hf(tmp_path / "te", tmp_path / "back", progress=False)
+    a, b = _load_all(src), _load_all(tmp_path / "back")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("decoder.layers.3.input_layernorm.weight", "decoder.layers.3.pre_mlp_layernorm.weight",
+                 "decoder.layers.3.input_layernorm.bias", "decoder.final_layernorm.weight"):
+        assert canonical_name(stored_name(name, "transformer_engine")) == name
+    assert stored_name("decoder.layers.3.pre_mlp_layernorm.bias", "transformer_engine") == \
+        "decoder.layers.3.mlp.linear_fc1.layer_norm_bias"
+
+
+def test_virtual_shard_matches_sharding_shard(tmp_path):
+    from megatron_hybrid.convert.safetensors_io import TensorReader
+    from megatron_hybrid.convert.virtual import Virtual, materialize, shard, unshard
+    from megatron_hybrid.sharding import TPSpec, shard as real_shard
+
+    full = torch.randn(12, 10)
+    save_file({"w": full}, tmp_path / "w.safetensors")
+    v = Virtual.stored(str(tmp_path / "w.safetensors"), "w", full.shape, full.dtype)
+    with TensorReader() as reader:
+        for spec in (TPSpec(True, 0, 1), TPSpec(True, 0, 2), TPSpec(True, 1, 1), TPSpec(False)):
+            parts = [shard(v, spec, r, 2) for r in range(2)]
+            for r in range(2):
+                assert torch.equal(materialize(parts[r], reader), real_shard(full, spec, r, 2)), (spec, r)
+            assert torch.equal(materialize(unshard(parts, spec), reader), full)
+        padded = materialize(v.narrow(0, 2, 7).pad(0, 3), reader)
+        assert torch.equal(padded, torch.cat([full[2:9], torch.zeros(3, 10)]))
+
+
+# ---------------------------------------------------------------- 2. logits in megatron-core
+
+# fp32 with different operation orders (fused QKV, sharded matmuls, another RMSNorm): ~1e-7 relative per op, ~1e-6
+# after 4 layers; observed ≤ 4e-7 on logits up to |z| ≈ 7. 1e-5 leaves an order of magnitude and is still four
+# orders below what a layout error costs (≈ 1e-1).
+LOGITS_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _tokens() -> torch.Tensor:
+    from megatron_hybrid.convert.verify import random_tokens
+
+    return random_tokens(VOCAB, batch_size=2, seq_length=32, seed=1)
+
+
+def _megatron_logits(mg_dir: Path, tp: int, pp: int) -> torch.Tensor:
+    from megatron_hybrid.convert.verify import megatron_logits_on_rank
+
+    out = run_distributed(megatron_logits_on_rank, tp * pp, str(mg_dir), _tokens(), tensor_model_parallel_size=tp,
+                          pipeline_model_parallel_size=pp)
+    results = [r for r in out if r is not None]
+    assert len(results) == tp  # the last stage's TP ranks
+    return results[0]
+
+
+@pytest.mark.parametrize("case", [("llama", True), ("mistral", False), ("qwen2", True), ("qwen3", False)],
+                         ids=_case_id)
+def test_logits_tp1(hf_models, tmp_path, case):
+    from megatron_hybrid.convert.verify import hf_logits
+
+    hf_to_megatron(hf_models[case], tmp_path / "mg", progress=False)
+    torch.testing.assert_close(_megatron_logits(tmp_path / "mg", 1, 1), hf_logits(hf_models[case], _tokens()),
+                               **LOGITS_TOL)
+
+
+@pytest.mark.parametrize("stored,case,impl", [
+    ((2, 2), ("qwen3", True), "local"),
+    ((1, 1), ("qwen2", False), "transformer_engine"),  # resharded on load, TE names read into a local-spec model
+    ((2, 4), ("llama", False), "local"),  # stored at TP 2 × PP 4, loaded at TP 2 × PP 2
+], ids=["qwen3-stored-tp2pp2", "qwen2-stored-tp1pp1-te", "llama-stored-tp2pp4"])
+def test_logits_tp2_pp2(hf_models, tmp_path, stored, case, impl):
+    from megatron_hybrid.convert.verify import hf_logits
+
+    hf_to_megatron(hf_models[case], tmp_path / "mg", tensor_model_parallel_size=stored[0],
+                   pipeline_model_parallel_size=stored[1], transformer_impl=impl, progress=False)
+    torch.testing.assert_close(_megatron_logits(tmp_path / "mg", 2, 2), hf_logits(hf_models[case], _tokens()),
+                               **LOGITS_TOL)
+
+
+def test_logits_tp2_pp2_one_kv_head(tmp_path):
+    """Multi-query attention: 1 KV group split over 2 TP ranks (megatron-core regroups the QKV itself)."""
+    from megatron_hybrid.convert.verify import hf_logits
+
+    src = make_hf(tmp_path / "mqa", "llama", False, num_key_value_heads=1, seed=3)
+    hf_to_megatron(src, tmp_path / "mg", tensor_model_parallel_size=2, pipeline_model_parallel_size=2, progress=False)
+    torch.testing.assert_close(_megatron_logits(tmp_path / "mg", 2, 2), hf_logits(src, _tokens()), **LOGITS_TOL)
+
+
+def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_tools_convert_then_verify(hf_models, tmp_path):
+    src = hf_models[("qwen3", True)]
+    mg = tmp_path / "mg"
+    done = _tool("convert_checkpoint.py", "hf-to-megatron", "--hf-dir", str(src), "--megatron-dir", str(mg),
+                 "--tensor-model-parallel-size", "2", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert read_architecture(mg).kv_channels == 32
+    # megatron-core at TP 2 in two processes the tool spawns itself.
+    done = _tool("verify_checkpoint.py", "--hf-dir", str(src), "--megatron-dir", str(mg),
+                 "--tensor-model-parallel-size", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout and "top-1 agreement 100.00%" in done.stdout, done.stdout
+    # The same comparison against a tolerance it cannot meet fails.
+    done = _tool("verify_checkpoint.py", "--hf-dir", str(hf_models[("qwen3", False)]), "--megatron-dir", str(mg))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout
+
+
+def test_help_has_examples():
+    done = _tool("convert_checkpoint.py", "--help")
+    assert done.returncode == 0 and "examples:" in done.stdout and "hf-to-megatron" in done.stdout
+
+
+# ---------------------------------------------------------------- 3. configs of real checkpoints
+
+
+def _arch_of(tmp_path: Path, config: dict):
+    from megatron_hybrid.convert.families import architecture_from_hf
+    from megatron_hybrid.convert.hf_checkpoint import read_config
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return architecture_from_hf(read_config(tmp_path)[1])
+
+
+def test_real_configs(tmp_path):
+    # Field for field as on the Hub (transformers 4.x style: rope_theta/rope_scaling/torch_dtype at the top).
+    _, llama = _arch_of(tmp_path / "llama", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+        "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "head_dim": 64,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "vocab_size": 128256,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False})
+    assert (llama.use_rope_scaling, llama.rope_scaling_factor, llama.rotary_base) == (True, 32.0, 500000)
+    assert (llama.num_query_groups, llama.kv_channels, llama.params_dtype) == (8, None, "bfloat16")
+    assert not llama.untie_embeddings_and_output_weights and llama.norm_epsilon == 1e-5
+    _, qwen3 = _arch_of(tmp_path / "qwen3", {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_scaling": None,
+        "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "vocab_size": 151936, "attention_bias": False, "hidden_act": "silu"})
+    assert (qwen3.kv_channels, qwen3.qk_layernorm, qwen3.rotary_base) == (128, True, 1000000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # use_sliding_window false: nothing to warn about
+        _, qwen2 = _arch_of(tmp_path / "qwen2", {
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+            "intermediate_size": 4864, "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+            "max_position_embeddings": 32768, "max_window_layers": 21, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+            "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16", "vocab_size": 151936, "hidden_act": "silu"})
+    assert qwen2.add_qkv_bias and qwen2.kv_channels is None and qwen2.num_query_groups == 2
+    with pytest.warns(UserWarning, match="sliding_window=4096 is ignored"):
+        _, mistral = _arch_of(tmp_path / "mistral", {
+            "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+            "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000,
+            "head_dim": None, "hidden_act": "silu"})
+    assert mistral.kv_channels is None and mistral.untie_embeddings_and_output_weights
+    with pytest.raises(CheckpointError, match="rope scaling 'yarn' is not supported"):
+        _arch_of(tmp_path / "yarn", {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+                                     "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 32768}})
+
+
+def test_megatron_lm_args_stored(hf_models, tmp_path):
+    hf_to_megatron(hf_models[("qwen3", False)], tmp_path / "mg", tensor_model_parallel_size=2, progress=False)
+    meta = json.loads((tmp_path / "mg" / "megatron_hybrid_checkpoint.json").read_text())
+    args = " ".join(meta["megatron_lm_args"])
+    for flag in ("--group-query-attention --num-query-groups 2", "--kv-channels 32", "--qk-layernorm",
+                 "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--swiglu",
+                 "--tensor-model-parallel-size 2", "--normalization RMSNorm", "--position-embedding-type rope"):
+        assert flag in args, flag
+    assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+
+
+# ---------------------------------------------------------------- 4. bad inputs
+
+
+def _convert_cli(*args: str) -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import convert_checkpoint
+    finally:
+        sys.path.pop(0)
+    convert_checkpoint.main(["hf-to-megatron", "--no-progress", *args])
+
+
+def _expect_failure(tmp_path: Path, src: Path, match: str, *extra: str) -> None:
+    before = _listing(tmp_path)
+    with pytest.raises(SystemExit, match=match):
+        _convert_cli("--hf-dir", str(src), "--megatron-dir", str(tmp_path / "out" / "mg"), *extra)
+    assert _listing(tmp_path) == before  # no output, no partial directory, not even the parent "out"
+
+
+@pytest.fixture
+def sharded_copy(hf_models, tmp_path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    AutoModelForCausalLM.from_pretrained(hf_models[("llama", False)]).save_pretrained(src, max_shard_size="200KB")
+    return src
+
+
+def test_unsupported_model_type(sharded_copy, tmp_path):
+    config = json.loads((sharded_copy / "config.json").read_text())
+    (sharded_copy / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    _expect_failure(tmp_path, sharded_copy, r"unsupported model_type 'phi3'; supported: \['llama', 'mistral'")
+
+
+def test_missing_shard(sharded_copy, tmp_path):
+    shard = sorted(sharded_copy.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    _expect_failure(tmp_path, sharded_copy, f"shard files listed in model.safetensors.index.json are missing: "
+                                            f"\\['{shard.name}'\\]")
+
+
+def test_truncated_shard(sharded_copy, tmp_path):
+    shard = sorted(sharded_copy.glob("model-*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    _expect_failure(tmp_path, sharded_copy, f"{shard.name} is truncated: its header describes")
+    os.truncate(shard, 5)
+    _expect_failure(tmp_path, sharded_copy, f"{shard.name} is truncated or not a safetensors file")
+
+
+def test_missing_and_unexpected_tensors(hf_models, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = load_file(hf_models[("llama", False)] / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"], tensors["model.layers.3.self_attn.k_proj.weight"]
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, src / "model.safetensors")
+    (src / "config.json").write_text((hf_models[("llama", False)] / "config.json").read_text())
+    _expect_failure(tmp_path, src, r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight, "
+                                   r"model\.layers\.3\.self_attn\.k_proj\.weight; unexpected tensors .*"
+                                   r"model\.layers\.0\.mlp\.extra\.weight")
+
+
+@pytest.mark.parametrize("sizes,match", [
+    (("3", "1"), r"tensor_model_parallel_size \(3\) must divide num_attention_heads \(4\)"),
+    (("1", "3"), r"pipeline_model_parallel_size \(3\) must divide num_layers \(4\)"),
+    (("8", "1"), r"tensor_model_parallel_size \(8\) must divide num_attention_heads \(4\)"),
+])
+def test_indivisible_parallel_sizes(hf_models, tmp_path, sizes, match):
+    _expect_failure(tmp_path, hf_models[("llama", False)], match, "--tensor-model-parallel-size", sizes[0],
+                    "--pipeline-model-parallel-size", sizes[1])
+
+
+def test_existing_output_needs_force_and_failures_leave_it_intact(hf_models, tmp_path, monkeypatch):
+    from megatron_hybrid.convert import conversions
+
+    src = hf_models[("mistral", False)]
+    out = tmp_path / "mg"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="exists; pass --force to overwrite it"):
+        hf_to_megatron(src, out, progress=False)
+    with pytest.raises(CheckpointError, match="would overwrite the input"):
+        hf_to_megatron(src, src.parent, force=True, progress=False)
+
+    calls = []
+
+    def failing_write(*args, **kwargs):  # the second rank file fails half way
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_write(*args, **kwargs)
+
+    real_write = conversions.write_safetensors
+    monkeypatch.setattr(conversions, "write_safetensors", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        hf_to_megatron(src, out, tensor_model_parallel_size=2, force=True, progress=False)
+    assert _listing(tmp_path) == ["mg", "mg/mine.txt"]  # the old output untouched, no partial directory
+    monkeypatch.undo()
+    hf_to_megatron(src, out, force=True, progress=False)
+    assert not (out / "mine.txt").exists() and read_architecture(out).num_layers == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["mg"]
+
+
+def test_broken_megatron_checkpoint(hf_models, tmp_path):
+    hf_to_megatron(hf_models[("llama", True)], tmp_path / "mg", tensor_model_parallel_size=2, progress=False)
+    (tmp_path / "mg/release/mp_rank_01/model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"missing rank files: \[.*mp_rank_01/model.safetensors'\]"):
+        megatron_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    assert not (tmp_path / "back").exists()
+    with pytest.raises(CheckpointError, match="not a megatron-hybrid checkpoint"):
+        read_architecture(tmp_path)
+
+
+# ---------------------------------------------------------------- 5. memory
+
+def _peak_rss_of_conversion(src: Path, out: Path) -> int:
+    """Peak resident memory (bytes) of convert_checkpoint.py run as its own process."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), "hf-to-megatron",
+                             "--hf-dir", str(src), "--megatron-dir", str(out), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, stderr.decode()
+    return usage.ru_maxrss * 1024  # kilobytes on Linux
+
+
+def _write_llama(directory: Path, *, vocab: int, hidden: int) -> int:
+    """A one-layer Llama checkpoint whose embedding dominates, written tensor by tensor; returns its bytes."""
+    directory.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+              "vocab_size": vocab, "tie_word_embeddings": True, "torch_dtype": "float32", "rms_norm_eps": 1e-5}
+    (directory / "config.json").write_text(json.dumps(config))
+    d = hidden // 4
+    layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+             "self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (2 * d, hidden),
+             "self_attn.v_proj.weight": (2 * d, hidden), "self_attn.o_proj.weight": (hidden, hidden),
+             "mlp.gate_proj.weight": (64, hidden), "mlp.up_proj.weight": (64, hidden), "mlp.down_proj.weight": (hidden, 64)}
+    save_file({f"model.layers.0.{k}": torch.randn(s) for k, s in layer.items()} |
+              {"model.norm.weight": torch.ones(hidden)}, directory / "model-00002-of-00002.safetensors")
+    save_file({"model.embed_tokens.weight": torch.randn(vocab, hidden)}, directory / "model-00001-of-00002.safetensors")
+    weight_map = {f"model.layers.0.{k}": "model-00002-of-00002.safetensors" for k in layer}
+    weight_map |= {"model.norm.weight": "model-00002-of-00002.safetensors",
+                   "model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return vocab * hidden * 4
+
+
+def test_peak_memory_does_not_grow_with_the_largest_tensor(tmp_path):
+    """Bench's bound (peak ≤ 1.5 × largest tensor + a fixed overhead), on a 200 MB embedding: the overhead is the
+    peak of converting a tiny model, and streaming should keep the growth far below even 0.5 × the tensor."""
+    _write_llama(tmp_path / "tiny", vocab=256, hidden=64)
+    largest = _write_llama(tmp_path / "big", vocab=50_000, hidden=1024)  # 204.8 MB, fp32
+    overhead = _peak_rss_of_conversion(tmp_path / "tiny", tmp_path / "tiny_mg")
+    peak = _peak_rss_of_conversion(tmp_path / "big", tmp_path / "big_mg")
+    assert peak <= 1.5 * largest + overhead
+    assert peak - overhead < 0.5 * largest, (peak - overhead) / 2**20
