@@ -67,10 +67,36 @@ def _weightless_parameters() -> Iterator[None]:
 
 @dataclasses.dataclass
 class CollectiveRecord:
+    """One collective of a switch, as the communication report and the trace show it."""
+
     op: str
     group_ranks: list[int]
     bytes_received: int
     seconds: float
+    start: float  # time.time() at the start
+    end: float
+    rank: int
+
+
+def _offload(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Copy each tensor to host memory and release its storage in place (views and pointers held elsewhere
+    stay valid objects; their memory comes back in :func:`_reload`)."""
+    out = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
+        out.append((t, host, t.untyped_storage().nbytes()))
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+    for t, _, _ in out:
+        t.untyped_storage().resize_(0)
+    return out
+
+
+def _reload(offloaded: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    for t, host, nbytes in offloaded:
+        t.untyped_storage().resize_(nbytes)
+        t.copy_(host, non_blocking=t.is_cuda)
 
 
 class HybridEngine:
@@ -147,6 +173,7 @@ class HybridEngine:
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._records: list[CollectiveRecord] = []
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         self.profiling = True
 
@@ -359,8 +386,13 @@ class HybridEngine:
         """The megatron-core model of the rollout layout (a list when the training model was a list)."""
         return self.rollout_chunks if len(self.chunks) > 1 else self.rollout_chunks[0]
 
-    def switch_to_rollout(self) -> None:
-        """Gather the missing shards and bind the rollout model to them. No-op when already rolling out."""
+    def switch_to_rollout(self, *, offload_optimizer: Optional[torch.optim.Optimizer] = None,
+                          offload_grads: bool = False) -> None:
+        """Gather the missing shards and bind the rollout model to them. No-op when already rolling out.
+
+        ``offload_optimizer`` (a torch or Megatron optimizer) and ``offload_grads`` move optimizer states and
+        gradient buffers to host memory (pinned on GPU) until :meth:`switch_to_training` brings them back.
+        """
         if self.mode == "rollout":
             if self._fingerprint_now() != self._fingerprint:
                 raise RuntimeError("the training weights changed while in rollout mode; call "
@@ -380,6 +412,7 @@ class HybridEngine:
                         continue
                     records.append(self._run_region(flat, reg, j))
         self._bind_rollout()
+        self._offloaded = _offload(self._offload_targets(offload_optimizer, offload_grads))
         self._synchronize()
         self.mode = "rollout"
         self._fingerprint = self._fingerprint_now()
@@ -394,7 +427,7 @@ class HybridEngine:
         group, ranks = self._group_for(reg)
         region = flat[reg.offset: reg.offset + reg.numel]
         elem = flat.element_size()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         if reg.kind == "broadcast":
             src = self.plan.members[reg.owner].rank
             dist.broadcast(region, src=src, group=group)
@@ -407,7 +440,8 @@ class HybridEngine:
             op = "all_gather_into_tensor"
         if self.profiling:
             self._synchronize()
-        return CollectiveRecord(op, ranks, received, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank())
 
     def _synchronize(self) -> None:
         if torch.cuda.is_available() and next(iter(self._train_params.values())).is_cuda:
@@ -471,7 +505,24 @@ class HybridEngine:
                 owner._parameters[attr] = placeholder(prm, None)
         for buf in self.buffers.values():
             buf.unmap_peers()
+        _reload(self._offloaded)
+        self._offloaded = []
         self.mode = "training"
+
+    def _offload_targets(self, optimizer, grads: bool) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        if optimizer is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)  # Megatron wraps a torch optimizer
+            for state in inner.state.values():
+                out.extend(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        if grads:
+            for c in self.chunks:
+                ddp_buffers = getattr(c, "buffers", None)
+                if isinstance(ddp_buffers, list):  # Megatron DDP: one contiguous grad buffer per dtype
+                    out.extend(b.grad_data for b in ddp_buffers)
+                else:
+                    out.extend(p.grad for p in c.parameters() if p.grad is not None)
+        return out
 
     @contextmanager
     def rollout(self) -> Iterator[torch.nn.Module]:
@@ -481,6 +532,44 @@ class HybridEngine:
             yield self.rollout_model
         finally:
             self.switch_to_training()
+
+    # ------------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
+                 stop_token_ids: Sequence[int] = (), seed: int = 0) -> list:
+        """Generate for this training rank's prompts on the rollout layout; results in prompt order.
+
+        Called on every rank of the training layout (switches to rollout first if needed). The prompts of a
+        training DP replica are split across its d_g rollout replicas and the results all-gathered back (micro-DP
+        data flow); with t_g > t a rollout replica serves several training replicas whole. ``vocab_size``: the
+        real vocabulary, whose padded rows are never sampled. Returns ``GenerationResult``s with
+        ``.generated_tokens`` and ``.generated_log_probs``.
+        """
+        from .rollout import generate_tokens, split_evenly
+
+        self.switch_to_rollout()
+        lay = self.layout
+        chunk = self.rollout_chunks[0]
+        kwargs = dict(tp_group=self.groups["tp"], pp_group=self.groups["pp"], params=sampling_params,
+                      vocab_order=self.rollout_tp_order, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                      seed=seed + 1_000_003 * self.rollout_replica)
+        prompts = [list(map(int, p)) for p in prompts]
+        if lay.widens:
+            # This rollout replica spans m training replicas: generate for all of their prompts at once.
+            mine = [None] * self.groups["tp"].size()
+            dist.all_gather_object(mine, (self.dp_rank, prompts), group=self.groups["tp"])
+            by_dp = dict(sorted(mine))
+            batch = [p for dp in by_dp for p in by_dp[dp]]
+            results = generate_tokens(chunk, prompts=batch, **kwargs)
+            start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
+            return results[start: start + len(prompts)]
+        replica = self.rollout_replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
+        lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
+        results = generate_tokens(chunk, prompts=prompts[lo:hi], **kwargs)
+        if lay.d_g == 1:
+            return results
+        gathered = [None] * lay.d_g
+        dist.all_gather_object(gathered, (replica, results), group=self.groups["micro_dp"])
+        return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
 
     # ------------------------------------------------------------------------------------------------------
     def _report(self, records: list[CollectiveRecord], seconds: float) -> dict[str, Any]:

@@ -248,3 +248,24 @@ def memory_case(mode: str):
     engine.switch_to_training()
     after = rss()
     return {"base": base, "during": during, "after": after, "moved": moved, "mapped": mapped}
+
+
+def misuse_case():
+    import pytest
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    model = arch().build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    tok = tokens()
+    pos = torch.arange(SEQ).expand(BATCH, -1)
+    with pytest.raises(RuntimeError, match="used in training mode"):
+        engine.rollout_model(tok, pos, None)
+    with engine.rollout() as rollout_model:
+        rollout_model(tok, pos, None)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # training in rollout mode
+        with pytest.raises(RuntimeError, match="changed while in rollout mode"):
+            engine.switch_to_rollout()
+    assert engine.mode == "training"
