@@ -245,11 +245,13 @@ class HybridEngine:
         config.tensor_model_parallel_size = lay.t_g
         config.pipeline_model_parallel_size = lay.p_g
         config.perform_initialization = False
-        pre = self.rollout_pp_rank == 0
-        post = self.rollout_pp_rank == lay.p_g - 1
         chunks = []
         for vp, train in enumerate(self.modules):
             vp_stage = vp if len(self.modules) > 1 else None
+            # With virtual pipeline chunks, only the first chunk of the first stage embeds and only the last
+            # chunk of the last stage has the output layer.
+            pre = self.rollout_pp_rank == 0 and vp == 0
+            post = self.rollout_pp_rank == lay.p_g - 1 and vp == len(self.modules) - 1
             with _weightless_parameters():
                 if self.model_provider is not None:
                     chunk = self.model_provider(config=config, pg_collection=self.pg_collection, pre_process=pre,
@@ -470,23 +472,38 @@ class HybridEngine:
         return Blocks(views, src.dim, src.stride if len(views) > 1 else 1)
 
     def _bind_rollout(self) -> None:
+        """Point every rollout parameter at its blocks: views (aliased), or canonical tensors rebuilt from the
+        gather buffers by one fused scatter per dtype (canonical)."""
+        from . import ops
+
+        canonical: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # dtype -> (dsts, tables)
         for chunk in self.rollout_chunks:
             owners = _owner_modules(chunk)
             for name, prm in list(self._rollout_iter(chunk)):
                 blocks = self._blocks_for(name)
                 owner = owners[id(prm)]
                 attr = next(a for a, v in owner._parameters.items() if v is prm)
+                new = placeholder(prm, None)
                 if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
-                    new = placeholder(prm, None)
                     new.data = blocks.views[0]
-                elif self.weight_mode == "canonical" or prm.dim() == 1:
-                    # Canonical mode, and 1-D sharded tensors (biases: tiny) in either mode, are rebuilt.
-                    new = placeholder(prm, None)
+                elif self.weight_mode == "aliased" and prm.dim() > 1:
+                    new = placeholder(prm, blocks)
+                elif self.plan is None:  # t_g > t: blocks of the own shard, no gather buffer involved
                     new.data = blocks.materialize()
                 else:
-                    new = placeholder(prm, blocks)
+                    # Canonical mode, and 1-D sharded tensors (biases: tiny) in either mode.
+                    new.data = torch.empty(prm.shape, dtype=prm.dtype, device=blocks.views[0].device)
+                    dtype = _DTYPE_NAMES[prm.dtype]
+                    dsts, tables = canonical.setdefault(dtype, ([], []))
+                    src = self._sources[name]
+                    offsets = [self.plan.where(b.member, name)[1] for b in src.blocks]
+                    tables.append(ops.plan_stack(blocks.views[0].shape, offsets, partition_dim=src.dim,
+                                                 partition_stride=src.stride, dst_index=len(dsts)))
+                    dsts.append(new.data)
                 new._mh_rollout_name = name
                 owner._parameters[attr] = new
+        for dtype, (dsts, tables) in canonical.items():
+            ops.scatter_blocks(self.buffers[dtype].tensor, dsts, torch.cat(tables))
 
     def _rollout_iter(self, chunk):
         offset = layer_offset(chunk)

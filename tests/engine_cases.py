@@ -269,3 +269,31 @@ def misuse_case():
         with pytest.raises(RuntimeError, match="changed while in rollout mode"):
             engine.switch_to_rollout()
     assert engine.mode == "training"
+
+
+def chunks_case(state: dict, mode: str):
+    """Virtual pipeline: a list of two model chunks per stage, t=2 × p=2 → t_g=1, p_g=2."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.sharding import full_state_dict, load_full_state_dict
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    a = arch()
+    config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=2)
+    chunks = []
+    for vp in range(2):
+        pre = ps.is_pipeline_first_stage(ignore_virtual=True) and vp == 0
+        post = ps.is_pipeline_last_stage(ignore_virtual=True) and vp == 1
+        chunks.append(a.build(config, pre_process=pre, post_process=post, vp_stage=vp))
+    load_full_state_dict(chunks, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    engine = HybridEngine(chunks, RolloutLayout(1, 2), weight_mode=mode)
+    engine.switch_to_rollout()
+    weights = rollout_full_weights(engine)
+    out = {"weights": weights, "bytes": engine.communication_report()["total_bytes"],
+           "expected": expected_missing_bytes(engine), "is_list": isinstance(engine.rollout_model, list)}
+    engine.switch_to_training()
+    out["train"] = full_state_dict(chunks, tp_group=ps.get_tensor_model_parallel_group(),
+                                   pp_group=ps.get_pipeline_model_parallel_group())
+    return out

@@ -91,3 +91,15 @@ def test_extra_memory_is_the_peers_slots_only():
         assert r["during"] - r["base"] <= r["moved"] + 2**20 + 2 * 2**20, r
         assert r["during"] - r["base"] >= 0.9 * r["moved"], r  # the peers' slots really were resident
         assert r["after"] - r["base"] <= 2 * 2**20, r
+
+
+@pytest.mark.parametrize("mode", ["aliased", "canonical"])
+def test_virtual_pipeline_chunks(mode):
+    state = _reference(())[0]
+    runs = run_distributed(cases.chunks_case, 4, state, mode, tensor_model_parallel_size=2,
+                           pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    for r in runs:
+        assert r["is_list"] and r["bytes"] == r["expected"] > 0
+        for name, w in state.items():
+            assert torch.equal(r["weights"][name], w), name
+            assert torch.equal(r["train"][name], w), name
