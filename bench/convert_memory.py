@@ -53,7 +53,8 @@ def write_checkpoint(directory: Path, dims: dict) -> int:
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                   p + "mlp.down_proj.weight": (h, f)}
     shapes["model.norm.weight"] = (h,)
     names = list(shapes)
     split = names.index(f"model.layers.{L // 2}.input_layernorm.weight")
@@ -114,7 +115,8 @@ def main() -> int:
     results: dict = {"model": "Llama-3.2-1B-shaped, random bf16, tied", **LLAMA_1B}
     try:
         write_checkpoint(work / "tiny", TINY)
-        overhead, _ = run_tool("hf-to-megatron", "--hf-dir", str(work / "tiny"), "--megatron-dir", str(work / "tiny_mg"))
+        overhead, _ = run_tool("hf-to-megatron", "--hf-dir", str(work / "tiny"),
+                               "--megatron-dir", str(work / "tiny_mg"))
         t = time.perf_counter()
         largest = write_checkpoint(work / "hf", LLAMA_1B)
         results |= {"checkpoint_bytes": sum(p.stat().st_size for p in (work / "hf").iterdir()),
@@ -122,7 +124,8 @@ def main() -> int:
                     "fixed_overhead_bytes": overhead, "bound_bytes": int(1.5 * largest + overhead), "runs": []}
         runs = [("hf-to-megatron TP1 PP1", ["hf-to-megatron", "--hf-dir", str(work / "hf"), "--megatron-dir",
                                             str(work / "mg")]),
-                ("megatron-to-hf", ["megatron-to-hf", "--megatron-dir", str(work / "mg"), "--hf-dir", str(work / "back")]),
+                ("megatron-to-hf", ["megatron-to-hf", "--megatron-dir", str(work / "mg"),
+                                    "--hf-dir", str(work / "back")]),
                 ("hf-to-megatron TP2 PP2", ["hf-to-megatron", "--hf-dir", str(work / "hf"), "--megatron-dir",
                                             str(work / "mg2"), "--tensor-model-parallel-size", "2",
                                             "--pipeline-model-parallel-size", "2"])]
@@ -143,7 +146,7 @@ def main() -> int:
           f"bound 1.5 × largest + overhead = {results['bound_bytes'] / MB:.0f} MiB")
     for r in results["runs"]:
         print(f"  {r['run']:<24} peak RSS {r['peak_rss_bytes'] / MB:6.0f} MiB "
-              f"(overhead + {(r['peak_rss_bytes'] - overhead) / MB:.0f} MiB)  {r['seconds']:6.1f} s  "
+              f"(overhead {(r['peak_rss_bytes'] - overhead) / MB:+.0f} MiB)  {r['seconds']:6.1f} s  "
               f"{'OK' if r['within_bound'] else 'OVER'}")
     print(f"round trip spot check equal: {results.get('round_trip_spot_check_equal')}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

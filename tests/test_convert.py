@@ -313,6 +313,59 @@ def test_megatron_lm_args_stored(hf_models, tmp_path):
     assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
 
 
+def test_export_without_stored_hf_config(hf_models, tmp_path):
+    """A checkpoint that carries no Hugging Face config (e.g. saved by training) exports with one made from its
+    architecture, which transformers reads back to the same model."""
+    from transformers import AutoModelForCausalLM
+
+    src = hf_models[("llama", True)]
+    hf_to_megatron(src, tmp_path / "mg", progress=False)
+    meta_path = tmp_path / "mg" / "megatron_hybrid_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "hf_config": None, "hf_model_type": None}))
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    hf_to_megatron(tmp_path / "back", tmp_path / "mg2", progress=False)
+    assert read_architecture(tmp_path / "mg2") == read_architecture(tmp_path / "mg")
+    a, b = AutoModelForCausalLM.from_pretrained(src), AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(a(tokens).logits, b(tokens).logits)
+
+
+def test_parallel_size_checks():
+    from megatron_hybrid.convert.layout import check_parallel_sizes
+    from megatron_hybrid.models import GPTArchitecture
+
+    arch = GPTArchitecture(num_layers=6, hidden_size=96, num_attention_heads=12, num_query_groups=4, vocab_size=100,
+                           ffn_hidden_size=90)
+    check_parallel_sizes(arch, tensor_model_parallel_size=2, pipeline_model_parallel_size=3)
+    for tp, pp, match in [(3, 1, r"\(3\) must be a multiple or a divisor of num_query_groups \(4\)"),
+                          (4, 1, r"tensor_model_parallel_size \(4\) must divide ffn_hidden_size \(90\)"),
+                          (1, 4, r"pipeline_model_parallel_size \(4\) must divide num_layers \(6\)"),
+                          (0, 1, "must be ≥ 1")]:
+        with pytest.raises(CheckpointError, match=match):
+            check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _load_into_tiny_llama(mg_dir: str) -> str:
+    from megatron_hybrid.convert import load_megatron_checkpoint
+    from megatron_hybrid.models import tiny_llama
+
+    model = tiny_llama().build()
+    try:
+        load_megatron_checkpoint([model], mg_dir, tp_rank=0, tp_size=1)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_load_into_a_different_model_fails_clearly(hf_models, tmp_path):
+    hf_to_megatron(hf_models[("qwen3", False)], tmp_path / "mg", progress=False)
+    message = run_distributed(_load_into_tiny_llama, 1, str(tmp_path / "mg"))[0]
+    assert "does not fit the model" in message
+    assert "decoder.layers.0.self_attention.linear_qkv.weight: model [128, 64], checkpoint [256, 64]" in message
+
+
 # ---------------------------------------------------------------- 4. bad inputs
 
 
@@ -428,17 +481,27 @@ def test_broken_megatron_checkpoint(hf_models, tmp_path):
 
 # ---------------------------------------------------------------- 5. memory
 
+# The child reports its own VmHWM as it exits; the parent's ru_maxrss would carry the pre-exec (forked) image's peak.
+_PEAK_SHIM = """
+import atexit, runpy, sys
+def report():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            sys.stderr.write("PEAK_RSS_KB " + line.split()[1] + "\\n")
+atexit.register(report)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def _peak_rss_of_conversion(src: Path, out: Path) -> int:
     """Peak resident memory (bytes) of convert_checkpoint.py run as its own process."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), "hf-to-megatron",
-                             "--hf-dir", str(src), "--megatron-dir", str(out), "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    stdout, stderr = proc.communicate()
-    assert proc.returncode == 0, stderr.decode()
-    return usage.ru_maxrss * 1024  # kilobytes on Linux
+    done = subprocess.run([sys.executable, "-c", _PEAK_SHIM, str(ROOT / "tools/convert_checkpoint.py"),
+                           "hf-to-megatron", "--hf-dir", str(src), "--megatron-dir", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    return int(done.stderr.rsplit("PEAK_RSS_KB ", 1)[1].split()[0]) * 1024
 
 
 def _write_llama(directory: Path, *, vocab: int, hidden: int) -> int:
@@ -452,7 +515,8 @@ def _write_llama(directory: Path, *, vocab: int, hidden: int) -> int:
     layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
              "self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (2 * d, hidden),
              "self_attn.v_proj.weight": (2 * d, hidden), "self_attn.o_proj.weight": (hidden, hidden),
-             "mlp.gate_proj.weight": (64, hidden), "mlp.up_proj.weight": (64, hidden), "mlp.down_proj.weight": (hidden, 64)}
+             "mlp.gate_proj.weight": (64, hidden), "mlp.up_proj.weight": (64, hidden),
+             "mlp.down_proj.weight": (hidden, 64)}
     save_file({f"model.layers.0.{k}": torch.randn(s) for k, s in layer.items()} |
               {"model.norm.weight": torch.ones(hidden)}, directory / "model-00002-of-00002.safetensors")
     save_file({"model.embed_tokens.weight": torch.randn(vocab, hidden)}, directory / "model-00001-of-00002.safetensors")

@@ -46,3 +46,9 @@ def test_offload_optimizer_and_grads():
 
 def test_rollout_model_refuses_training_mode():
     run_distributed(engine_cases.misuse_case, 2, tensor_model_parallel_size=2)
+
+
+def test_megatron_static_engine_on_rollout_model():
+    state = _reference(())[0]
+    for mega, ours in run_distributed(rollout_cases.static_engine_case, 2, state, tensor_model_parallel_size=2):
+        assert mega == ours and all(len(x) == 5 for x in ours)

@@ -154,10 +154,11 @@ def hf_config_from_architecture(arch: GPTArchitecture, family: Family) -> dict:
     """A ``config.json`` for ``arch`` (used when a checkpoint carries no Hugging Face config of its own)."""
     from transformers import AutoConfig
 
-    if arch.normalization != "RMSNorm" or not arch.swiglu or arch.add_bias_linear or arch.position_embedding_type != "rope":
+    a = arch
+    if a.normalization != "RMSNorm" or not a.swiglu or a.add_bias_linear or a.position_embedding_type != "rope":
         raise CheckpointError(f"{family.model_type} needs RMSNorm, SwiGLU, RoPE and no linear biases; the checkpoint "
-                              f"has normalization={arch.normalization}, swiglu={arch.swiglu}, "
-                              f"add_bias_linear={arch.add_bias_linear}, position_embedding_type={arch.position_embedding_type}")
+                              f"has normalization={a.normalization}, swiglu={a.swiglu}, add_bias_linear="
+                              f"{a.add_bias_linear}, position_embedding_type={a.position_embedding_type}")
     if arch.add_qkv_bias != family.qkv_bias or arch.qk_layernorm != family.qk_norm:
         raise CheckpointError(f"{family.model_type} has qkv_bias={family.qkv_bias}, qk_norm={family.qk_norm}; the "
                               f"checkpoint has add_qkv_bias={arch.add_qkv_bias}, qk_layernorm={arch.qk_layernorm}")
@@ -258,7 +259,8 @@ def megatron_from_hf(family: Family, arch: GPTArchitecture, hf: dict[str, Virtua
             out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = Virtual.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0)
+        out[m + "mlp.linear_fc1.weight"] = Virtual.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0)
         out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
     return out
 

@@ -59,8 +59,8 @@ def open_weights(hf_dir: Path) -> dict[str, Virtual]:
         path = hf_dir / f
         for name, info in read_header(path).items():
             if name in tensors:
-                raise CheckpointError(f"{hf_dir}: tensor {name} is stored twice (in {tensors[name].pieces[0].source.path} "
-                                      f"and {path})")
+                raise CheckpointError(f"{hf_dir}: tensor {name} is stored twice (in "
+                                      f"{tensors[name].pieces[0].source.path} and {path})")
             tensors[name] = Virtual.stored(str(path), name, info.shape, info.dtype)
     absent = sorted(n for n, f in weight_map.items() if n not in tensors)
     if absent:
@@ -68,7 +68,8 @@ def open_weights(hf_dir: Path) -> dict[str, Virtual]:
     return tensors
 
 
-def check_tensors(family: Family, arch: GPTArchitecture, tensors: dict[str, Virtual], where: Path) -> dict[str, Virtual]:
+def check_tensors(family: Family, arch: GPTArchitecture, tensors: dict[str, Virtual],
+                  where: Path) -> dict[str, Virtual]:
     """The tensors the model uses, after checking that all are present with the shapes the config implies."""
     expected = hf_shapes(family, arch)
     present = {n: v for n, v in tensors.items() if not _SKIPPED.search(n)}

@@ -227,7 +227,8 @@ class MegatronCheckpoint:
     def __init__(self, megatron_dir: str | os.PathLike) -> None:
         self.root = Path(megatron_dir)
         self.meta = read_meta(self.root)
-        arch, tp, pp = self.meta.architecture, self.meta.tensor_model_parallel_size, self.meta.pipeline_model_parallel_size
+        arch = self.meta.architecture
+        tp, pp = self.meta.tensor_model_parallel_size, self.meta.pipeline_model_parallel_size
         check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         paths = {(t, p): self.root / ITERATION_DIR / rank_dir_name(t, p, pp) / WEIGHTS_FILE
                  for p in range(pp) for t in range(tp)}

@@ -4,10 +4,12 @@ Reading is positioned ``read``s of whole row ranges into fresh buffers (:class:`
 ``safetensors.safe_open``: its tensors are views of a memory map, and every page a conversion touches then stays
 in the process's resident set until the file is closed (measured: converting a 2.5 GB checkpoint peaked at
 2.6 GB RSS that way, against the 0.3 GB baseline). Before a file is used its header is checked against its size,
-so a truncated download fails with the file's name, not deep inside a conversion. Writing is our own: ``safetensors.save_file`` wants every tensor in memory at once, but the
-format is only ``[8-byte little-endian header length][JSON header][raw C-order bytes]``, so once the shapes are
-known the header can be written first and the tensors streamed after it, band by band. The files are ordinary
-safetensors files (checked in the tests by ``safetensors.safe_open``).
+so a truncated download fails with the file's name, not deep inside a conversion.
+
+Writing is our own: ``safetensors.save_file`` wants every tensor in memory at once, but the format is only
+``[8-byte little-endian header length][JSON header][raw C-order bytes]``, so once the shapes are known the header
+can be written first and the tensors streamed after it, band by band. The files are ordinary safetensors files
+(the tests read them with ``safetensors.torch.load_file`` and transformers).
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, "Virtual"],
     offset = 0
     for name in order:
         v = tensors[name]
-        header[name] = {"dtype": DTYPE_NAMES[v.dtype], "shape": list(v.shape), "data_offsets": [offset, offset + v.nbytes]}
+        header[name] = {"dtype": DTYPE_NAMES[v.dtype], "shape": list(v.shape),
+                        "data_offsets": [offset, offset + v.nbytes]}
         offset += v.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data then starts 8-byte aligned, as safetensors writes it

@@ -57,7 +57,8 @@ class Virtual:
     def stored(cls, path: str, name: str, shape: Sequence[int], dtype: torch.dtype) -> "Virtual":
         """The whole of a stored tensor."""
         shape = tuple(int(s) for s in shape)
-        return cls(shape, dtype, (Piece(Source(path, name, shape, dtype), (0,) * len(shape), (0,) * len(shape), shape),))
+        origin = (0,) * len(shape)
+        return cls(shape, dtype, (Piece(Source(path, name, shape, dtype), origin, origin, shape),))
 
     @property
     def nbytes(self) -> int:
@@ -70,8 +71,8 @@ class Virtual:
         for p in self.pieces:
             lo, hi = max(p.dst[dim], start), min(p.dst[dim] + p.shape[dim], start + length)
             if lo < hi:
-                pieces.append(Piece(p.source, _set(p.dst, dim, lo - start), _set(p.src, dim, p.src[dim] + lo - p.dst[dim]),
-                                    _set(p.shape, dim, hi - lo)))
+                pieces.append(Piece(p.source, _set(p.dst, dim, lo - start),
+                                    _set(p.src, dim, p.src[dim] + lo - p.dst[dim]), _set(p.shape, dim, hi - lo)))
         return Virtual(_set(self.shape, dim, length), self.dtype, tuple(pieces))
 
     def chunk(self, num_chunks: int, dim: int) -> list["Virtual"]:
