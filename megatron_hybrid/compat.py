@@ -52,3 +52,44 @@ def megatron_groups():
                          "first, or pass tp_group, pp_group and dp_group explicitly")
     return (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
             ps.get_data_parallel_group(), ps.get_context_parallel_group())
+
+
+#: 0.17+ dropped ``InferenceWrapperConfig``: the wrapper takes its process groups from the context's config.
+INFERENCE_WRAPPER_CONFIG = MCORE_VERSION < Version("0.17")
+
+
+def static_inference_engine(model, *, pg_collection, tokenizer, max_batch_size: int, max_sequence_length: int):
+    """megatron-core's legacy static inference engine over ``model`` with the given process groups.
+
+    Megatron's pipeline helpers for inference read its global groups, so use this where the model's pipeline
+    groups are Megatron's (p = p_g = 1 for a rollout model).
+    """
+    import torch
+
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    context = StaticInferenceContext(max_batch_size, max_sequence_length)
+    if INFERENCE_WRAPPER_CONFIG:
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+
+        config = model.config
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=config.hidden_size, params_dtype=config.params_dtype,
+            inference_batch_times_seqlen_threshold=max_batch_size * max_sequence_length,
+            padded_vocab_size=model.vocab_size, inference_max_requests=max_batch_size,
+            inference_max_seq_length=max_sequence_length)
+        wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
+    else:
+        context.config.pg_collection = pg_collection
+        wrapped = GPTInferenceWrapper(model, context)
+    controller = TextGenerationController(wrapped, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)

@@ -103,38 +103,41 @@ def offload_case():
 class _TokenIds:
     """A tokenizer for token-id prompts: Megatron's controller only detokenizes for display."""
 
-    def __init__(self, vocab): self.vocab_size = vocab; self.eod = 0; self.bos = None; self.pad = 0
-    def detokenize(self, ids, **k): return " ".join(map(str, ids))
-    def tokenize(self, s): return [int(x) for x in s.split()]
-    def offsets(self, ids, text): return list(range(len(ids)))
+    def __init__(self, vocab):
+        self.vocab_size, self.eod, self.bos, self.pad = vocab, 0, None, 0
+
+    def detokenize(self, ids, **kwargs):
+        return " ".join(map(str, ids))
+
+    def tokenize(self, text):
+        return [int(x) for x in text.split()]
+
+    def offsets(self, ids, text):
+        return list(range(len(ids)))
 
 def static_engine_case(state):
     """Megatron's static inference engine runs on the rollout model (p = p_g = 1: its PP helpers read globals)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.inference.contexts import StaticInferenceContext
-    from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest
-    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
     from megatron.core.inference.sampling_params import SamplingParams
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
     from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.compat import static_inference_engine
     from megatron_hybrid.sharding import load_full_state_dict
+
     tp = ps.get_tensor_model_parallel_world_size()
     model = arch().build(tensor_model_parallel_size=tp)
     load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     engine = HybridEngine(model, RolloutLayout(1, 1))
     engine.switch_to_rollout()
     rm = engine.rollout_model
-    cfg = InferenceWrapperConfig(hidden_size=64, params_dtype=torch.float32, inference_batch_times_seqlen_threshold=1000,
-                                 padded_vocab_size=256, inference_max_requests=4, inference_max_seq_length=64)
-    ctx = StaticInferenceContext(4, 64)
-    wrapped = GPTInferenceWrapper(rm, cfg, ctx, pg_collection=engine.pg_collection)
-    ctrl = TextGenerationController(wrapped, _TokenIds(250))
-    eng = StaticInferenceEngine(ctrl, max_batch_size=4, legacy=True)
+    eng = static_inference_engine(rm, pg_collection=engine.pg_collection, tokenizer=_TokenIds(250),
+                                  max_batch_size=4, max_sequence_length=64)
     sp = SamplingParams(top_k=1, num_tokens_to_generate=5, return_log_probs=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    out = eng.generate(inference_requests=[InferenceRequest(request_id=str(i), prompt=" ".join(map(str,p)), prompt_tokens=p, sampling_params=sp) for i, p in enumerate(prompts)])
+    requests = [InferenceRequest(request_id=str(i), prompt=" ".join(map(str, p)), prompt_tokens=p, sampling_params=sp)
+                for i, p in enumerate(prompts)]
+    out = eng.generate(inference_requests=requests)
     mega = [list(map(int, r.generated_tokens)) for r in out]
     ours = [r.generated_tokens for r in engine.generate(prompts, sp)]
     return mega, ours

@@ -90,7 +90,9 @@ def test_extra_memory_is_the_peers_slots_only():
         assert r["moved"] > 8 * 2**20
         assert r["during"] - r["base"] <= r["moved"] + 2**20 + 2 * 2**20, r
         assert r["during"] - r["base"] >= 0.9 * r["moved"], r  # the peers' slots really were resident
-        assert r["after"] - r["base"] <= 2 * 2**20, r
+        # Back in training, the peers' pages are gone; what remains is interpreter and gloo bookkeeping (seen:
+        # 0.4 MB with torch 2.13, 2.1 MB with torch 2.11), far below the 19 MB that were resident.
+        assert r["after"] - r["base"] <= 0.2 * r["moved"], r
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
