@@ -176,12 +176,12 @@ void add_job(CopyPlan& plan, uint64_t flat, at::ScalarType flat_dtype, uint64_t 
 }
 
 void check_flat(const char* op, const char* name, const at::Tensor& flat) {
-  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous(), "megatron_hybrid::", op, ": ", name,
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "megatron_hybrid::", op, ": ", name,
               " must be a 1-D contiguous tensor, got sizes ", flat.sizes(), " and strides ", flat.strides());
 }
 
 void check_same_device(const char* op, const char* what, int64_t i, const at::Tensor& t, const at::Tensor& flat) {
-  TORCH_CHECK_VALUE(t.device() == flat.device(), "megatron_hybrid::", op, ": ", what, "[", i, "] is on ", t.device(),
+  TORCH_CHECK(t.device() == flat.device(), "megatron_hybrid::", op, ": ", what, "[", i, "] is on ", t.device(),
               " but the flat buffer is on ", flat.device(), "; all tensors must be on one device");
 }
 
@@ -190,7 +190,7 @@ CopyPlan plan_offsets(const char* op, bool to_flat, const at::Tensor& flat, at::
                       at::IntArrayRef offsets) {
   const char* what = to_flat ? "srcs" : "dsts";
   check_flat(op, to_flat ? "out" : "flat", flat);
-  TORCH_CHECK_VALUE(offsets.size() == tensors.size(), "megatron_hybrid::", op, ": expected one offset per tensor, got ",
+  TORCH_CHECK(offsets.size() == tensors.size(), "megatron_hybrid::", op, ": expected one offset per tensor, got ",
               tensors.size(), " tensors and ", offsets.size(), " offsets");
   CopyPlan plan;
   plan.to_flat = to_flat;
@@ -200,7 +200,7 @@ CopyPlan plan_offsets(const char* op, bool to_flat, const at::Tensor& flat, at::
     const int64_t off = offsets[i];
     const int64_t numel = t.numel();
     check_same_device(op, what, static_cast<int64_t>(i), t, flat);
-    TORCH_CHECK_VALUE(off >= 0 && off <= total && numel <= total - off, "megatron_hybrid::", op, ": ", what, "[", i,
+    TORCH_CHECK(off >= 0 && off <= total && numel <= total - off, "megatron_hybrid::", op, ": ", what, "[", i,
                 "] (", numel, " elements) at offset ", off, " does not fit in the flat buffer of ", total,
                 " elements");
     if (!to_flat) at::assert_no_internal_overlap(t);
@@ -224,7 +224,7 @@ CopyPlan plan_blocks(const char* op, bool to_flat, const at::Tensor& flat, at::T
                      const at::Tensor& blocks) {
   const char* what = to_flat ? "srcs" : "dsts";
   check_flat(op, "flat", flat);
-  TORCH_CHECK_VALUE(blocks.device().is_cpu() && blocks.scalar_type() == at::kLong && blocks.dim() == 2 &&
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kLong && blocks.dim() == 2 &&
                   blocks.size(1) == 6,
               "megatron_hybrid::", op, ": blocks must be an int64 CPU tensor of shape [n, 6] with rows (",
               "tensor_index, flat_offset, rows, cols, row0, col0), got ", blocks.scalar_type(), " on ",
@@ -232,7 +232,7 @@ CopyPlan plan_blocks(const char* op, bool to_flat, const at::Tensor& flat, at::T
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     check_same_device(op, what, static_cast<int64_t>(i), t, flat);
-    TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, "megatron_hybrid::", op, ": ", what, "[", i,
+    TORCH_CHECK(t.dim() == 1 || t.dim() == 2, "megatron_hybrid::", op, ": ", what, "[", i,
                 "] must be 1-D (addressed as [n, 1]) or 2-D, got shape ", t.sizes(),
                 "; pass a 2-D view such as t.flatten(1)");
     if (!to_flat) at::assert_no_internal_overlap(t);
@@ -244,18 +244,18 @@ CopyPlan plan_blocks(const char* op, bool to_flat, const at::Tensor& flat, at::T
   const int64_t total = flat.numel();
   for (int64_t b = 0; b < table.size(0); ++b, row += 6) {
     const int64_t index = row[0], off = row[1], rows = row[2], cols = row[3], row0 = row[4], col0 = row[5];
-    TORCH_CHECK_VALUE(index >= 0 && index < static_cast<int64_t>(tensors.size()), "megatron_hybrid::", op, ": block ", b,
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(tensors.size()), "megatron_hybrid::", op, ": block ", b,
                 " names ", what, "[", index, "] but ", tensors.size(), " tensors were given");
     const at::Tensor& t = tensors[index];
     const int64_t t_rows = t.size(0), t_cols = t.dim() == 2 ? t.size(1) : 1;
     const int64_t s_row = t.stride(0), s_col = t.dim() == 2 ? t.stride(1) : 1;
-    TORCH_CHECK_VALUE(rows >= 0 && cols >= 0 && row0 >= 0 && col0 >= 0 && row0 <= t_rows && rows <= t_rows - row0 &&
+    TORCH_CHECK(rows >= 0 && cols >= 0 && row0 >= 0 && col0 >= 0 && row0 <= t_rows && rows <= t_rows - row0 &&
                     col0 <= t_cols && cols <= t_cols - col0,
                 "megatron_hybrid::", op, ": block ", b, " covers rows [", row0, ", ", row0 + rows, ") and cols [",
                 col0, ", ", col0 + cols, ") of ", what, "[", index, "] whose 2-D shape is [", t_rows, ", ", t_cols,
                 "]");
     const int64_t numel = rows * cols;
-    TORCH_CHECK_VALUE(off >= 0 && off <= total && numel <= total - off, "megatron_hybrid::", op, ": block ", b, " ([",
+    TORCH_CHECK(off >= 0 && off <= total && numel <= total - off, "megatron_hybrid::", op, ": block ", b, " ([",
                 rows, ", ", cols, "] at flat offset ", off, ") does not fit in the flat buffer of ", total,
                 " elements");
     if (numel == 0) continue;

@@ -27,10 +27,11 @@ namespace megatron_hybrid {
 namespace cuda {
 namespace {
 
-// Tuning hook state (set_cuda_launch_config); blocks_per_sm 0 means "as many as are resident at once".
+// Tuning hook state (set_cuda_launch_config); blocks_per_sm 0 means "as many as are resident at once". The
+// defaults are the best of bench/ops.py --sweep on the H200 (bench/results/ops_h200.json).
 std::atomic<int> g_unroll{4};
 std::atomic<int> g_inner{4};
-std::atomic<int> g_blocks_per_sm{0};
+std::atomic<int> g_blocks_per_sm{4};
 std::atomic<bool> g_streaming{false};
 
 struct alignas(16) Bytes16 {

@@ -19,7 +19,8 @@ col0 : col0 + cols]``. A 1-D tensor of n elements is addressed as an ``[n, 1]`` 
 their weight's dim-0 layout); a tensor with more dims must be passed as a 2-D view (``t.flatten(1)``). The
 planners below address every shape through the same 2-D view, ``[shape[0], prod(shape[1:])]``.
 
-Destination regions must not overlap each other or the sources; that is not checked.
+Bad arguments (offset counts, bounds, shapes, devices, block tables) raise ValueError on every path. Destination
+regions must not overlap each other or the sources; that is not checked.
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def _use_native(device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Argument checks shared by the reference implementations (the native ops check the same things in C++)
+# Argument checks, shared by the reference and the native path. The native ops check the same things in C++
+# (RuntimeError), but bad input is rejected here first: it raises ValueError on every path, and does not depend on
+# C++ exceptions crossing the extension boundary (on the H200 image, torch 2.11, an exception thrown inside the
+# extension crashed the process; see bench/results/ops_h200.txt).
 
 
 def _check_flat(op: str, name: str, flat: torch.Tensor) -> None:
@@ -151,33 +155,45 @@ def _check_flat(op: str, name: str, flat: torch.Tensor) -> None:
                          f"{tuple(flat.shape)} and strides {flat.stride()}")
 
 
-def _check_region(op: str, what: str, i: int, offset: int, numel: int, total: int) -> None:
-    if offset < 0 or offset + numel > total:
-        raise ValueError(f"megatron_hybrid::{op}: {what}[{i}] ({numel} elements) at offset {offset} does not fit "
-                         f"in the flat buffer of {total} elements")
+def _check_device(op: str, what: str, i: int, t: torch.Tensor, flat: torch.Tensor) -> None:
+    if t.device != flat.device:
+        raise ValueError(f"megatron_hybrid::{op}: {what}[{i}] is on {t.device} but the flat buffer is on "
+                         f"{flat.device}; all tensors must be on one device")
 
 
-def _check_counts(op: str, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+def _check_offsets(op: str, what: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                   offsets: Sequence[int]) -> None:
+    _check_flat(op, "out" if what == "srcs" else "flat", flat)
     if len(tensors) != len(offsets):
         raise ValueError(f"megatron_hybrid::{op}: expected one offset per tensor, got {len(tensors)} tensors and "
                          f"{len(offsets)} offsets")
+    total = flat.numel()
+    for i, (t, offset) in enumerate(zip(tensors, offsets)):
+        _check_device(op, what, i, t, flat)
+        numel = t.numel()
+        if offset < 0 or offset + numel > total:
+            raise ValueError(f"megatron_hybrid::{op}: {what}[{i}] ({numel} elements) at offset {offset} does not "
+                             f"fit in the flat buffer of {total} elements")
 
 
 def _as_blocks(blocks: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
     table = torch.as_tensor(blocks, dtype=torch.int64, device="cpu")
-    return table.reshape(-1, len(BLOCK_FIELDS)) if table.numel() == 0 else table
+    if table.numel() == 0:
+        table = table.reshape(0, len(BLOCK_FIELDS))
+    if table.dim() != 2 or table.shape[1] != len(BLOCK_FIELDS):
+        raise ValueError(f"megatron_hybrid: a block table is [n, {len(BLOCK_FIELDS)}] with rows {BLOCK_FIELDS}, got "
+                         f"shape {tuple(table.shape)}")
+    return table.contiguous()
 
 
 def _block_view(op: str, what: str, tensors: Sequence[torch.Tensor], row: Sequence[int], b: int,
                 total: int) -> tuple[torch.Tensor, slice]:
+    """The destination view and flat span of one block, after checking it."""
     index, offset, rows, cols, row0, col0 = row
     if not 0 <= index < len(tensors):
         raise ValueError(f"megatron_hybrid::{op}: block {b} names {what}[{index}] but {len(tensors)} tensors were "
                          "given")
     t = tensors[index]
-    if t.dim() not in (1, 2):
-        raise ValueError(f"megatron_hybrid::{op}: {what}[{index}] must be 1-D (addressed as [n, 1]) or 2-D, got "
-                         f"shape {tuple(t.shape)}; pass a 2-D view such as t.flatten(1)")
     t2 = t.unsqueeze(1) if t.dim() == 1 else t
     if min(rows, cols, row0, col0) < 0 or row0 + rows > t2.shape[0] or col0 + cols > t2.shape[1]:
         raise ValueError(f"megatron_hybrid::{op}: block {b} covers rows [{row0}, {row0 + rows}) and cols "
@@ -188,26 +204,47 @@ def _block_view(op: str, what: str, tensors: Sequence[torch.Tensor], row: Sequen
     return t2[row0:row0 + rows, col0:col0 + cols], slice(offset, offset + rows * cols)
 
 
+def _check_blocks(op: str, what: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                  table: torch.Tensor) -> None:
+    _check_flat(op, "flat", flat)
+    shapes = []
+    for i, t in enumerate(tensors):
+        _check_device(op, what, i, t, flat)
+        if t.dim() not in (1, 2):
+            raise ValueError(f"megatron_hybrid::{op}: {what}[{i}] must be 1-D (addressed as [n, 1]) or 2-D, got "
+                             f"shape {tuple(t.shape)}; pass a 2-D view such as t.flatten(1)")
+        shapes.append((t.shape[0], t.shape[1] if t.dim() == 2 else 1))
+    if table.shape[0] == 0:
+        return
+    # Vectorised over the table (it can have thousands of rows); the per-row check then names the first bad row.
+    index, offset, rows, cols, row0, col0 = table.unbind(1)
+    ok = (index >= 0) & (index < len(tensors)) & (table[:, 1:] >= 0).all(dim=1)
+    if bool(ok.all()) and tensors:
+        dims = torch.tensor(shapes, dtype=torch.int64)[index]
+        ok = (row0 + rows <= dims[:, 0]) & (col0 + cols <= dims[:, 1]) & (offset + rows * cols <= flat.numel())
+        if bool(ok.all()):
+            return
+    bad = int((~ok).nonzero()[0, 0])
+    _block_view(op, what, tensors, table[bad].tolist(), bad, flat.numel())
+    raise AssertionError("the vectorised block check and the per-row check disagree")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reference implementations (the fallback path; same signatures as the ops)
 
 
 def pack_reference(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> None:
     """Pure-PyTorch :func:`pack`: one ``copy_`` per tensor."""
-    _check_flat("pack", "out", out)
-    _check_counts("pack", srcs, offsets)
-    for i, (src, offset) in enumerate(zip(srcs, offsets)):
-        _check_region("pack", "srcs", i, offset, src.numel(), out.numel())
+    _check_offsets("pack", "srcs", out, srcs, offsets)
+    for src, offset in zip(srcs, offsets):
         if src.numel():
             out.narrow(0, offset, src.numel()).view(src.shape).copy_(src)
 
 
 def unpack_reference(flat: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
     """Pure-PyTorch :func:`unpack`: one ``copy_`` per tensor."""
-    _check_flat("unpack", "flat", flat)
-    _check_counts("unpack", dsts, offsets)
-    for i, (dst, offset) in enumerate(zip(dsts, offsets)):
-        _check_region("unpack", "dsts", i, offset, dst.numel(), flat.numel())
+    _check_offsets("unpack", "dsts", flat, dsts, offsets)
+    for dst, offset in zip(dsts, offsets):
         if dst.numel():
             dst.copy_(flat.narrow(0, offset, dst.numel()).view(dst.shape))
 
@@ -215,8 +252,9 @@ def unpack_reference(flat: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: 
 def scatter_blocks_reference(flat: torch.Tensor, dsts: Sequence[torch.Tensor],
                              blocks: torch.Tensor | Sequence[Sequence[int]]) -> None:
     """Pure-PyTorch :func:`scatter_blocks`: one ``copy_`` per block."""
-    _check_flat("scatter_blocks", "flat", flat)
-    for b, row in enumerate(_as_blocks(blocks).tolist()):
+    table = _as_blocks(blocks)
+    _check_blocks("scatter_blocks", "dsts", flat, dsts, table)
+    for b, row in enumerate(table.tolist()):
         view, span = _block_view("scatter_blocks", "dsts", dsts, row, b, flat.numel())
         if view.numel():
             view.copy_(flat[span].view(view.shape))
@@ -225,8 +263,9 @@ def scatter_blocks_reference(flat: torch.Tensor, dsts: Sequence[torch.Tensor],
 def gather_blocks_reference(srcs: Sequence[torch.Tensor], flat: torch.Tensor,
                             blocks: torch.Tensor | Sequence[Sequence[int]]) -> None:
     """Pure-PyTorch :func:`gather_blocks`: one ``copy_`` per block."""
-    _check_flat("gather_blocks", "flat", flat)
-    for b, row in enumerate(_as_blocks(blocks).tolist()):
+    table = _as_blocks(blocks)
+    _check_blocks("gather_blocks", "srcs", flat, srcs, table)
+    for b, row in enumerate(table.tolist()):
         view, span = _block_view("gather_blocks", "srcs", srcs, row, b, flat.numel())
         if view.numel():
             flat[span].view(view.shape).copy_(view)
@@ -243,6 +282,7 @@ def pack(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]
     """
     srcs, offsets = list(srcs), [int(o) for o in offsets]
     if _use_native(out.device):
+        _check_offsets("pack", "srcs", out, srcs, offsets)
         torch.ops.megatron_hybrid.pack(srcs, out, offsets)
     else:
         pack_reference(srcs, out, offsets)
@@ -255,6 +295,7 @@ def unpack(flat: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[i
     """
     dsts, offsets = list(dsts), [int(o) for o in offsets]
     if _use_native(flat.device):
+        _check_offsets("unpack", "dsts", flat, dsts, offsets)
         torch.ops.megatron_hybrid.unpack(flat, dsts, offsets)
     else:
         unpack_reference(flat, dsts, offsets)
@@ -269,6 +310,7 @@ def scatter_blocks(flat: torch.Tensor, dsts: Sequence[torch.Tensor],
     """
     dsts, table = list(dsts), _as_blocks(blocks)
     if _use_native(flat.device):
+        _check_blocks("scatter_blocks", "dsts", flat, dsts, table)
         torch.ops.megatron_hybrid.scatter_blocks(flat, dsts, table)
     else:
         scatter_blocks_reference(flat, dsts, table)
@@ -279,6 +321,7 @@ def gather_blocks(srcs: Sequence[torch.Tensor], flat: torch.Tensor,
     """Inverse of :func:`scatter_blocks`: copy sub-blocks of ``srcs`` into contiguous blocks of ``flat``."""
     srcs, table = list(srcs), _as_blocks(blocks)
     if _use_native(flat.device):
+        _check_blocks("gather_blocks", "srcs", flat, srcs, table)
         torch.ops.megatron_hybrid.gather_blocks(srcs, flat, table)
     else:
         gather_blocks_reference(srcs, flat, table)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,6 +214,36 @@ def test_bad_arguments_raise_value_error(native: bool, monkeypatch: pytest.Monke
         ops.scatter_blocks(out, [torch.zeros(3, 3)], [[0, 0, 2, 2, 2, 0]])
     with pytest.raises(ValueError, match="names dsts"):
         ops.scatter_blocks(out, [torch.zeros(3, 3)], [[1, 0, 1, 1, 0, 0]])
+
+
+NATIVE_ERROR_SCRIPT = """
+import torch
+import megatron_hybrid.ops as ops
+ops.native_ops_available()
+for call in (
+    lambda: torch.ops.megatron_hybrid.pack([torch.zeros(5)], torch.zeros(10), [6]),
+    lambda: torch.ops.megatron_hybrid.scatter_blocks(torch.zeros(10), [torch.zeros(3, 3)],
+                                                     torch.tensor([[0, 0, 2, 2, 2, 0]])),
+):
+    try:
+        call()
+    except RuntimeError as exc:
+        print("RuntimeError:", str(exc).splitlines()[0])
+"""
+
+
+@needs_native
+def test_native_checks_raise_runtime_error() -> None:
+    """The C++ checks behind the Python ones, for callers of torch.ops.megatron_hybrid.* directly.
+
+    In a subprocess: on the H200 image (torch 2.11) the first exception thrown inside the extension crashed the
+    process, so a crash here must fail this test only, not the whole session.
+    """
+    proc = subprocess.run([sys.executable, "-c", NATIVE_ERROR_SCRIPT], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and "does not fit" in lines[0] and "covers rows" in lines[1], proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
