@@ -172,7 +172,6 @@ class HybridEngine:
         self._plan_and_place()
         self.mode = "training"
         self._fingerprint: Optional[int] = None
-        self._records: list[CollectiveRecord] = []
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         self.profiling = True
@@ -597,8 +596,7 @@ class HybridEngine:
             "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
                                                      else 0.0} for r in records],
             "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
-            "peer_bytes_mapped": sum(b.peer_bytes for b in self.buffers.values()) if self.mode == "rollout" or
-            records else 0,
+            "peer_bytes_mapped": sum(b.peer_bytes for b in self.buffers.values() if b.peers_mapped),
             "weight_mode": self.weight_mode,
             "layout": dataclasses.asdict(self.layout),
         }
