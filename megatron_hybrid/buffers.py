@@ -53,6 +53,10 @@ class RolloutBuffer:
         used_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in used)
         self.own_ranges = own_pages
         self.peer_ranges = _subtract(used_pages, own_pages)
+        # Peers' elements that share a granule with the own slots, hence stay backed while training.
+        exact_own = _merge(own)
+        self.resident_peer_bytes = (sum(hi - lo for lo, hi in own_pages) - sum(hi - lo for lo, hi in exact_own)) \
+            * torch.empty((), dtype=dtype).element_size()
         for lo, hi in self.own_ranges:
             self._mem.map(lo, hi)
         self.peers_mapped = False

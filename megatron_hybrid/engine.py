@@ -110,13 +110,19 @@ class HybridEngine:
             as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
             buffers; costs the own shard twice while rolling out).
         bucket_size_mb: the size of one gather bucket.
+        align_slots: pad every slot to the memory backend's granule (2 MiB with CUDA virtual memory). Then no
+            page is shared between the own slot and a peer's, so nothing of the peers' stays resident while
+            training; the padding travels with the gathers (at most one granule per slot). Without it, the
+            switch moves exactly the missing bytes and up to two granules per bucket stay resident
+            (``communication_report()["resident_peer_bytes"]``): use buckets much larger than a granule.
         tp_group, pp_group, dp_group: the training groups; default: Megatron's ``parallel_state``.
         model_provider: ``model_provider(config, pg_collection, pre_process, post_process)`` building one
             rollout stage, for model classes other than GPTModel.
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
-                 weight_mode: str = "aliased", bucket_size_mb: float = 256.0, tp_group=None, pp_group=None,
+                 weight_mode: str = "aliased", bucket_size_mb: float = 256.0, align_slots: bool = False,
+                 tp_group=None, pp_group=None,
                  dp_group=None, model_provider: Optional[ModelProvider] = None) -> None:
         # ---- validation: everything below this block may run collectives ----
         if weight_mode not in WEIGHT_MODES:
@@ -154,6 +160,7 @@ class HybridEngine:
         self._check_model(self.config)
         self.weight_mode = weight_mode
         self.bucket_size_mb = bucket_size_mb
+        self.align_slots = align_slots
         self.model_provider = model_provider
         self.tp_rank, self.pp_rank = dist.get_rank(tp_group), dist.get_rank(pp_group)
         self.dp_rank = dist.get_rank(dp_group)
@@ -350,8 +357,15 @@ class HybridEngine:
             self.plan = None
             self.buffers = {}
             return
+        alignment = None
+        if self.align_slots:
+            from .memory import allocation_granularity
+
+            granule = allocation_granularity(device)
+            alignment = {name: max(1, granule // torch.empty((), dtype=dt).element_size())
+                         for name, dt in _DTYPES.items()}
         self.plan = build_group_plan(members, [i.name for i, _ in rollout_infos], k=lay.k, q=lay.q,
-                                     bucket_numel=bucket_numel)
+                                     bucket_numel=bucket_numel, alignment=alignment)
         # Place the training tensors in their own slots (a one-time copy at construction).
         self.buffers: dict[str, RolloutBuffer] = {}
         j = self.member_index
@@ -597,6 +611,7 @@ class HybridEngine:
                                                      else 0.0} for r in records],
             "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
             "peer_bytes_mapped": sum(b.peer_bytes for b in self.buffers.values() if b.peers_mapped),
+            "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
             "weight_mode": self.weight_mode,
             "layout": dataclasses.asdict(self.layout),
         }

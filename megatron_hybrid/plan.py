@@ -179,13 +179,13 @@ def _align(n: int, alignment: int) -> int:
 
 
 def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
-                     bucket_numel: int, alignment: int = 1) -> GroupPlan:
+                     bucket_numel: int, alignment: Optional[dict[str, int]] = None) -> GroupPlan:
     """Plan the switch for one micro-DP group.
 
     ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
     training coordinates (tp, pp). ``needed`` lists the global names of the rollout parameters that the group's
-    rollout shard consists of. ``k``, ``q`` as in :mod:`megatron_hybrid.layout`. ``alignment``
-    (elements) pads every slot, so that slots can be mapped and unmapped page by page.
+    rollout shard consists of. ``k``, ``q`` as in :mod:`megatron_hybrid.layout`. ``alignment`` (elements per
+    dtype) pads every slot, so that slots can be mapped and unmapped page by page; the padding then travels too.
     """
     if len(members) != k * q:
         raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q}")
@@ -214,7 +214,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     def add_region(dtype: str, kind: str, group: list[int], per_member: dict[int, list[ParamInfo]],
                    owner: Optional[int] = None) -> None:
         sizes = {j: sum(p.numel for p in ps) for j, ps in per_member.items()}
-        slot = _align(max(sizes.values()), alignment)
+        slot = _align(max(sizes.values()), (alignment or {}).get(dtype, 1))
         if kind != "broadcast" and len(set(sizes.values())) != 1:
             raise AssertionError(f"uneven {kind} slots {sizes}")
         reg = Region(kind, offsets.get(dtype, 0), slot, group, owner)

@@ -116,7 +116,7 @@ def expected_missing_bytes(engine) -> int:
 
 
 def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, *, ddp: bool = False,
-                bucket_size_mb: float = 0.01):
+                bucket_size_mb: float = 0.01, align_slots: bool = False):
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
@@ -135,7 +135,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
 
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode,
-                          bucket_size_mb=bucket_size_mb)
+                          bucket_size_mb=bucket_size_mb, align_slots=align_slots)
     tok = tokens()
     pos = torch.arange(SEQ).expand(BATCH, -1)
 
@@ -150,6 +150,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
         again = (engine.switch_to_rollout(), engine.communication_report())[1]
         engine.switch_to_training()
         return {"logits": logits, "weights": weights, "bytes": report["total_bytes"],
+                "resident": report["resident_peer_bytes"], "regions": report["num_collectives"],
                 "again_bytes": again["total_bytes"], "report": report}
 
     first = observe()

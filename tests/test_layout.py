@@ -107,3 +107,11 @@ def test_plan_buckets_split_the_gather():
     assert [r.slot_numel for r in gathers] == [256, 64, 64, 64, 64]
     plan = build_group_plan(members, sorted({x.name for x in members[0].params}), k=2, q=1, bucket_numel=10**6)
     assert [r.slot_numel for r in plan.regions["float32"] if r.kind == "gather"] == [512]
+
+
+def test_plan_alignment_pads_every_slot():
+    members = _members(4, 1, 2, 1)
+    plan = build_group_plan(members, sorted({x.name for m in members for x in m.params}), k=2, q=1,
+                            bucket_numel=100, alignment={"float32": 48})
+    for reg in plan.regions["float32"]:
+        assert reg.slot_numel % 48 == 0 and reg.offset % 48 == 0
