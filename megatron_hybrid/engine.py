@@ -89,12 +89,18 @@ def _offload(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tens
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
     for t, _, _ in out:
-        t.untyped_storage().resize_(0)
+        if t.untyped_storage().resizable():
+            t.untyped_storage().resize_(0)  # keeps the storage object: views of it (DDP's main_grad) stay views
+        else:  # e.g. tensors from torch.load(weights_only=True): swap the data behind the same tensor object
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return out
 
 
 def _reload(offloaded: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
     for t, host, nbytes in offloaded:
+        if t.numel() == 0 and host.numel() > 0:
+            t.data = host.to(t.device, non_blocking=t.is_cuda)
+            continue
         t.untyped_storage().resize_(nbytes)
         t.copy_(host, non_blocking=t.is_cuda)
 

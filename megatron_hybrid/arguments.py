@@ -1,0 +1,194 @@
+"""Command-line arguments: the Megatron-LM subset our recipes use, under Megatron-LM's names, and ours.
+
+:func:`add_hybrid_args` follows Megatron-LM's ``extra_args_provider`` convention (it takes the parser and returns
+it), so a Megatron-LM launch script can add the rollout layout and the RL settings to its own arguments:
+``initialize_megatron(extra_args_provider=add_hybrid_args)``. :func:`add_megatron_args` adds the Megatron-LM
+flags themselves, for standalone recipes. :func:`validate_args` checks everything that can be checked without a
+collective and raises ``ValueError`` naming the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from typing import Callable
+
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's model, parallelism, training, checkpoint and tokenizer flags (the subset we use)."""
+    g = parser.add_argument_group("model (Megatron-LM names)")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 × hidden size")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--max-position-embeddings", type=int, default=256)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=8)
+    g = parser.add_argument_group("parallelism (Megatron-LM names)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g = parser.add_argument_group("training (Megatron-LM names)")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all DP replicas")
+    g.add_argument("--train-iters", type=int, default=30)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g = parser.add_argument_group("checkpoints (Megatron-LM names)")
+    g.add_argument("--load", default=None, help="resume from this directory (its latest iteration)")
+    g.add_argument("--save", default=None, help="write checkpoints here")
+    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the "
+                   "end only)")
+    g = parser.add_argument_group("tokenizer (Megatron-LM names)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="NullTokenizer")
+    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a directory; "
+                   "SentencePieceTokenizer: a .model file")
+    g.add_argument("--vocab-size", type=int, default=16, help="NullTokenizer: the synthetic vocabulary size")
+    return parser
+
+
+def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The rollout layout and the RL settings (Megatron-LM's ``extra_args_provider`` convention)."""
+    g = parser.add_argument_group("hybrid engine")
+    g.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
+    g.add_argument("--reshard-bucket-size-mb", type=float, default=256.0)
+    g.add_argument("--no-hybrid-rollout", action="store_true",
+                   help="generate with the training-layout model on Megatron's groups (no resharding); for "
+                   "comparisons")
+    g.add_argument("--no-offload-optimizer", action="store_true",
+                   help="keep optimizer states and gradients resident while generating")
+    g = parser.add_argument_group("reinforcement learning")
+    g.add_argument("--algorithm", choices=["ppo", "grpo"], default="ppo")
+    g.add_argument("--reward-fn", default=None, help="module:function(prompts, responses) -> list[float], on "
+                   "token lists (default: the built-in synthetic task's reward)")
+    g.add_argument("--reward-model-load", default=None, help="a directory written by save_value_model(): a "
+                   "Megatron model with a scalar head that scores prompt + response")
+    g.add_argument("--target-token", type=int, default=3, help="built-in task: the token to be rewarded")
+    g.add_argument("--prompt-length", type=int, default=4, help="built-in prompts: tokens per prompt")
+    g.add_argument("--prompt-file", default=None, help="one prompt per line (tokenised), instead of the "
+                   "built-in random prompts")
+    g.add_argument("--num-samples-per-prompt", type=int, default=1, help="responses per prompt (GRPO's group)")
+    g.add_argument("--max-new-tokens", type=int, default=8)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=0.0)
+    g.add_argument("--ppo-epochs", type=int, default=2, help="optimizer steps over each rollout batch")
+    g.add_argument("--clip-ratio", type=float, default=0.2)
+    g.add_argument("--clip-ratio-high", type=float, default=None, help="upper clip (default: --clip-ratio)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="value clipping range (0: off)")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lam", type=float, default=0.95)
+    g.add_argument("--kl-coef", type=float, default=0.02, help="KL penalty in the reward (PPO)")
+    g.add_argument("--kl-ctl-type", choices=["fixed", "adaptive"], default="fixed")
+    g.add_argument("--kl-target", type=float, default=6.0)
+    g.add_argument("--kl-horizon", type=float, default=10000.0)
+    g.add_argument("--kl-estimator", choices=["k1", "abs", "mse", "k3"], default="k1")
+    g.add_argument("--kl-loss-coef", type=float, default=None, help="KL loss (k3) in the policy loss "
+                   "(default: 0.01 for GRPO, 0 for PPO)")
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--value-loss-coef", type=float, default=1.0)
+    g.add_argument("--critic-lr", type=float, default=None, help="default: --lr")
+    g.add_argument("--no-whiten-advantages", action="store_true")
+    g.add_argument("--offload-reference", action="store_true", help="keep the reference policy in host memory "
+                   "between uses")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl (and TensorBoard when installed) go here")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser
+
+
+def load_callable(spec: str) -> Callable:
+    """``module:function`` → the function; ``ValueError`` naming the spec when it is not there."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--reward-fn ({spec!r}) must be 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--reward-fn ({spec!r}): cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--reward-fn ({spec!r}): module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Every check that needs no collective; ``ValueError`` with the values and the arithmetic."""
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "rollout_tensor_model_parallel_size",
+                 "rollout_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size", "train_iters",
+                 "num_layers", "hidden_size", "num_attention_heads", "max_new_tokens", "num_samples_per_prompt",
+                 "ppo_epochs", "prompt_length"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
+    if world_size % (t * p):
+        raise ValueError(f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size ({t}) × "
+                         f"--pipeline-model-parallel-size ({p}) = {t * p}")
+    d = world_size // (t * p)
+    if args.global_batch_size % (args.micro_batch_size * d):
+        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                         f"--micro-batch-size ({args.micro_batch_size}) × data-parallel size ({d}) = "
+                         f"{args.micro_batch_size * d}")
+    if args.global_batch_size % (args.num_samples_per_prompt * d):
+        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                         f"--num-samples-per-prompt ({args.num_samples_per_prompt}) × data-parallel size ({d})")
+    if args.algorithm == "grpo" and args.num_samples_per_prompt < 2:
+        raise ValueError(f"--algorithm grpo needs --num-samples-per-prompt ≥ 2 (got {args.num_samples_per_prompt})")
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
+                         f"({args.hidden_size})")
+    if args.num_attention_heads % t:
+        raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --num-attention-heads "
+                         f"({args.num_attention_heads})")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups")
+    if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
+        raise ValueError(f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads "
+                         f"({args.num_attention_heads})")
+    if args.num_layers % p:
+        raise ValueError(f"--pipeline-model-parallel-size ({p}) must divide --num-layers ({args.num_layers})")
+    if t_g <= t and t % t_g or t_g > t and (t_g % t or d % (t_g // t) or p_g != p):
+        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --tensor-model-parallel-size "
+                         f"({t}), or be m × {t} with m dividing the data-parallel size ({d}) and the same pipeline "
+                         "size")
+    if p % p_g:
+        raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide "
+                         f"--pipeline-model-parallel-size ({p})")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature ({args.temperature}) must be positive (use --top-k 1 for greedy)")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"--save-interval ({args.save_interval}) must be at least 1")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.tokenizer_model is not None:
+            raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "
+                             "vocabulary needs no files); pass --tokenizer-type too")
+    elif args.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    elif args.tokenizer_type == "HuggingFaceTokenizer" and not os.path.isdir(args.tokenizer_model):
+        raise ValueError(f"--tokenizer-model ({args.tokenizer_model!r}) is not a directory (HuggingFaceTokenizer "
+                         "loads a tokenizer directory)")
+    elif args.tokenizer_type == "SentencePieceTokenizer" and not os.path.isfile(args.tokenizer_model):
+        raise ValueError(f"--tokenizer-model ({args.tokenizer_model!r}) is not a file (SentencePieceTokenizer "
+                         "loads a .model file)")
+    if args.reward_fn is not None and args.reward_model_load is not None:
+        raise ValueError("pass --reward-fn or --reward-model-load, not both")
+    if args.reward_fn is not None:
+        load_callable(args.reward_fn)
+    if args.reward_model_load is not None and not os.path.isfile(os.path.join(args.reward_model_load,
+                                                                              "value_model.json")):
+        raise ValueError(f"--reward-model-load ({args.reward_model_load!r}) has no value_model.json")
+    if args.load is not None and not os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+        raise ValueError(f"--load ({args.load!r}) has no latest_checkpointed_iteration.txt")
+    if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
+        raise ValueError(f"--prompt-file ({args.prompt_file!r}) does not exist")
