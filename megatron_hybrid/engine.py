@@ -187,7 +187,8 @@ class HybridEngine:
         self._fingerprint: Optional[int] = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
-        self.profiling = True
+        # Off by default: per-collective timing synchronises the device after every collective.
+        self.profiling = False
 
     # ------------------------------------------------------------------------------------------------------
     def _check_model(self, config) -> None:
@@ -627,5 +628,9 @@ class HybridEngine:
         return dict(self._last_report)
 
     def set_profiling(self, enabled: bool) -> None:
-        """Time each collective separately (synchronising after each) or only the whole switch."""
+        """Time each collective separately (synchronising after each) or only the whole switch (default).
+
+        Without profiling, a GPU collective's ``seconds`` in the report is its launch time only; on CPU/gloo
+        collectives are synchronous either way.
+        """
         self.profiling = bool(enabled)
