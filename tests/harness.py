@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import gc
 import os
 import queue
 import sys
@@ -65,6 +66,7 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
                 finally:
                     ps.destroy_model_parallel()
                     _destroy_subgroups(dist)
+                    gc.collect()
             outbox.put((rank, True, result))
         except BaseException:  # report every failure, including assertion errors, to the parent
             outbox.put((rank, False, traceback.format_exc()))
@@ -74,10 +76,13 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
 
 
 def _destroy_subgroups(dist) -> None:
-    """Free every process group but the world: a long-lived rank would otherwise pile up gloo groups (and
-    their sockets and threads) test after test."""
+    """Free every process group but the world: a long-lived rank would otherwise pile up gloo groups (each with
+    its own device, sockets and loop thread) test after test, and hundreds of loop threads starve the CPU."""
+    import gc
+
     from torch.distributed import distributed_c10d as c10d
 
+    gc.collect()  # engines and models of the finished job hold their groups through reference cycles
     world = c10d.GroupMember.WORLD
     for pg in list(c10d._world.pg_map):
         if pg is not world:
