@@ -186,6 +186,7 @@ class HybridEngine:
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._block_cache: dict[str, Blocks] = {}
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         # Off by default: per-collective timing synchronises the device after every collective.
         self.profiling = False
@@ -470,7 +471,16 @@ class HybridEngine:
             torch.cuda.synchronize()
 
     def _blocks_for(self, name: str) -> Blocks:
-        """The rollout parameter ``name`` as views of training tensors (own or in peers' slots)."""
+        """The rollout parameter ``name`` as views of training tensors (own or in peers' slots).
+
+        Computed once: the buffers keep their addresses, so the same views serve every switch.
+        """
+        cached = self._block_cache.get(name)
+        if cached is None:
+            cached = self._block_cache[name] = self._make_blocks(name)
+        return cached
+
+    def _make_blocks(self, name: str) -> Blocks:
         lay = self.layout
         if lay.widens:
             prm = self._train_params[name]

@@ -141,12 +141,12 @@ class GroupPlan:
 
     def where(self, member: int, name: str) -> tuple[str, int]:
         """(dtype, offset) of member's tensor ``name`` in the buffers, if it is placed there."""
-        for dtype, regs in self.regions.items():
-            for reg in regs:
-                for s in reg.slices:
-                    if s.member == member and s.name == name:
-                        return dtype, s.offset
-        raise KeyError((member, name))
+        index = self.__dict__.get("_where")
+        if index is None:  # built once: the plan does not change
+            index = {(sl.member, sl.name): (dtype, sl.offset) for dtype, regs in self.regions.items()
+                     for reg in regs for sl in reg.slices}
+            self.__dict__["_where"] = index
+        return index[(member, name)]
 
     def received_numel(self, member: int) -> dict[str, int]:
         """Elements per dtype that ``member`` receives in a switch."""
