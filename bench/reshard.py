@@ -1,0 +1,894 @@
+"""Benchmark the switch to rollout: the HybridEngine against megatron-core's swap_model_weights, a whole-model
+gather and the all-gather bound, measured on every rank of one torchrun job.
+
+Methods (same model, same layout, same job):
+
+- ``ours-aliased``, ``ours-canonical``: ``HybridEngine(weight_mode=...).switch_to_rollout()`` (map the peers'
+  slots, one in-place collective per bucket/region, bind the rollout model), with ``set_profiling(False)``.
+- ``swap``: ``megatron.core.resharding.swap_model_weights(train, rollout, "gloo"|"nccl")`` into a second rollout
+  model built with its own process groups (the engine's ``pg_collection``). Its plan is built on the warm-up.
+- ``naive-gather``: every rank all-gathers the whole model over the world, one all-gather per parameter, each rank
+  contributing 1/world of it (DeepSpeed-Chat's ZeRO-3 hybrid engine): (tpd-1)/(tpd)·M bytes per rank.
+- ``bound``: one ``all_gather_into_tensor`` of exactly the bytes ``ours`` receives (the most any rank receives),
+  over our micro-DP groups, into a resident preallocated buffer: the floor of a switch on this machine.
+
+Timing: before every run, garbage collection, ``malloc_trim(0)`` and a barrier; a run's time is the largest
+per-rank time of the call; reported: the median over ``--runs`` runs after ``--warmup`` warm-up runs. The runs of
+ours-aliased, bound, swap and naive-gather are interleaved (run i of each method, then run i + 1), so that a
+change of machine load hits all of them alike; ours-canonical needs its own engine and runs right after. On CPU
+the timed calls run with cpu_gloo()'s TorchFunctionMode suspended (a per-torch-call test shim absent on a GPU;
+``--keep-cpu-shim`` keeps it).
+
+Memory (CPU): resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) during the call
+minus the resident set just before it, plus what the method's setup kept that only the rollout needs (swap's
+second model copy, bound's buffer); the largest over runs and ranks. Beside it the bytes accounted by
+construction: ours = peers' slots + the materialised canonical tensors + gloo's flat staging of the largest
+collective; swap = second model copy + its receive staging (a buffer per receive plus gloo's CPU copy of it)
++ contiguous copies of strided send slices; naive = the gathered model; bound = its buffer + gloo's staging.
+
+Outputs in ``--output-dir``: ``NAME.json`` (one row per method, layout and shape), ``NAME.md`` (tables),
+``NAME.png`` (plot; needs matplotlib) and, in ``--report-dir``, one communication report (JSONL trace + HTML) per
+layout and shape of a profiled ours-aliased switch, with a training forward+backward as the step time.
+
+Examples:
+    # CPU, gloo, 8 ranks, the default layouts of both shapes (bench/results/reshard_cpu.*):
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 8 bench/reshard.py --output-dir bench/results
+    # one shape, two layouts (t,p,d,t_g,p_g), more runs, smaller buckets:
+    torchrun --standalone --nproc_per_node 8 bench/reshard.py --shapes many-small \\
+        --layouts 4,1,2,2,1 2,2,2,1,1 --runs 9 --reshard-bucket-size-mb 64 --output-dir /tmp/reshard
+    # 4 ranks, only ours and the bound, no plot:
+    torchrun --standalone --nproc_per_node 4 bench/reshard.py --methods ours-aliased bound --no-plot \\
+        --output-dir /tmp/reshard4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_hybrid.models import GPTArchitecture  # noqa: E402
+from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
+
+METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound")
+DIAGNOSES = ("diag-aliased-bind-once",)
+Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
+
+SHAPES: dict[str, GPTArchitecture] = {
+    # 48 layers of a tiny model: 291 parameter tensors, 7.2 MB (fp32) in all, 3.6 MB per rank at t·p = 2.
+    "many-small": GPTArchitecture(num_layers=48, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
+                                  vocab_size=256, make_vocab_size_divisible_by=32, max_position_embeddings=256),
+    # 4 wide layers: 27 parameter tensors, 453 MB (fp32) in all, 113 MB per rank at t·p = 4.
+    "few-large": GPTArchitecture(num_layers=4, hidden_size=1536, num_attention_heads=12, num_query_groups=4,
+                                 ffn_hidden_size=4096, vocab_size=4096, make_vocab_size_divisible_by=128,
+                                 max_position_embeddings=256),
+}
+# Vocabulary sizes are multiples of make_vocab_size_divisible_by × 8, so every TP size up to 8 pads them alike.
+
+# Per shape: layouts for 8 ranks. few-large keeps d_g = 2 with t·p = 4 (113 MB per rank): swap_model_weights
+# stages every receive twice next to its second model copy (≈ 3 rollout shards per rank), which at d_g = 4 would
+# need ≈ 12 GB across 8 ranks on top of the processes themselves.
+DEFAULT_LAYOUTS_8: dict[str, list[Layout]] = {
+    "many-small": [(2, 1, 4, 1, 1), (4, 1, 2, 2, 1), (4, 1, 2, 1, 1), (2, 2, 2, 1, 1), (2, 2, 2, 1, 2),
+                   (2, 2, 2, 2, 1), (8, 1, 1, 2, 1)],
+    "few-large": [(4, 1, 2, 2, 1), (2, 2, 2, 1, 2), (2, 2, 2, 2, 1)],
+}
+
+
+def default_layouts(shape: str, world: int) -> list[Layout]:
+    """The layouts benchmarked for ``shape`` on ``world`` ranks when ``--layouts`` is not given."""
+    if world == 8:
+        return list(DEFAULT_LAYOUTS_8[shape])
+    out: list[Layout] = []
+    for t, p, t_g, p_g in ((2, 1, 1, 1), (4, 1, 2, 1), (2, 2, 1, 1), (2, 2, 2, 1)):
+        if world % (t * p) == 0:
+            out.append((t, p, world // (t * p), t_g, p_g))
+    return out or [(world, 1, 1, 1, 1)]
+
+
+def parse_layout(text: str) -> Layout:
+    parts = text.replace("(", "").replace(")", "").split(",")
+    if len(parts) != 5 or not all(s.strip().isdigit() for s in parts):
+        raise argparse.ArgumentTypeError(f"layout {text!r} must be five integers t,p,d,t_g,p_g")
+    return tuple(int(s) for s in parts)  # type: ignore[return-value]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Measurement helpers
+
+
+class Memory:
+    """Resident memory of this process: current, and the high-water mark since the last :meth:`reset_peak`."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            self._libc = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.has_peak = True
+        except OSError:
+            self.has_peak = False
+            warnings.warn("cannot reset the resident high-water mark (/proc/self/clear_refs): the memory columns "
+                          "show the resident set after the call instead of the peak during it")
+
+    def trim(self) -> None:
+        # Temporaries freed by torch/gloo stay cached in glibc's heap: hand them back, so that what is measured
+        # is what is held (as tests/engine_cases.py memory_case does).
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+    def current(self) -> int:
+        return self._proc.memory_info().rss
+
+    def reset_peak(self) -> None:
+        if self.has_peak:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+    def peak(self) -> int:
+        if not self.has_peak:
+            return self.current()
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return self.current()
+
+
+@dataclasses.dataclass
+class Method:
+    """One way of switching: ``op`` is timed, ``after`` undoes it (untimed)."""
+
+    name: str
+    op: Callable[[], Any]
+    after: Callable[[], Any] = lambda: None
+    setup_extra: int = 0  # resident bytes its setup kept that only the rollout needs
+    times: list = dataclasses.field(default_factory=list)
+    extras: list = dataclasses.field(default_factory=list)
+    info: dict = dataclasses.field(default_factory=dict)  # bytes, collectives, accounted memory, ...
+    breakdowns: list = dataclasses.field(default_factory=list)  # ours: seconds per part of each switch
+    state: dict = dataclasses.field(default_factory=dict)  # what the method holds (engine, buffers, models)
+
+    def release(self) -> None:
+        """Drop everything the method holds; the measurements stay."""
+        self.op = self.after = lambda: None
+        self.state.clear()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _without_cpu_function_mode(enabled: bool):
+    """Suspend cpu_gloo()'s TorchFunctionMode (it rewrites CUDA devices in every torch call: ~5-10 µs each on this
+    machine, a CPU test shim that does not exist on a GPU); its torch.cuda stand-ins stay, swap needs them."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    if not enabled or not _get_current_function_mode_stack():
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+def run_once(m: Method, mem: Memory, device: torch.device, *, record: bool, keep_shim: bool = False) -> None:
+    mem.trim()
+    mem.reset_peak()
+    base = mem.current()
+    dist.barrier()
+    with _without_cpu_function_mode(not keep_shim):
+        t0 = time.perf_counter()
+        m.op()
+        _sync(device)
+    dt = time.perf_counter() - t0
+    peak = mem.peak()
+    m.after()
+    if record:
+        m.times.append(dt)
+        m.extras.append(max(peak - base, 0))
+
+
+def run_interleaved(methods: list[Method], mem: Memory, device: torch.device, *, warmup: int, runs: int,
+                    keep_shim: bool = False) -> None:
+    # A full gc.collect() over megatron's object graph costs ~100 ms of CPU per rank here and slows the next
+    # collective down (a 3.8 MB pair all-gather: 20 ms -> 180 ms median): freeze what exists, so that the
+    # collection before each run only looks at what the runs create.
+    gc.collect()
+    gc.freeze()
+    try:
+        for i in range(warmup + runs):
+            for m in methods:
+                run_once(m, mem, device, record=i >= warmup, keep_shim=keep_shim)
+    finally:
+        gc.unfreeze()
+
+
+class Timers:
+    """Wraps bound methods of engine objects to split the switch into its parts (no engine change needed)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, obj: Any, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+        if getattr(fn, "_timed", False):
+            return
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+
+        timed._timed = True  # type: ignore[attr-defined]
+        setattr(obj, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Model
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """An init_method that leaves the weight as allocated (fill_weights sets it)."""
+
+
+def fill_weights(model: torch.nn.Module, tp_rank: int) -> None:
+    """Deterministic weights: the same tensor on every holder of the same shard, a different one per shard."""
+    offset = layer_offset(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            seed = zlib.crc32(global_name(name, offset).encode())
+            if TPSpec.of(p).sharded:
+                seed = seed * 31 + tp_rank + 1
+            g = torch.Generator().manual_seed(seed)
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+
+
+def full_sizes(model: torch.nn.Module, t: int) -> dict[str, tuple[int, torch.dtype]]:
+    """{global name: (full numel, dtype)} of the whole model, from every rank's stage (a world collective)."""
+    offset = layer_offset(model)
+    mine = {global_name(n, offset): (p.numel() * (t if TPSpec.of(p).sharded else 1), str(p.dtype))
+            for n, p in model.named_parameters()}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out: dict[str, tuple[int, torch.dtype]] = {}
+    for part in parts:
+        for name, (numel, dtype) in part.items():
+            out[name] = (numel, getattr(torch, dtype.split(".")[-1]))
+    return dict(sorted(out.items()))
+
+
+def expected_missing_bytes(engine) -> int:
+    """This rank's rollout shard minus the bytes of its own training tensors that are part of it."""
+    rollout = {}
+    for chunk in engine.rollout_chunks:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            rollout[global_name(name, off)] = p.numel() * p.element_size()
+    own = sum(p.numel() * p.element_size() for chunk in engine.modules for name, p in chunk.named_parameters()
+              if global_name(name, layer_offset(chunk)) in rollout)
+    return 0 if engine.layout.widens else sum(rollout.values()) - own
+
+
+def step_seconds(model: torch.nn.Module, arch: GPTArchitecture, *, seq: int, runs: int, device) -> float:
+    """Median time of one training forward+backward (one micro-batch of ``seq`` tokens) through the pipeline."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size, (1, seq), generator=g).to(device)
+    positions = torch.arange(seq, device=device).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        tok = next(data_iterator)
+        out = model(tok, positions, None, labels=torch.roll(tok, -1, dims=1))
+        return out, lambda per_token: (per_token.float().mean(), {})
+
+    times = []
+    for i in range(runs + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model],
+                                    num_microbatches=1, seq_length=seq, micro_batch_size=1, forward_only=False)
+        _sync(device)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i:
+            times.append(dt.item())
+        for p in model.parameters():
+            p.grad = None
+    return statistics.median(times)
+
+
+def build_rollout_model(arch: GPTArchitecture, engine, config) -> torch.nn.Module:
+    """A second rollout model with its own memory, on the engine's rollout process groups (swap's target)."""
+    lay = engine.layout
+    rcfg = copy.copy(config)
+    rcfg.tensor_model_parallel_size, rcfg.pipeline_model_parallel_size = lay.t_g, lay.p_g
+    return arch.build(rcfg, pre_process=engine.rollout_pp_rank == 0, post_process=engine.rollout_pp_rank == lay.p_g - 1,
+                      pg_collection=engine.pg_collection)
+
+
+def tensor_crcs(module: torch.nn.Module) -> dict[str, int]:
+    with torch.no_grad():
+        return {n: zlib.crc32(p.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
+                for n, p in module.named_parameters()}
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Methods
+
+
+def ours(engine, name: str, timers: Timers, backend: str) -> Method:
+    """HybridEngine.switch_to_rollout(), its parts timed; ``after`` checks the bytes and switches back."""
+    engine.set_profiling(False)
+    for buf in engine.buffers.values():
+        timers.wrap(buf, "map_peers", "map_peers")
+    timers.wrap(engine, "_run_region", "collectives")
+    timers.wrap(engine, "_bind_rollout", "bind")
+    m = Method(name, lambda: m.state["engine"].switch_to_rollout(), state={"engine": engine})
+
+    def after():
+        eng = m.state["engine"]
+        rep = eng.communication_report()
+        if not m.info:
+            m.info.update(_ours_accounting(eng, backend), bytes=rep["total_bytes"],
+                          collectives=rep["num_collectives"], expected_bytes=expected_missing_bytes(eng))
+        elif rep["total_bytes"] != m.info["bytes"]:
+            raise AssertionError(f"{name}: received {rep['total_bytes']} bytes, before {m.info['bytes']}")
+        m.breakdowns.append(timers.take())
+        eng.switch_to_training()
+
+    m.after = after
+    return m
+
+
+def _ours_accounting(engine, backend: str) -> dict[str, int]:
+    """While rolling out: the peers' slots, the canonical tensors built outside the buffers, gloo's staging."""
+    peers = sum(b.peer_bytes for b in engine.buffers.values())
+    ranges = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.tensor.numel() * b.tensor.element_size())
+              for b in engine.buffers.values()]
+    materialized = 0
+    for chunk in engine.rollout_chunks:
+        for _, p in chunk.named_parameters():
+            if p.dim() and min(p.data.stride()) == 0:
+                continue  # an aliased placeholder (expand of one element): no storage
+            if not any(lo <= p.data.data_ptr() < hi for lo, hi in ranges):
+                materialized += p.numel() * p.element_size()
+    # gloo's all_gather_into_tensor gathers into a flat temporary of the whole region, then copies it out.
+    largest = 0
+    if engine.plan is not None and backend == "gloo":
+        largest = max((r.numel * engine.buffers[dt].tensor.element_size()
+                       for dt, regs in engine.plan.regions.items() for r in regs), default=0)
+    return {"peer_bytes": peers, "materialized_bytes": materialized, "staging_bytes": largest,
+            "accounted": peers + materialized + largest}
+
+
+def diag_bind_once(engine, timers: Timers, backend: str) -> Method:
+    """Diagnosis: the aliased switch with the rollout model bound once instead of at every switch (emulated).
+
+    The buffers keep fixed addresses, so the rollout parameters' blocks stay valid across switches; the engine
+    rebinds them anyway (and unbinds them at switch_to_training). Here the first binding is kept and
+    switch_to_training only unmaps the peers' slots: what ``ours-aliased`` would cost with the binding hoisted out
+    of the switch. Patches this engine instance only.
+    """
+    bind = engine._bind_rollout
+    done = []
+
+    def bind_once() -> None:
+        if not done:
+            bind()
+            done.append(True)
+
+    def to_training() -> None:
+        for buf in engine.buffers.values():
+            buf.unmap_peers()
+        engine.mode = "training"
+
+    engine._bind_rollout = bind_once
+    engine.switch_to_training = to_training
+    return ours(engine, "diag-aliased-bind-once", timers, backend)
+
+
+def bound(engine, missing_max: int, mem: Memory) -> Method:
+    """One all-gather of ``missing_max`` bytes over the micro-DP group, into a resident buffer."""
+    d_g = engine.layout.d_g
+    group = engine.groups["micro_dp"]
+    slot = -(-missing_max // (4 * (d_g - 1)))  # float32 elements per member
+    mem.trim()
+    before = mem.current()
+    device = next(iter(engine._train_params.values())).device
+    out = torch.zeros(slot * d_g, dtype=torch.float32, device=device)
+    me = group.rank()
+    mem.trim()
+    from megatron_hybrid import compat
+
+    m = Method("bound", lambda: compat.all_gather_into_tensor(m.state["out"], m.state["in"], group=m.state["group"]),
+               setup_extra=mem.current() - before,
+               state={"out": out, "in": out[me * slot: (me + 1) * slot], "group": group})
+    m.info.update(bytes=slot * 4 * (d_g - 1), collectives=1,
+                  accounted=slot * 4 * d_g * (2 if dist.get_backend(group) == "gloo" else 1))
+    return m
+
+
+def naive_gather(sizes: dict[str, tuple[int, torch.dtype]], device) -> Method:
+    """One all-gather over the world per parameter of the whole model; the gathered model is kept until after."""
+    from megatron_hybrid import compat
+
+    world = dist.get_world_size()
+    parts = [torch.zeros(-(-numel // world), dtype=dtype, device=device) for numel, dtype in sizes.values()]
+
+    def op():
+        for part in m.state["parts"]:
+            out = torch.empty(part.numel() * world, dtype=part.dtype, device=device)
+            compat.all_gather_into_tensor(out, part, group=None)
+            m.state["held"].append(out)
+
+    m = Method("naive-gather", op, state={"parts": parts, "held": []})
+    m.after = lambda: m.state["held"].clear()
+    part_bytes = sum(p.numel() * p.element_size() for p in parts)
+    m.info.update(bytes=part_bytes * (world - 1), collectives=len(parts), accounted=part_bytes * world)
+    return m
+
+
+def swap_method(train_model, dst_model, backend: str) -> Method:
+    from megatron.core.resharding import swap_model_weights
+
+    m = Method("swap", lambda: None, state={"src": train_model, "dst": dst_model})
+    m.op = lambda: swap_model_weights(m.state["src"], m.state["dst"], backend)
+    return m
+
+
+def swap_accounting(train_model, dst_model) -> dict[str, int]:
+    """Bytes received from other ranks, messages, the second copy and the staging of one swap (from its plan)."""
+    from megatron.core.utils import unwrap_model
+
+    plan = getattr(unwrap_model(dst_model), "_cached_reshard_plan")
+    me = dist.get_rank()
+    dst = dict(dst_model.named_parameters())
+    src = dict(train_model.named_parameters())
+    recv_remote = recv_all = send_strided = messages = 0
+    for op in plan.recv_ops:
+        view = dst[op.param_name].data[op.my_slice]
+        nbytes = view.numel() * view.element_size()
+        recv_all += nbytes
+        if op.peer_rank != me:
+            recv_remote += nbytes
+            messages += 1
+    for op in plan.send_ops:
+        view = src[op.param_name].data[op.my_slice]
+        if not view.is_contiguous():
+            send_strided += view.numel() * view.element_size()
+        messages += op.peer_rank != me
+    second = sum(p.numel() * p.element_size() for p in dst_model.parameters())
+    # execute_reshard_plan stages every receive (local ones too) in a fresh buffer, and the gloo service stages it
+    # again in a CPU buffer; strided send slices are made contiguous first.
+    staging = 2 * recv_all + send_strided
+    return {"bytes": recv_remote, "collectives": messages, "second_copy_bytes": second, "staging_bytes": staging,
+            "accounted": second + staging}
+
+
+# -------------------------------------------------------------------------------------------------------------
+# One layout of one shape
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _all_objects(obj) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _destroy_subgroups() -> None:
+    """Free every process group but the world after a layout: each gloo group keeps its own threads, and a few
+    hundred of them (megatron's, the engines', swap's) slow every later collective down."""
+    from megatron.core.resharding.refit import clear_service_cache
+    from torch.distributed import distributed_c10d as c10d
+
+    clear_service_cache()  # swap's copy service holds a world group of its own
+    world = c10d.GroupMember.WORLD
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    gc.collect()
+
+
+def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend: str, mem: Memory) -> list[dict]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid.report import gather_trace, write_communication_report
+
+    t, p, d, t_g, p_g = layout
+    rank = dist.get_rank()
+    arch = SHAPES[shape]
+    ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+    model_parallel_cuda_manual_seed(0)
+    try:
+        # Megatron sets the tensor-parallel attributes of a weight only where it initialises it: keep the
+        # initialisation, per shard (no host-side master weight) and as a no-op; fill_weights sets the values.
+        config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                         use_cpu_initialization=False, init_method=_no_init,
+                                         output_layer_init_method=_no_init, embedding_init_method=_no_init)
+        model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+        model.to(device)
+        fill_weights(model, ps.get_tensor_model_parallel_rank())
+        sizes = full_sizes(model, t)
+        model_bytes = sum(n * torch.empty((), dtype=dt).element_size() for n, dt in sizes.values())
+        shard_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
+        num_tensors = len(list(model.parameters()))
+        step = args.step_seconds
+        if step is None and not args.no_report:
+            step = step_seconds(model, arch, seq=args.seq_length, runs=args.step_runs, device=device)
+        timers = Timers()
+        methods = {m for m in args.methods}
+        results: dict[str, Method] = {}
+
+        # ---- phase 1: ours-aliased, bound, swap, naive-gather, interleaved (one engine) ----
+        engine = HybridEngine(model, RolloutLayout(t_g, p_g), weight_mode="aliased",
+                              bucket_size_mb=args.reshard_bucket_size_mb)
+        missing_max = int(max(_max_over_ranks([float(expected_missing_bytes(engine))])))
+        report_summary = None
+        if not args.no_report:
+            # One profiled switch (a collective at a time, timed each) for the communication report.
+            engine.switch_to_rollout()  # warm-up: gloo pairs, first-touch of the peers' pages
+            engine.switch_to_training()
+            engine.set_profiling(True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.switch_to_rollout()
+            switch = max(_max_over_ranks([time.perf_counter() - t0]))
+            records = gather_trace(engine)
+            engine.switch_to_training()
+            if rank == 0:
+                stem = f"{args.name}_{shape}_" + "-".join(map(str, layout))
+                report_dir = Path(args.report_dir or args.output_dir)
+                lay = engine.layout
+                report_summary = write_communication_report(
+                    records, report_dir / f"{stem}_trace.jsonl", report_dir / f"{stem}_report.html",
+                    step_seconds=step, switch_seconds=switch,
+                    title=f"Switch to rollout: {shape}, (t,p,d)=({t},{p},{d}) -> (t_g,p_g)=({t_g},{p_g}), "
+                          f"d_g={lay.d_g}, aliased, {backend}",
+                    notes=[f"{dist.get_world_size()} ranks on {device.type} ({os.cpu_count()} cores), bucket "
+                           f"{args.reshard_bucket_size_mb} MB, profiled switch (per-collective timing)",
+                           f"step time: one training forward+backward of 1x{args.seq_length} tokens"
+                           if args.step_seconds is None else "step time: given on the command line"])
+        phase1: list[Method] = []
+        if "ours-aliased" in methods:
+            phase1.append(ours(engine, "ours-aliased", timers, backend))
+        if "bound" in methods and engine.layout.d_g > 1:
+            phase1.append(bound(engine, missing_max, mem))
+        if "swap" in methods:
+            mem.trim()
+            before = mem.current()
+            swap_m = swap_method(model, build_rollout_model(arch, engine, config).to(device), backend)
+            swap_m.op()  # builds and caches the plan (rank 0 plans for all, then scatters): not part of a switch
+            swap_m.info.update(swap_accounting(model, swap_m.state["dst"]))
+            mem.trim()
+            swap_m.setup_extra = mem.current() - before  # the second model copy (and the cached plan)
+            phase1.append(swap_m)
+        if "naive-gather" in methods:
+            phase1.append(naive_gather(sizes, device))
+        run_interleaved(phase1, mem, device, warmup=args.warmup, runs=args.runs, keep_shim=args.keep_cpu_shim)
+        if args.diagnose and "ours-aliased" in methods and engine.layout.d_g > 1:
+            # Same engine, patched: the switch without rebinding, against a bound measured alongside it.
+            diag, again = diag_bind_once(engine, timers, backend), bound(engine, missing_max, mem)
+            run_interleaved([diag, again], mem, device, warmup=args.warmup, runs=args.runs,
+                            keep_shim=args.keep_cpu_shim)
+            diag.info["bound_runs"] = again.times
+            again.release()
+            phase1.append(diag)
+        swap_crcs = None
+        for m in phase1:
+            if m.name == "swap":
+                swap_crcs = tensor_crcs(m.state["dst"])
+            m.release()
+            results[m.name] = m
+        # The engine's buffers hold the training weights (the parameters are views of them) and are unmapped when
+        # the engine goes: give the parameters their own storage first. (The engine has no close()/detach.)
+        with torch.no_grad():
+            for q in model.parameters():
+                q.data = q.data.clone()
+        del engine, phase1
+        mem.trim()
+
+        # ---- phase 2: ours-canonical (its own engine on the same training model) ----
+        swap_matches = None
+        if "ours-canonical" in methods or swap_crcs is not None:
+            engine = HybridEngine(model, RolloutLayout(t_g, p_g), weight_mode="canonical",
+                                  bucket_size_mb=args.reshard_bucket_size_mb)
+            if swap_crcs is not None:
+                # megatron-core's swap and our canonical rollout model must hold the same bytes.
+                engine.switch_to_rollout()
+                ours_crcs = tensor_crcs(engine.rollout_model)
+                engine.switch_to_training()
+                bad = sorted(n for n in swap_crcs if ours_crcs.get(n) != swap_crcs[n])
+                swap_matches = all(not b for b in _all_objects(bad))
+                if bad:
+                    print(f"WARNING rank {rank}: swap_model_weights and ours-canonical differ on {bad[:5]}",
+                          flush=True)
+            if "ours-canonical" in methods:
+                canonical = ours(engine, "ours-canonical", timers, backend)
+                run_interleaved([canonical], mem, device, warmup=args.warmup, runs=args.runs,
+                                keep_shim=args.keep_cpu_shim)
+                canonical.release()
+                results[canonical.name] = canonical
+            del engine
+
+        # ---- rows (rank 0) ----
+        local = {name: {"times": m.times, "extras": [e + m.setup_extra for e in m.extras], "info": m.info,
+                        "breakdowns": m.breakdowns} for name, m in results.items()}
+        everyone = _all_objects(local)
+        del results, model
+    finally:
+        ps.destroy_model_parallel()
+        _destroy_subgroups()
+    if rank != 0:
+        return []
+    lay_d_g = (t // t_g if t_g <= t else 1) * (p // p_g)
+    rows = []
+    for name in [n for n in METHODS + DIAGNOSES if n in everyone[0]]:
+        per_rank = [e[name] for e in everyone]
+        runs = [max(r["times"][i] for r in per_rank) for i in range(len(per_rank[0]["times"]))]
+        row = {
+            "method": name, "shape": shape, "layout": list(layout), "d_g": lay_d_g,
+            "num_tensors": num_tensors, "num_tensors_model": len(sizes), "backend": backend,
+            "world_size": dist.get_world_size(), "device": device.type, "cpu_count": os.cpu_count(),
+            "switch_s_median": statistics.median(runs), "switch_s_runs": runs,
+            "bytes_per_rank": max(r["info"]["bytes"] for r in per_rank),
+            "num_collectives": max(r["info"]["collectives"] for r in per_rank),
+            "extra_mem_bytes": max(max(r["extras"]) for r in per_rank),
+            "extra_mem_accounted_bytes": max(r["info"]["accounted"] for r in per_rank),
+            "training_shard_bytes": shard_bytes, "model_bytes": model_bytes,
+            "bytes_formula": (lay_d_g - 1) * model_bytes / (t * p),
+            "bucket_size_mb": args.reshard_bucket_size_mb, "runs": args.runs, "warmup": args.warmup,
+            "step_s": step, "cpu_shim_while_timing": bool(args.keep_cpu_shim), "torch": torch.__version__, "megatron_core": str(compat.MCORE_VERSION),
+        }
+        if name.startswith("ours") or name.startswith("diag-aliased"):
+            row["bytes_expected_per_rank"] = max(r["info"]["expected_bytes"] for r in per_rank)
+            row["bytes_equal_expected"] = all(r["info"]["bytes"] == r["info"]["expected_bytes"] for r in per_rank)
+            row["peer_bytes"] = max(r["info"]["peer_bytes"] for r in per_rank)
+            row["staging_bytes"] = max(r["info"]["staging_bytes"] for r in per_rank)
+            row["materialized_bytes"] = max(r["info"]["materialized_bytes"] for r in per_rank)
+            parts = sorted({k for r in per_rank for b in r["breakdowns"] for k in b})
+            row["breakdown_s_median"] = {k: statistics.median(max(r["breakdowns"][i].get(k, 0.0) for r in per_rank)
+                                                              for i in range(args.warmup, len(per_rank[0]["breakdowns"])))
+                                         for k in parts}
+        if name == "diag-aliased-bind-once":
+            bound_runs = [max(r["info"]["bound_runs"][i] for r in per_rank)
+                          for i in range(len(per_rank[0]["info"]["bound_runs"]))]
+            row["bound_alongside_s_median"] = statistics.median(bound_runs)
+        if name == "swap":
+            row["second_copy_bytes"] = max(r["info"]["second_copy_bytes"] for r in per_rank)
+            row["staging_bytes"] = max(r["info"]["staging_bytes"] for r in per_rank)
+            row["matches_ours_canonical"] = swap_matches
+        if name == "ours-aliased" and report_summary is not None:
+            row["report_switch_share"] = report_summary["switch_share"]
+        rows.append(row)
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        if "bound_alongside_s_median" in r:
+            r["vs_bound"] = r["switch_s_median"] / r["bound_alongside_s_median"]
+        elif "bound" in by:
+            r["vs_bound"] = r["switch_s_median"] / by["bound"]["switch_s_median"]
+        if "swap" in by and r["method"].startswith("ours"):
+            r["swap_over_this"] = by["swap"]["switch_s_median"] / r["switch_s_median"]
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def _ms(s: Optional[float]) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def _mb(b: Optional[float]) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Switch to rollout: {meta['world_size']} {meta['backend']} ranks on {meta['device']} "
+             f"({meta['cpu_count']} cores)", "",
+             f"torch {meta['torch']}, megatron-core {meta['megatron_core']}; bucket {meta['bucket_size_mb']} MB; "
+             f"median of {meta['runs']} runs after {meta['warmup']} warm-up; times: the slowest rank; "
+             "MB = MiB. `x bound`: time / bound time. `swap / this`: swap_model_weights time / this time. Extra "
+             "memory: peak resident-set growth while switching (max over ranks) / bytes accounted by construction.",
+             "", "## Summary", "",
+             "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | ours-aliased ms "
+             "(x bound) | ours-canonical ms (x bound) | swap ms (swap / aliased) | naive ms | aliased extra MB "
+             "measured / accounted (missing + bucket) | swap extra MB (its 2nd copy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["shape"], tuple(r["layout"])) for r in rows}, key=lambda k: (k[0] != "many-small", k[1]))
+    for shape, lay in keys:
+        by = {r["method"]: r for r in rows if r["shape"] == shape and tuple(r["layout"]) == lay}
+        a, c, s, n, b = (by.get(k) for k in ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound"))
+        cells = [shape, "{},{},{}→{},{}".format(*lay), str(next(iter(by.values()))["d_g"])]
+        cells.append(f"{_mb(a['bytes_per_rank'])} ({'yes' if a['bytes_equal_expected'] else 'NO'})" if a else "-")
+        cells.append(_ms(b["switch_s_median"]) if b else "-")
+        for r in (a, c):
+            cells.append(f"{_ms(r['switch_s_median'])}" + (f" ({r['vs_bound']:.2f})" if "vs_bound" in r else "")
+                         if r else "-")
+        cells.append(f"{_ms(s['switch_s_median'])}" + (f" ({s['switch_s_median'] / a['switch_s_median']:.1f})"
+                                                         if a else "") if s else "-")
+        cells.append(_ms(n["switch_s_median"]) if n else "-")
+        if a:
+            limit = a["bytes_per_rank"] + a["bucket_size_mb"] * 2**20
+            cells.append(f"{_mb(a['extra_mem_bytes'])} / {_mb(a['extra_mem_accounted_bytes'])} "
+                         f"({_mb(limit)})")
+        else:
+            cells.append("-")
+        cells.append(f"{_mb(s['extra_mem_bytes'])} ({_mb(s['second_copy_bytes'])})" if s else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## All rows", "",
+              "| shape | layout | method | ms | x bound | MB recv/rank | collectives/rank | extra MB measured | "
+              "extra MB accounted | breakdown ms (ours) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    order = METHODS + DIAGNOSES
+    for r in sorted(rows, key=lambda r: (r["shape"] != "many-small", r["layout"], order.index(r["method"]))):
+        bd = r.get("breakdown_s_median")
+        bd_s = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in bd.items()) if bd else ""
+        lines.append(f"| {r['shape']} | {','.join(map(str, r['layout']))} | {r['method']} | "
+                     f"{_ms(r['switch_s_median'])} | {r.get('vs_bound', float('nan')):.2f} | "
+                     f"{_mb(r['bytes_per_rank'])} | {r['num_collectives']} | {_mb(r['extra_mem_bytes'])} | "
+                     f"{_mb(r['extra_mem_accounted_bytes'])} | {bd_s} |")
+    lines += ["", "Shapes: " + "; ".join(
+        f"`{k}`: {v.num_layers} layers, hidden {v.hidden_size}, ffn {v.ffn_hidden_size}, heads "
+        f"{v.num_attention_heads}/{v.num_query_groups or v.num_attention_heads}, vocab {v.vocab_size}, fp32"
+        for k, v in SHAPES.items() if any(r["shape"] == k for r in rows)), ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+        return False
+    shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
+    colours = {"ours-aliased": "#3b7dd8", "ours-canonical": "#7fb0ee", "swap": "#d9534f",
+               "naive-gather": "#8a8a8a", "bound": "#2e8b57"}
+    for ax, shape in zip(axes[0], shapes):
+        layouts = sorted({tuple(r["layout"]) for r in rows if r["shape"] == shape})
+        present = [m for m in METHODS if any(r["method"] == m and r["shape"] == shape for r in rows)]
+        w = 0.8 / max(len(present), 1)
+        for i, m in enumerate(present):
+            xs, ys = [], []
+            for j, lay in enumerate(layouts):
+                for r in rows:
+                    if r["shape"] == shape and tuple(r["layout"]) == lay and r["method"] == m:
+                        xs.append(j + (i - (len(present) - 1) / 2) * w)
+                        ys.append(r["switch_s_median"] * 1e3)
+            ax.bar(xs, ys, width=w, label=m, color=colours[m])
+        ax.set_xticks(range(len(layouts)))
+        ax.set_xticklabels([f"{t},{p},{d}\n→{tg},{pg}" for t, p, d, tg, pg in layouts], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("switch to rollout, ms (median; log)")
+        ax.set_title(f"{shape}: {rows[0]['world_size']} {rows[0]['backend']} ranks, {rows[0]['device']}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# -------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output-dir", type=Path, required=True, help="where NAME.json/.md/.png go")
+    ap.add_argument("--name", default=None, help="file stem (default: reshard_cpu or reshard_gpu)")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["many-small", "few-large"])
+    ap.add_argument("--layouts", nargs="+", type=parse_layout, default=None,
+                    help="t,p,d,t_g,p_g ... (default: per shape, for the world size; see DEFAULT_LAYOUTS_8)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--runs", type=int, default=5, help="timed runs per method (median reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs per method first")
+    ap.add_argument("--reshard-bucket-size-mb", type=float, default=256.0, help="HybridEngine bucket_size_mb")
+    ap.add_argument("--seq-length", type=int, default=128, help="tokens of the training forward+backward (step time)")
+    ap.add_argument("--step-runs", type=int, default=2, help="timed training steps (median) after one warm-up")
+    ap.add_argument("--step-seconds", type=float, default=None, help="use this step time instead of measuring")
+    ap.add_argument("--report-dir", type=Path, default=None, help="communication reports (default: --output-dir)")
+    ap.add_argument("--no-report", action="store_true", help="no communication report and no step time")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also time ours-aliased with the rollout model bound once (emulated engine change)")
+    ap.add_argument("--keep-cpu-shim", action="store_true",
+                    help="time the switches inside cpu_gloo()'s TorchFunctionMode (default: suspended while timing)")
+    args = ap.parse_args(argv)
+    if args.runs < 5:
+        warnings.warn(f"--runs {args.runs}: fewer than 5 runs make a noisy median")
+    if args.runs < 1 or args.warmup < 0:
+        raise ValueError(f"--runs ({args.runs}) must be >= 1 and --warmup ({args.warmup}) >= 0")
+
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    args.name = args.name or ("reshard_gpu" if use_cuda else "reshard_cpu")
+    mem = Memory()
+    from megatron_hybrid.patches import cpu_gloo
+
+    rows: list[dict] = []
+    started = time.perf_counter()
+    with contextlib.nullcontext() if use_cuda else cpu_gloo(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+        for shape in args.shapes:
+            for layout in args.layouts or default_layouts(shape, world):
+                t, p, d, t_g, p_g = layout
+                if t * p * d != world:
+                    raise ValueError(f"layout {layout}: t·p·d = {t * p * d} but the world has {world} ranks")
+                t1 = time.perf_counter()
+                new = bench_layout(args, shape, layout, device, backend, mem)
+                rows += new
+                if rank == 0:
+                    by = {r["method"]: r for r in new}
+                    print(f"[{time.perf_counter() - started:6.0f} s] {shape} {layout}: " + ", ".join(
+                        f"{m} {r['switch_s_median'] * 1e3:.1f} ms" for m, r in by.items())
+                          + f"  ({time.perf_counter() - t1:.0f} s)", flush=True)
+    if rank == 0:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        meta = {k: rows[0][k] for k in ("world_size", "backend", "device", "cpu_count", "torch", "megatron_core",
+                                         "bucket_size_mb", "runs", "warmup")}
+        meta["host"] = platform.platform()
+        for r in rows:
+            r["host"] = meta["host"]
+        (args.output_dir / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.output_dir / f"{args.name}.md").write_text(markdown(rows, meta))
+        if not args.no_plot:
+            plot(rows, args.output_dir / f"{args.name}.png")
+        print(f"wrote {args.output_dir}/{args.name}.{{json,md{'' if args.no_plot else ',png'}}} in "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
