@@ -69,7 +69,7 @@ from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound")
-DIAGNOSES = ("diag-aliased-bind-once",)
+DIAGNOSES = ("diag-aliased-bind-once", "diag-aliased-bind-once-thp")
 Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
 
 SHAPES: dict[str, GPTArchitecture] = {
@@ -395,14 +395,22 @@ def _ours_accounting(engine, backend: str) -> dict[str, int]:
             "accounted": peers + materialized + largest}
 
 
-def diag_bind_once(engine, timers: Timers, backend: str) -> Method:
+def diag_bind_once(engine, timers: Timers, backend: str, *, huge_pages: bool = False) -> Method:
     """Diagnosis: the aliased switch with the rollout model bound once instead of at every switch (emulated).
 
     The buffers keep fixed addresses, so the rollout parameters' blocks stay valid across switches; the engine
     rebinds them anyway (and unbinds them at switch_to_training). Here the first binding is kept and
     switch_to_training only unmaps the peers' slots: what ``ours-aliased`` would cost with the binding hoisted out
-    of the switch. Patches this engine instance only.
+    of the switch. Patches this engine instance only. ``huge_pages``: also ``madvise(MADV_HUGEPAGE)`` the CPU
+    buffers (megatron_hybrid.memory's mmap backend), so that mapping the peers' slots faults 2 MB pages, not 4 kB.
     """
+    if huge_pages:
+        import mmap
+
+        for buf in engine.buffers.values():
+            backend_mm = getattr(getattr(buf._mem._buf, "_backend", None), "mm", None)
+            if backend_mm is not None:
+                backend_mm.madvise(mmap.MADV_HUGEPAGE)
     bind = engine._bind_rollout
     done = []
 
@@ -418,7 +426,7 @@ def diag_bind_once(engine, timers: Timers, backend: str) -> Method:
 
     engine._bind_rollout = bind_once
     engine.switch_to_training = to_training
-    return ours(engine, "diag-aliased-bind-once", timers, backend)
+    return ours(engine, "diag-aliased-bind-once" + ("-thp" if huge_pages else ""), timers, backend)
 
 
 def bound(engine, missing_max: int, mem: Memory) -> Method:
@@ -609,12 +617,14 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         run_interleaved(phase1, mem, device, warmup=args.warmup, runs=args.runs, keep_shim=args.keep_cpu_shim)
         if args.diagnose and "ours-aliased" in methods and engine.layout.d_g > 1:
             # Same engine, patched: the switch without rebinding, against a bound measured alongside it.
-            diag, again = diag_bind_once(engine, timers, backend), bound(engine, missing_max, mem)
-            run_interleaved([diag, again], mem, device, warmup=args.warmup, runs=args.runs,
-                            keep_shim=args.keep_cpu_shim)
-            diag.info["bound_runs"] = again.times
-            again.release()
-            phase1.append(diag)
+            for huge_pages in (False, True) if device.type == "cpu" else (False,):
+                diag = diag_bind_once(engine, timers, backend, huge_pages=huge_pages)
+                again = bound(engine, missing_max, mem)
+                run_interleaved([diag, again], mem, device, warmup=args.warmup, runs=args.runs,
+                                keep_shim=args.keep_cpu_shim)
+                diag.info["bound_runs"] = again.times
+                again.release()
+                phase1.append(diag)
         swap_crcs = None
         for m in phase1:
             if m.name == "swap":
@@ -691,7 +701,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             row["breakdown_s_median"] = {k: statistics.median(max(r["breakdowns"][i].get(k, 0.0) for r in per_rank)
                                                               for i in range(args.warmup, len(per_rank[0]["breakdowns"])))
                                          for k in parts}
-        if name == "diag-aliased-bind-once":
+        if name.startswith("diag-aliased-bind-once"):
             bound_runs = [max(r["info"]["bound_runs"][i] for r in per_rank)
                           for i in range(len(per_rank[0]["info"]["bound_runs"]))]
             row["bound_alongside_s_median"] = statistics.median(bound_runs)
