@@ -435,7 +435,7 @@ def bound(engine, missing_max: int, mem: Memory) -> Method:
     slot = -(-missing_max // (4 * (d_g - 1)))  # float32 elements per member
     mem.trim()
     before = mem.current()
-    device = next(iter(engine._train_params.values())).device
+    device = next(iter(engine.buffers.values())).tensor.device
     out = torch.zeros(slot * d_g, dtype=torch.float32, device=device)
     me = group.rank()
     mem.trim()
