@@ -186,7 +186,8 @@ class HybridEngine:
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        self._block_cache: dict[str, Blocks] = {}
+        self._bind_once()
+        self._train_ptrs = [p.data_ptr() for p in self._train_params.values()]
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         # Off by default: per-collective timing synchronises the device after every collective.
         self.profiling = False
@@ -284,6 +285,7 @@ class HybridEngine:
                 if src is not None and src.shape == buf.shape:
                     buf.copy_(src)
             chunk.register_forward_pre_hook(self._check_rollout_mode)
+            chunk.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self._check_rollout_mode(module, ()))
             for mod in chunk.modules():
                 if hasattr(mod, "vocab_start_index") and hasattr(mod, "num_embeddings_per_partition"):
                     n = mod.num_embeddings_per_partition
@@ -310,6 +312,8 @@ class HybridEngine:
         return compat.build_gpt_model(**kwargs)
 
     def _check_rollout_mode(self, module, args) -> None:
+        if self.mode == "closed":
+            raise RuntimeError("the rollout model of a closed HybridEngine has no weights")
         if self.mode != "rollout":
             raise RuntimeError("the rollout model was used in training mode: call engine.switch_to_rollout() "
                                "first (its weights are not there while training)")
@@ -398,6 +402,7 @@ class HybridEngine:
                     with torch.no_grad():
                         view.copy_(prm.data)
                     prm.data = view
+                    prm._mh_keepalive = buf  # the buffer lives as long as a parameter views it
         self._sources = self.plan.sources(j)
 
     # ------------------------------------------------------------------------------------------------------
@@ -420,26 +425,41 @@ class HybridEngine:
             if self._fingerprint_now() != self._fingerprint:
                 raise RuntimeError("the training weights changed while in rollout mode; call "
                                    "switch_to_training() before training")
-            self._last_report = self._report([], 0.0)
+            self._last_report = self._report([], 0.0, {})
             return
+        if self.mode == "closed":
+            raise RuntimeError("the engine was closed")
+        if [p.data_ptr() for p in self._train_params.values()] != self._train_ptrs:
+            moved = [n for (n, p), ptr in zip(self._train_params.items(), self._train_ptrs) if p.data_ptr() != ptr]
+            raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
+                               "the HybridEngine was built; the rollout model is bound to the old storage. Copy new "
+                               "values in place (param.data.copy_(...)) instead")
         start = time.perf_counter()
         records: list[CollectiveRecord] = []
+        for buf in self.buffers.values():
+            buf.map_peers()
+        for buf, _ in self._canonical:
+            buf.map_peers()
+        t_map = time.perf_counter()
         if self.plan is not None:
             j = self.member_index
-            for buf in self.buffers.values():
-                buf.map_peers()
             for dtype, regions in self.plan.regions.items():
                 flat = self.buffers[dtype].tensor
                 for reg in regions:
-                    if j not in reg.members:
-                        continue
-                    records.append(self._run_region(flat, reg, j))
-        self._bind_rollout()
+                    if j in reg.members:
+                        records.append(self._run_region(flat, reg, j))
+        t_coll = time.perf_counter()
+        for _, refill in self._canonical:
+            refill()
+        t_canon = time.perf_counter()
         self._offloaded = _offload(self._offload_targets(offload_optimizer, offload_grads))
         self._synchronize()
+        end = time.perf_counter()
         self.mode = "rollout"
         self._fingerprint = self._fingerprint_now()
-        self._last_report = self._report(records, time.perf_counter() - start)
+        phases = {"map_seconds": t_map - start, "collectives_seconds": t_coll - t_map,
+                  "canonical_seconds": t_canon - t_coll, "offload_seconds": end - t_canon}
+        self._last_report = self._report(records, end - start, phases)
 
     def _group_for(self, reg) -> tuple[Any, list[int]]:
         if reg.members == list(range(len(self.plan.members))):
@@ -470,17 +490,8 @@ class HybridEngine:
         if torch.cuda.is_available() and next(iter(self._train_params.values())).is_cuda:
             torch.cuda.synchronize()
 
-    def _blocks_for(self, name: str) -> Blocks:
-        """The rollout parameter ``name`` as views of training tensors (own or in peers' slots).
-
-        Computed once: the buffers keep their addresses, so the same views serve every switch.
-        """
-        cached = self._block_cache.get(name)
-        if cached is None:
-            cached = self._block_cache[name] = self._make_blocks(name)
-        return cached
-
     def _make_blocks(self, name: str) -> Blocks:
+        """The rollout parameter ``name`` as views of training tensors (own, or in peers' slots)."""
         lay = self.layout
         if lay.widens:
             prm = self._train_params[name]
@@ -501,39 +512,74 @@ class HybridEngine:
                 views.append(self.buffers[dtype].tensor[off: off + info.numel].view(info.shape))
         return Blocks(views, src.dim, src.stride if len(views) > 1 else 1)
 
-    def _bind_rollout(self) -> None:
-        """Point every rollout parameter at its blocks: views (aliased), or canonical tensors rebuilt from the
-        gather buffers by one fused scatter per dtype (canonical)."""
+    def _bind_once(self) -> None:
+        """Point every rollout parameter at its storage, once for the engine's lifetime.
+
+        The buffers keep their addresses, so the bindings stay valid across switches; a switch only maps the
+        peers' slots and fills them. Three kinds of binding:
+
+        - a view: the rollout tensor is one training tensor (own, or a peer's slot): zero copies;
+        - blocks (aliased mode, weights): a placeholder carrying the views, computed on by :mod:`aliased`;
+        - a canonical tensor (canonical mode, and 1-D sharded tensors such as biases in either mode): storage in a
+          per-dtype reserved range that is mapped only while rolling out, refilled at every switch by one fused
+          ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces).
+        """
         from . import ops
 
-        canonical: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # dtype -> (dsts, tables)
+        pending: dict[torch.dtype, list[tuple[str, torch.nn.Parameter, Blocks]]] = {}
         for chunk in self.rollout_chunks:
             owners = _owner_modules(chunk)
             for name, prm in list(self._rollout_iter(chunk)):
-                blocks = self._blocks_for(name)
+                blocks = self._make_blocks(name)
                 owner = owners[id(prm)]
                 attr = next(a for a, v in owner._parameters.items() if v is prm)
-                new = placeholder(prm, None)
                 if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
+                    new = placeholder(prm, None)
                     new.data = blocks.views[0]
+                    new._mh_keepalive = list(self.buffers.values())
                 elif self.weight_mode == "aliased" and prm.dim() > 1:
                     new = placeholder(prm, blocks)
-                elif self.plan is None:  # t_g > t: blocks of the own shard, no gather buffer involved
-                    new.data = blocks.materialize()
+                    new._mh_keepalive = list(self.buffers.values())
                 else:
-                    # Canonical mode, and 1-D sharded tensors (biases: tiny) in either mode.
-                    new.data = torch.empty(prm.shape, dtype=prm.dtype, device=blocks.views[0].device)
-                    dtype = _DTYPE_NAMES[prm.dtype]
-                    dsts, tables = canonical.setdefault(dtype, ([], []))
-                    src = self._sources[name]
-                    offsets = [self.plan.where(b.member, name)[1] for b in src.blocks]
-                    tables.append(ops.plan_stack(blocks.views[0].shape, offsets, partition_dim=src.dim,
-                                                 partition_stride=src.stride, dst_index=len(dsts)))
-                    dsts.append(new.data)
+                    new = placeholder(prm, None)
+                    pending.setdefault(prm.dtype, []).append((name, new, blocks))
                 new._mh_rollout_name = name
                 owner._parameters[attr] = new
-        for dtype, (dsts, tables) in canonical.items():
-            ops.scatter_blocks(self.buffers[dtype].tensor, dsts, torch.cat(tables))
+        self._canonical: list[tuple[RolloutBuffer, Callable[[], None]]] = []
+        device = next(iter(self._train_params.values())).device
+        for dtype, items in pending.items():
+            # 16-element alignment keeps every canonical tensor's start vector-friendly for the copy kernels.
+            offsets, total = [], 0
+            for _, new, _ in items:
+                offsets.append(total)
+                total += -(-new.numel() // 16) * 16
+            buf = RolloutBuffer(total, dtype, device, own=[], used=[(0, total)])
+            flat = buf.tensor
+            dsts = []
+            for (_, new, _), off in zip(items, offsets):
+                new.data = flat[off: off + new.numel()].view(new.shape)
+                new._mh_keepalive = buf
+                dsts.append(new.data)
+            if self.plan is None:  # t_g > t: pieces of the own shard, no gather buffer involved
+                pairs = [(blocks, dst) for (_, _, blocks), dst in zip(items, dsts)]
+
+                def refill(pairs=pairs) -> None:
+                    with torch.no_grad():
+                        for blocks, dst in pairs:
+                            blocks.materialize(out=dst)
+            else:
+                tables = []
+                for i, (name, _, blocks) in enumerate(items):
+                    src = self._sources[name]
+                    offs = [self.plan.where(b.member, name)[1] for b in src.blocks]
+                    tables.append(ops.plan_stack(blocks.views[0].shape, offs, partition_dim=src.dim,
+                                                 partition_stride=src.stride, dst_index=i))
+                source = self.buffers[_DTYPE_NAMES[dtype]].tensor
+                table = torch.cat(tables)
+
+                def refill(source=source, dsts=dsts, table=table) -> None:
+                    ops.scatter_blocks(source, dsts, table)
+            self._canonical.append((buf, refill))
 
     def _rollout_iter(self, chunk):
         offset = layer_offset(chunk)
@@ -541,20 +587,46 @@ class HybridEngine:
             yield global_name(name, offset), prm
 
     def switch_to_training(self) -> None:
-        """Release the peers' slots and the rollout bindings; the training shards never moved."""
+        """Release the peers' slots (and the canonical tensors); the training shards never moved.
+
+        The rollout model keeps its bindings (fixed addresses), but its weights are not there until the next
+        :meth:`switch_to_rollout`: its forward and ``state_dict`` refuse to run while training.
+        """
         if self.mode == "training":
             return
+        for buf in self.buffers.values():
+            buf.unmap_peers()
+        for buf, _ in self._canonical:
+            buf.unmap_peers()
+        _reload(self._offloaded)
+        self._offloaded = []
+        self.mode = "training"
+
+    def close(self) -> None:
+        """Detach the engine from the model: training parameters get ordinary memory again (one copy), the
+        rollout model loses its weights, and every buffer is released. The engine cannot switch afterwards.
+
+        Needed only to drop the engine while keeping the model: otherwise the buffers live as long as the
+        parameters that view them.
+        """
+        if self.mode == "closed":
+            return
+        self.switch_to_training()
+        with torch.no_grad():
+            for prm in self._train_params.values():
+                if hasattr(prm, "_mh_keepalive"):
+                    prm.data = prm.data.clone()
+                    del prm._mh_keepalive
         for chunk in self.rollout_chunks:
             owners = _owner_modules(chunk)
             for _, prm in list(chunk.named_parameters()):
                 owner = owners[id(prm)]
                 attr = next(a for a, v in owner._parameters.items() if v is prm)
                 owner._parameters[attr] = placeholder(prm, None)
-        for buf in self.buffers.values():
-            buf.unmap_peers()
-        _reload(self._offloaded)
-        self._offloaded = []
-        self.mode = "training"
+        for buf in list(self.buffers.values()) + [b for b, _ in self._canonical]:
+            buf.close()
+        self.buffers, self._canonical = {}, []
+        self.mode = "closed"
 
     def _offload_targets(self, optimizer, grads: bool) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -619,15 +691,19 @@ class HybridEngine:
         return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
 
     # ------------------------------------------------------------------------------------------------------
-    def _report(self, records: list[CollectiveRecord], seconds: float) -> dict[str, Any]:
+    def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
         return {
             "total_bytes": sum(r.bytes_received for r in records),
             "num_collectives": len(records),
             "switch_seconds": seconds,
+            # Where the switch's time went (without profiling, GPU phases are launch times; the device is
+            # synchronised once, inside offload_seconds).
+            "phases": dict(phases),
             "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
                                                      else 0.0} for r in records],
             "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
             "peer_bytes_mapped": sum(b.peer_bytes for b in self.buffers.values() if b.peers_mapped),
+            "canonical_bytes_mapped": sum(b.peer_bytes for b, _ in self._canonical if b.peers_mapped),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
             "weight_mode": self.weight_mode,
             "layout": dataclasses.asdict(self.layout),

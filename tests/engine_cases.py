@@ -95,6 +95,16 @@ def rollout_full_weights(engine) -> dict:
     return full
 
 
+def rollout_addresses(engine) -> dict:
+    """Where every rollout parameter's memory is: its storage address, or its blocks' addresses (aliased)."""
+    out = {}
+    for chunk in engine.rollout_chunks:
+        for name, p in chunk.named_parameters():
+            blocks = getattr(p, "_mh_blocks", None)
+            out[name] = [v.data_ptr() for v in blocks.views] if blocks is not None else [p.data_ptr()]
+    return out
+
+
 def expected_missing_bytes(engine) -> int:
     """Rollout shard bytes minus the bytes of this rank's own training tensors that are part of it."""
     from megatron_hybrid.sharding import global_name, layer_offset
@@ -151,7 +161,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
         engine.switch_to_training()
         return {"logits": logits, "weights": weights, "bytes": report["total_bytes"],
                 "resident": report["resident_peer_bytes"], "regions": report["num_collectives"],
-                "again_bytes": again["total_bytes"], "report": report}
+                "again_bytes": again["total_bytes"], "report": report, "addresses": rollout_addresses(engine)}
 
     first = observe()
     first["expected_bytes"] = expected_missing_bytes(engine)
@@ -244,11 +254,12 @@ def memory_case(mode: str):
     base = rss()
     engine.switch_to_rollout()
     during = rss()
-    moved = engine.communication_report()["total_bytes"]
+    report = engine.communication_report()
     mapped = sum(b.peer_bytes for b in engine.buffers.values())
     engine.switch_to_training()
     after = rss()
-    return {"base": base, "during": during, "after": after, "moved": moved, "mapped": mapped}
+    return {"base": base, "during": during, "after": after, "moved": report["total_bytes"], "mapped": mapped,
+            "canonical": report["canonical_bytes_mapped"]}
 
 
 def misuse_case():
@@ -297,4 +308,68 @@ def chunks_case(state: dict, mode: str):
     engine.switch_to_training()
     out["train"] = full_state_dict(chunks, tp_group=ps.get_tensor_model_parallel_group(),
                                    pp_group=ps.get_pipeline_model_parallel_group())
+    return out
+
+
+def lifecycle_case():
+    """Bind-once guards and detaching: what a user can do wrong with a rollout model bound for good."""
+    import gc
+
+    import pytest
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    out = {}
+    tok, pos = tokens(), torch.arange(SEQ).expand(BATCH, -1)
+
+    def build():
+        torch.manual_seed(1234)  # the same weights on every build
+        return arch().build(tensor_model_parallel_size=tp)
+
+    def snapshot(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    # 1. While training, the rollout model's weights are not there: forward and state_dict refuse.
+    model = build()
+    before = snapshot(model)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    with pytest.raises(RuntimeError, match="used in training mode"):
+        engine.rollout_model.state_dict()
+    with engine.rollout() as rollout_model:
+        with torch.no_grad():
+            out["rollout_logits"] = rollout_model(tok, pos, None)
+        assert len(rollout_model.state_dict()) > 0
+    # 2. Giving a training parameter new storage would leave the rollout model on the old one: refused.
+    prm = next(model.parameters())
+    old = prm.data
+    prm.data = prm.data.clone()
+    with pytest.raises(RuntimeError, match="new storage"):
+        engine.switch_to_rollout()
+    prm.data = old
+    # 3. close(): the training model keeps its values in ordinary memory and still trains; the engine is done.
+    engine.switch_to_rollout()
+    engine.close()
+    out["close_mode"] = engine.mode
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert not hasattr(p, "_mh_keepalive"), n
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.switch_to_rollout()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.rollout_model(tok, pos, None)
+    model(tok, pos, None).float().sum().backward()
+    # 4. Dropping the engine without close() while the model lives: the buffers stay with the parameters.
+    model2 = build()
+    engine2 = HybridEngine(model2, RolloutLayout(1, 1))
+    engine2.switch_to_rollout()
+    engine2.switch_to_training()
+    del engine2
+    gc.collect()
+    for n, p in model2.named_parameters():
+        assert torch.equal(p, before[n]), n
+    with torch.no_grad():
+        out["train_logits"] = model2(tok, pos, None)  # this rank's vocabulary shard
+    out["tp_rank"] = ps.get_tensor_model_parallel_rank()
     return out
