@@ -210,10 +210,29 @@ class _MmapBackend:
         self.nbytes = _round_up(nbytes, self.granularity)
         self.mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Transparent huge pages: mapping a peer's slot then faults 2 MiB at a time instead of 4 KiB (7x faster
+        # for 108 MB on 8 busy processes). Unmapping part of a huge page splits it, so ranges stay page-granular;
+        # the price is that a huge page straddling the end of an own range may stay resident (≤ 2 MiB per
+        # own/peer boundary), like the granules of the CUDA backend.
+        self._madvise(getattr(mmap, "MADV_HUGEPAGE", None), 0, self.nbytes)
+        self._populate = True
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
+    def _madvise(self, advice, lo: int, length: int) -> bool:
+        if advice is None:
+            return False
+        try:
+            self.mm.madvise(advice, lo, length)
+            return True
+        except (OSError, ValueError):
+            return False
+
     def map(self, lo: int, hi: int) -> None:
-        # Fault the pages in now (one byte per page) so that a mapped range is resident, as on the GPU.
+        # Make the range resident now, as on the GPU: one MADV_POPULATE_WRITE call (Linux >= 5.14) where the
+        # kernel has it, else one write per page.
+        if self._populate and self._madvise(_MADV_POPULATE_WRITE, lo, hi - lo):
+            return
+        self._populate = False
         self.bytes[lo:hi:self.granularity].zero_()
 
     def unmap(self, lo: int, hi: int) -> None:
@@ -229,6 +248,9 @@ class _MmapBackend:
         except BufferError:
             # Tensors over the mapping are still alive; the mapping goes away with the last of them.
             pass
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # linux/mman.h; Python 3.11 lacks the name
 
 
 class _PlainBackend:

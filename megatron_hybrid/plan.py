@@ -10,7 +10,8 @@ agreement. Buffers are laid out per dtype as a list of *regions*:
 - ``stage_gather`` regions (q > 1 only): q slots over the cross-stage group, for TP-replicated layer tensors
   (norm weights, row-parallel biases), which TP peers already share.
 - ``broadcast`` regions (q > 1 only): tensors that exist on one training stage only (embedding, output layer,
-  final norm), sent in place by their owner.
+  final norm), sent in place by their owner; TP-sharded ones of equal size on every member (an untied embedding
+  and output layer) travel instead as one more ``gather`` region.
 
 A rank receives exactly the bytes of its rollout shard that it does not hold: (d_g − 1) slots of every gather
 region, (q − 1) of every stage_gather region and every broadcast region it does not own.
@@ -245,17 +246,31 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
             rep = {j: [p for p in members[j].params if not p.sharded and wanted(p)
                        and _pair_key(p, members[j].layers_per_stage)[0] == "layer"] for j in group}
             _bucketed(rep, bucket_numel, lambda dtype, per, group=group: add_region(dtype, "stage_gather", group, per))
-        # 3. broadcast regions: tensors of one stage only.
+        # 3. tensors of one stage only (embedding, output layer, final norm). TP-sharded ones go to every member:
+        # when every member holds the same number of elements of them (untied embedding and output layer of equal
+        # size), one gather region moves them all; otherwise each owner broadcasts its own. Replicated ones go
+        # to the owner's cross-stage group.
+        def stage_only(j: int, sharded: bool, dtype: str) -> list[ParamInfo]:
+            m = members[j]
+            return [p for p in m.params if _pair_key(p, m.layers_per_stage)[0] == "stage" and p.sharded == sharded
+                    and wanted(p) and p.dtype == dtype]
+
+        dtypes = sorted({p.dtype for m in members for p in m.params})
+        for dtype in dtypes:
+            per = {j: stage_only(j, True, dtype) for j in everyone}
+            sizes = {sum(p.numel for p in ps) for ps in per.values()}
+            if len(sizes) == 1 and sizes != {0} and all(per.values()):
+                add_region(dtype, "gather", everyone, per)
+            else:
+                for j, ps in per.items():
+                    if ps:
+                        add_region(dtype, "broadcast", everyone, {j: ps}, owner=j)
         for j, m in enumerate(members):
-            a = m.tp - tp0
-            stage_only = [p for p in m.params if _pair_key(p, m.layers_per_stage)[0] == "stage"]
-            sharded = [p for p in stage_only if p.sharded and wanted(p)]
-            replicated = [p for p in stage_only if not p.sharded and wanted(p)]
-            cross = [at[(a, b)] for b in range(q)]
-            for dtype in sorted({p.dtype for p in sharded}):
-                add_region(dtype, "broadcast", everyone, {j: [p for p in sharded if p.dtype == dtype]}, owner=j)
-            for dtype in sorted({p.dtype for p in replicated}):
-                add_region(dtype, "broadcast", cross, {j: [p for p in replicated if p.dtype == dtype]}, owner=j)
+            cross = [at[(m.tp - tp0, b)] for b in range(q)]
+            for dtype in dtypes:
+                replicated = stage_only(j, False, dtype)
+                if replicated:
+                    add_region(dtype, "broadcast", cross, {j: replicated}, owner=j)
     return GroupPlan(members, regions, needed_stage, at, k, by_name)
 
 

@@ -95,21 +95,26 @@ def test_bad_inputs_fail_before_any_collective():
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
 def test_extra_memory_is_the_peers_slots_only(mode):
-    # ~10 MB of weights per rank at TP=2; rollout TP=1 receives the other half. Resident memory while rolling out
-    # may exceed the start by at most the received bytes plus one 1 MB bucket (plus 2 MB of allocator noise), and
-    # must come back down after the switch back (madvise returns the peers' pages to the OS). Canonical mode also
-    # holds the rebuilt rollout shard while rolling out, and must give it back as well.
+    # ~10 MB of weights per rank at TP=2; rollout TP=1 receives the other half (19 MB). Canonical mode also holds
+    # the rebuilt rollout shard while rolling out. Both must be given back at the switch to training.
+    mib = 2**20
     for r in run_distributed(cases.memory_case, 2, mode, tensor_model_parallel_size=2):
-        assert r["moved"] > 8 * 2**20
+        assert r["moved"] > 8 * mib
         if mode == "aliased":
-            assert r["canonical"] < 2**16, r  # biases only (none in this model) or norms: tiny
+            assert r["canonical"] < 2**16, r  # 1-D sharded tensors only (biases; none in this model)
         else:
             assert r["canonical"] >= 2 * r["moved"], r  # the whole rollout shard, at t_g = 1 the model
-        assert r["during"] - r["base"] <= r["moved"] + r["canonical"] + 2**20 + 2 * 2**20, r
-        assert r["during"] - r["base"] >= 0.9 * r["moved"], r  # the peers' slots really were resident
-        # Back in training, the peers' pages are gone; what remains is interpreter and gloo bookkeeping (seen:
-        # 0.4 MB with torch 2.13, 2.1 MB with torch 2.11), far below the 19 MB that were resident.
-        assert r["after"] - r["base"] <= 0.2 * r["moved"], r
+        med = {k: sorted(v)[1] for k, v in r.items() if isinstance(v, list)}
+        # The engine's own ranges, read from /proc/self/smaps: exactly what was mapped, up to a huge page (2 MiB)
+        # at each end of each range where transparent huge pages round up; after the switch back, the own slots.
+        grown = med["buf_during"] - med["buf_base"]
+        assert r["moved"] + r["canonical"] - 4 * mib <= grown <= r["moved"] + r["canonical"] + 4 * mib, r
+        assert med["buf_after"] - med["buf_base"] <= 4 * mib, r
+        # The whole process (medians of three cycles; glibc and gloo threads move RSS by a few MB): at most the
+        # peers' slots (+ canonical) plus one 1 MB bucket of gloo staging plus 4 MB, and back down afterwards.
+        assert med["during"] - med["base"] <= r["moved"] + r["canonical"] + mib + 4 * mib, r
+        assert med["during"] - med["base"] >= 0.9 * r["moved"], r  # the peers' slots really were resident
+        assert med["after"] - med["base"] <= 0.25 * r["moved"], r
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])

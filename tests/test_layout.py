@@ -61,8 +61,9 @@ def test_bad_layouts(t, p, d, t_g, p_g, message):
         ParallelLayout.create(training=(t, p, d), rollout=RolloutLayout(t_g, p_g))
 
 
-def _members(t: int, p: int, t_g: int, p_g: int, layers: int = 4, hidden: int = 8):
-    """A model of ``layers`` layers with one sharded and one replicated tensor each, plus an embedding."""
+def _members(t: int, p: int, t_g: int, p_g: int, layers: int = 4, hidden: int = 8, output: bool = False):
+    """A model of ``layers`` layers with one sharded and one replicated tensor each, plus an embedding (and,
+    with ``output``, an untied output layer and a final norm on the last stage)."""
     k, q = t // t_g, p // p_g
     per_stage = layers // p
     members = []
@@ -75,13 +76,17 @@ def _members(t: int, p: int, t_g: int, p_g: int, layers: int = 4, hidden: int = 
                 g = s * per_stage + l
                 params.append(ParamInfo(f"decoder.layers.{g}.w", "w", (hidden * 2 // t, hidden), "float32", True))
                 params.append(ParamInfo(f"decoder.layers.{g}.norm", "n", (hidden,), "float32", False))
+            if output and s == q - 1:
+                params.append(ParamInfo("decoder.final_layernorm.weight", "f", (hidden,), "float32", False))
+                params.append(ParamInfo("output_layer.weight", "o", (64 // t, hidden), "float32", True))
             members.append(MemberInfo(rank=s * t + i, tp=i, pp=s, params=tuple(params), layers_per_stage=per_stage))
     return members
 
 
+@pytest.mark.parametrize("output", [False, True], ids=["embedding", "embedding+output"])
 @pytest.mark.parametrize("t,p,t_g,p_g", [(4, 1, 2, 1), (4, 1, 1, 1), (2, 2, 1, 1), (4, 2, 2, 1), (2, 4, 1, 2)])
-def test_plan_moves_exactly_the_missing_bytes(t, p, t_g, p_g):
-    members = _members(t, p, t_g, p_g)
+def test_plan_moves_exactly_the_missing_bytes(t, p, t_g, p_g, output):
+    members = _members(t, p, t_g, p_g, output=output)
     needed = sorted({prm.name for m in members for prm in m.params})
     plan = build_group_plan(members, needed, k=t // t_g, q=p // p_g, bucket_numel=40)
     for j, m in enumerate(members):
@@ -97,6 +102,27 @@ def test_plan_moves_exactly_the_missing_bytes(t, p, t_g, p_g):
         assert set(srcs) == set(needed)
         for name, src in srcs.items():
             assert len(src.blocks) == (t // t_g if src.sharded else 1)
+
+
+@pytest.mark.parametrize("output", [False, True])
+def test_plan_collectives_across_stages(output):
+    # t=2, p=2 -> t_g=1, p_g=1: a micro-DP group of 4 (two TP columns × two stages), one bucket.
+    members = _members(2, 2, 1, 1, output=output)
+    plan = build_group_plan(members, sorted({x.name for m in members for x in m.params}), k=2, q=2,
+                            bucket_numel=10**6)
+    kinds = [(r.kind, len(r.members)) for r in plan.regions["float32"]]
+    if output:
+        # Layers' shards: one gather over 4; layer norms: a stage gather per TP column; embedding (stage 0) and
+        # output layer (stage 1) shards are the same size on every member: one more gather over 4 instead of four
+        # broadcasts; the final norm: a broadcast per TP column from the last stage.
+        assert sorted(kinds) == sorted([("gather", 4), ("stage_gather", 2), ("stage_gather", 2), ("gather", 4),
+                                        ("broadcast", 2), ("broadcast", 2)])
+        assert all(plan.collectives(j) == 4 for j in range(4))
+    else:
+        # The embedding exists on stage 0 only: its two shards are broadcast by their owners.
+        assert sorted(kinds) == sorted([("gather", 4), ("stage_gather", 2), ("stage_gather", 2), ("broadcast", 4),
+                                        ("broadcast", 4)])
+        assert all(plan.collectives(j) == 4 for j in range(4))
 
 
 def test_plan_buckets_split_the_gather():
