@@ -4,41 +4,66 @@ gather and the all-gather bound, measured on every rank of one torchrun job.
 Methods (same model, same layout, same job):
 
 - ``ours-aliased``, ``ours-canonical``: ``HybridEngine(weight_mode=...).switch_to_rollout()`` (map the peers'
-  slots, one in-place collective per bucket/region, bind the rollout model), with ``set_profiling(False)``.
+  slots and the canonical ranges, one in-place collective per bucket/region, refill the canonical tensors by one
+  fused scatter per dtype; the rollout model is bound once, at construction), with ``set_profiling(False)``.
+  Per switch, the engine's own phase timings (``communication_report()["phases"]``: map, collectives,
+  canonical, offload) are kept; the rows hold their medians (``phases_median_s``). On a GPU without profiling
+  the phases before ``offload`` are launch times: the device is synchronised once, inside ``offload_seconds``.
 - ``swap``: ``megatron.core.resharding.swap_model_weights(train, rollout, "gloo"|"nccl")`` into a second rollout
   model built with its own process groups (the engine's ``pg_collection``). Its plan is built on the warm-up.
 - ``naive-gather``: every rank all-gathers the whole model over the world, one all-gather per parameter, each rank
   contributing 1/world of it (DeepSpeed-Chat's ZeRO-3 hybrid engine): (tpd-1)/(tpd)·M bytes per rank.
 - ``bound``: one ``all_gather_into_tensor`` of exactly the bytes ``ours`` receives (the most any rank receives),
-  over our micro-DP groups, into a resident preallocated buffer: the floor of a switch on this machine.
+  in the model's dtype, over our micro-DP groups, into a resident preallocated buffer: the floor of a switch.
 
-Timing: before every run, garbage collection, ``malloc_trim(0)`` and a barrier; a run's time is the largest
-per-rank time of the call; reported: the median over ``--runs`` runs after ``--warmup`` warm-up runs. The runs of
-ours-aliased, bound, swap and naive-gather are interleaved (run i of each method, then run i + 1), so that a
-change of machine load hits all of them alike; ours-canonical needs its own engine and runs right after. On CPU
-the timed calls run with cpu_gloo()'s TorchFunctionMode suspended (a per-torch-call test shim absent on a GPU;
-``--keep-cpu-shim`` keeps it).
+Timing: before every run, garbage collection, ``malloc_trim(0)`` (CUDA: ``torch.cuda.empty_cache()``) and a
+barrier; a run's time is the largest per-rank time of the call (CUDA: up to a ``torch.cuda.synchronize()``);
+reported: the median over ``--runs`` runs after ``--warmup`` warm-up runs. The runs of ours-aliased, bound, swap
+and naive-gather are interleaved (run i of each method, then run i + 1), so that a change of machine load hits
+all of them alike; ours-canonical needs its own engine and runs right after. On CPU the timed calls run with
+cpu_gloo()'s TorchFunctionMode suspended (a per-torch-call test shim absent on a GPU; ``--keep-cpu-shim`` keeps
+it).
 
-Memory (CPU): resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) during the call
+Memory, CPU: resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) during the call
 minus the resident set just before it, plus what the method's setup kept that only the rollout needs (swap's
-second model copy, bound's buffer); the largest over runs and ranks. Beside it the bytes accounted by
-construction: ours = peers' slots + the materialised canonical tensors + gloo's flat staging of the largest
-collective; swap = second model copy + its receive staging (a buffer per receive plus gloo's CPU copy of it)
-+ contiguous copies of strided send slices; naive = the gathered model; bound = its buffer + gloo's staging.
+second model copy, bound's buffer); the largest over runs and ranks.
+Memory, CUDA: device memory in use (``total - free`` of ``torch.cuda.mem_get_info()``; the engine's buffers are
+CUDA virtual memory, cuMemCreate/cuMemMap, invisible to ``torch.cuda.memory_allocated``), sampled just before the
+call and right after it (after ``torch.cuda.synchronize()``), with the caching allocator emptied before each run
+(so what torch allocates inside the call, even if freed there, is still reserved, hence counted, when sampled).
+``mem_get_info`` is device-wide: every sample is taken by all ranks between two barriers, so that no rank runs
+anything then, and the growth of a device is divided by the number of ranks sharing it (``ranks_per_device``;
+exact with one rank per GPU, an average over the device's ranks with ``--backend gloo`` and several ranks per GPU).
+Both: ``extra_mem_after_bytes`` is the same growth measured after switching back (after ``after()``, a trim and
+on CUDA ``empty_cache()``): what a method keeps once training resumes (≈ 0 for ours; swap's second copy is
+setup, not counted there).
+Beside it the bytes accounted by construction: ours = peers' slots + the canonical ranges (``engine._canonical``,
+mapped only while rolling out) + gloo's flat staging of the largest collective (CPU tensors only: gloo's staging
+of CUDA tensors is not accounted); swap = second model copy + its receive staging (a buffer per receive plus
+gloo's CPU copy of it) + contiguous copies of strided send slices; naive = the gathered model; bound = its buffer
++ gloo's staging (CPU).
 
 Outputs in ``--output-dir``: ``NAME.json`` (one row per method, layout and shape), ``NAME.md`` (tables),
 ``NAME.png`` (plot; needs matplotlib) and, in ``--report-dir``, one communication report (JSONL trace + HTML) per
 layout and shape of a profiled ours-aliased switch, with a training forward+backward as the step time.
 
+Shapes: ``many-small`` and ``few-large`` (fp32, CPU-sized), ``gpu-1b`` (0.89 B parameters, bf16: one GPU, 2 or
+4 ranks) and ``llama-7b`` (Llama-2-7B-like, bf16: an 8-GPU node). ``--params-dtype`` overrides any shape's dtype.
+
 Examples:
-    # CPU, gloo, 8 ranks, the default layouts of both shapes (bench/results/reshard_cpu.*):
+    # CPU, gloo, 8 ranks, the default layouts of both CPU shapes (bench/results/reshard_cpu.*):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 8 bench/reshard.py --output-dir bench/results
     # one shape, two layouts (t,p,d,t_g,p_g), more runs, smaller buckets:
     torchrun --standalone --nproc_per_node 8 bench/reshard.py --shapes many-small \\
         --layouts 4,1,2,2,1 2,2,2,1,1 --runs 9 --reshard-bucket-size-mb 64 --output-dir /tmp/reshard
-    # 4 ranks, only ours and the bound, no plot:
+    # 4 ranks, only ours and the bound, bf16, no plot:
     torchrun --standalone --nproc_per_node 4 bench/reshard.py --methods ours-aliased bound --no-plot \\
-        --output-dir /tmp/reshard4
+        --params-dtype bfloat16 --output-dir /tmp/reshard4
+    # one GPU, 4 gloo ranks sharing it (NCCL refuses two ranks per GPU), the 0.89 B bf16 shape:
+    torchrun --standalone --nproc_per_node 4 bench/reshard.py --backend gloo --shapes gpu-1b \\
+        --output-dir bench/results --name reshard_gpu1_gloo
+    # an 8-GPU node, NCCL, Llama-2-7B-like shape (bench/results/reshard_gpu.*):
+    torchrun --standalone --nproc_per_node 8 bench/reshard.py --shapes llama-7b --output-dir bench/results
 """
 
 from __future__ import annotations
@@ -69,7 +94,6 @@ from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound")
-DIAGNOSES = ("diag-aliased-bind-once", "diag-aliased-bind-once-thp")
 Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
 
 SHAPES: dict[str, GPTArchitecture] = {
@@ -80,8 +104,18 @@ SHAPES: dict[str, GPTArchitecture] = {
     "few-large": GPTArchitecture(num_layers=4, hidden_size=1536, num_attention_heads=12, num_query_groups=4,
                                  ffn_hidden_size=4096, vocab_size=4096, make_vocab_size_divisible_by=128,
                                  max_position_embeddings=256),
+    # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16: one GPU shared by 2 or 4 gloo ranks (--backend gloo).
+    "gpu-1b": GPTArchitecture(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
+                              ffn_hidden_size=5632, vocab_size=32000, make_vocab_size_divisible_by=32,
+                              max_position_embeddings=4096, params_dtype="bfloat16"),
+    # Llama-2-7B-like (6.7 B parameters, 13.5 GB in bf16): an 8-GPU node.
+    "llama-7b": GPTArchitecture(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
+                                ffn_hidden_size=11008, vocab_size=32000, make_vocab_size_divisible_by=32,
+                                max_position_embeddings=4096, params_dtype="bfloat16"),
 }
-# Vocabulary sizes are multiples of make_vocab_size_divisible_by × 8, so every TP size up to 8 pads them alike.
+# Vocabulary sizes are multiples of make_vocab_size_divisible_by × 8, so every TP size up to 8 pads them alike
+# (32000 = 125 × 32 × 8: no padding, as Llama-2's checkpoint); swap's second rollout model is built for t_g and
+# must pad like the training model.
 
 # Per shape: layouts for 8 ranks. few-large keeps d_g = 2 with t·p = 4 (113 MB per rank): swap_model_weights
 # stages every receive twice next to its second model copy (≈ 3 rollout shards per rank), which at d_g = 4 would
@@ -89,18 +123,31 @@ SHAPES: dict[str, GPTArchitecture] = {
 DEFAULT_LAYOUTS_8: dict[str, list[Layout]] = {
     "many-small": [(2, 1, 4, 1, 1), (4, 1, 2, 2, 1), (4, 1, 2, 1, 1), (2, 2, 2, 1, 1), (8, 1, 1, 2, 1)],
     "few-large": [(4, 1, 2, 2, 1), (2, 2, 2, 1, 2), (2, 2, 2, 2, 1)],
+    "llama-7b": [(8, 1, 1, 4, 1), (8, 1, 1, 2, 1), (8, 1, 1, 1, 1), (4, 2, 1, 2, 1), (4, 2, 1, 2, 2)],
+}
+# Per shape and world size other than 8: layouts of the shapes meant for one GPU shared by a few ranks.
+DEFAULT_LAYOUTS: dict[str, dict[int, list[Layout]]] = {
+    "gpu-1b": {2: [(2, 1, 1, 1, 1)], 4: [(2, 1, 2, 1, 1), (4, 1, 1, 2, 1), (2, 2, 1, 1, 1)]},
 }
 
 
 def default_layouts(shape: str, world: int) -> list[Layout]:
     """The layouts benchmarked for ``shape`` on ``world`` ranks when ``--layouts`` is not given."""
-    if world == 8:
+    if world in DEFAULT_LAYOUTS.get(shape, {}):
+        return list(DEFAULT_LAYOUTS[shape][world])
+    if world == 8 and shape in DEFAULT_LAYOUTS_8:
         return list(DEFAULT_LAYOUTS_8[shape])
     out: list[Layout] = []
     for t, p, t_g, p_g in ((2, 1, 1, 1), (4, 1, 2, 1), (2, 2, 1, 1), (2, 2, 2, 1)):
         if world % (t * p) == 0:
             out.append((t, p, world // (t * p), t_g, p_g))
     return out or [(world, 1, 1, 1, 1)]
+
+
+def shape_arch(shape: str, params_dtype: Optional[str] = None) -> GPTArchitecture:
+    """The architecture of ``shape``, with its parameter dtype replaced by ``params_dtype`` if given."""
+    arch = SHAPES[shape]
+    return arch if params_dtype is None else dataclasses.replace(arch, params_dtype=params_dtype)
 
 
 def parse_layout(text: str) -> Layout:
@@ -116,6 +163,9 @@ def parse_layout(text: str) -> Layout:
 
 class Memory:
     """Resident memory of this process: current, and the high-water mark since the last :meth:`reset_peak`."""
+
+    kind = "cpu-VmHWM"
+    ranks_per_device = 1
 
     def __init__(self) -> None:
         import psutil
@@ -159,6 +209,49 @@ class Memory:
         return self.current()
 
 
+class CudaMemory(Memory):
+    """Device memory in use on this rank's GPU (``total - free`` of ``torch.cuda.mem_get_info()``), per rank.
+
+    The engine's buffers are CUDA virtual memory (cuMemCreate/cuMemMap), which torch's allocator statistics do
+    not see; ``mem_get_info`` does, but device-wide. Every sample is therefore a collective: all ranks synchronise
+    their device, meet at a barrier, sample, and meet again, so that no rank allocates or frees while another one
+    samples; the value is the device's usage divided by the number of ranks sharing the device (one with NCCL).
+    There is no high-water mark: :meth:`peak` samples right after the call; the caching allocator is emptied by
+    :meth:`trim` before each run, so what torch allocated inside the call (even if freed) is still reserved then.
+    """
+
+    kind = "cuda-mem_get_info"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        where = (platform.node(), str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index)))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, where)
+        self.ranks_per_device = everyone.count(where)
+        if len(set(everyone.count(w) for w in everyone)) > 1:
+            warnings.warn(f"devices are shared by different numbers of ranks ({sorted(set(everyone))}): the "
+                          "per-rank device memory is each device's usage divided by its own number of ranks")
+
+    def trim(self) -> None:
+        super().trim()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def current(self) -> int:
+        torch.cuda.synchronize(self.device)
+        dist.barrier()
+        free, total = torch.cuda.mem_get_info(self.device)
+        dist.barrier()
+        return (total - free) // self.ranks_per_device
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        return self.current()
+
+
 @dataclasses.dataclass
 class Method:
     """One way of switching: ``op`` is timed, ``after`` undoes it (untimed)."""
@@ -169,8 +262,9 @@ class Method:
     setup_extra: int = 0  # resident bytes its setup kept that only the rollout needs
     times: list = dataclasses.field(default_factory=list)
     extras: list = dataclasses.field(default_factory=list)
+    extras_after: list = dataclasses.field(default_factory=list)  # growth still held after switching back
     info: dict = dataclasses.field(default_factory=dict)  # bytes, collectives, accounted memory, ...
-    breakdowns: list = dataclasses.field(default_factory=list)  # ours: seconds per part of each switch
+    phases: list = dataclasses.field(default_factory=list)  # ours: communication_report()["phases"] per switch
     state: dict = dataclasses.field(default_factory=dict)  # what the method holds (engine, buffers, models)
 
     def release(self) -> None:
@@ -198,6 +292,7 @@ def _without_cpu_function_mode(enabled: bool):
 
 
 def run_once(m: Method, mem: Memory, device: torch.device, *, record: bool, keep_shim: bool = False) -> None:
+    # On CUDA, mem.current()/peak() are collectives (a barrier either side of the device-wide sample).
     mem.trim()
     mem.reset_peak()
     base = mem.current()
@@ -209,9 +304,12 @@ def run_once(m: Method, mem: Memory, device: torch.device, *, record: bool, keep
     dt = time.perf_counter() - t0
     peak = mem.peak()
     m.after()
+    mem.trim()
+    back = mem.current()
     if record:
         m.times.append(dt)
         m.extras.append(max(peak - base, 0))
+        m.extras_after.append(back - base)
 
 
 def run_interleaved(methods: list[Method], mem: Memory, device: torch.device, *, warmup: int, runs: int,
@@ -227,32 +325,6 @@ def run_interleaved(methods: list[Method], mem: Memory, device: torch.device, *,
                 run_once(m, mem, device, record=i >= warmup, keep_shim=keep_shim)
     finally:
         gc.unfreeze()
-
-
-class Timers:
-    """Wraps bound methods of engine objects to split the switch into its parts (no engine change needed)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def wrap(self, obj: Any, attr: str, label: str) -> None:
-        fn = getattr(obj, attr)
-        if getattr(fn, "_timed", False):
-            return
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
-
-        timed._timed = True  # type: ignore[attr-defined]
-        setattr(obj, attr, timed)
-
-    def take(self) -> dict[str, float]:
-        out, self.seconds = self.seconds, {}
-        return out
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -321,10 +393,9 @@ def step_seconds(model: torch.nn.Module, arch: GPTArchitecture, *, seq: int, run
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model],
                                     num_microbatches=1, seq_length=seq, micro_batch_size=1, forward_only=False)
         _sync(device)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dt = _max_over_ranks([time.perf_counter() - t0])[0]
         if i:
-            times.append(dt.item())
+            times.append(dt)
         for p in model.parameters():
             p.grad = None
     return statistics.median(times)
@@ -349,13 +420,10 @@ def tensor_crcs(module: torch.nn.Module) -> dict[str, int]:
 # Methods
 
 
-def ours(engine, name: str, timers: Timers, backend: str) -> Method:
-    """HybridEngine.switch_to_rollout(), its parts timed; ``after`` checks the bytes and switches back."""
+def ours(engine, name: str, backend: str) -> Method:
+    """HybridEngine.switch_to_rollout(); ``after`` keeps the engine's phase timings, checks the bytes and switches
+    back."""
     engine.set_profiling(False)
-    for buf in engine.buffers.values():
-        timers.wrap(buf, "map_peers", "map_peers")
-    timers.wrap(engine, "_run_region", "collectives")
-    timers.wrap(engine, "_bind_rollout", "bind")
     m = Method(name, lambda: m.state["engine"].switch_to_rollout(), state={"engine": engine})
 
     def after():
@@ -363,10 +431,11 @@ def ours(engine, name: str, timers: Timers, backend: str) -> Method:
         rep = eng.communication_report()
         if not m.info:
             m.info.update(_ours_accounting(eng, backend), bytes=rep["total_bytes"],
-                          collectives=rep["num_collectives"], expected_bytes=expected_missing_bytes(eng))
+                          collectives=rep["num_collectives"], expected_bytes=expected_missing_bytes(eng),
+                          canonical_bytes_mapped=rep["canonical_bytes_mapped"])
         elif rep["total_bytes"] != m.info["bytes"]:
             raise AssertionError(f"{name}: received {rep['total_bytes']} bytes, before {m.info['bytes']}")
-        m.breakdowns.append(timers.take())
+        m.phases.append(dict(rep["phases"]))
         eng.switch_to_training()
 
     m.after = after
@@ -374,69 +443,34 @@ def ours(engine, name: str, timers: Timers, backend: str) -> Method:
 
 
 def _ours_accounting(engine, backend: str) -> dict[str, int]:
-    """While rolling out: the peers' slots, the canonical tensors built outside the buffers, gloo's staging."""
+    """While rolling out: the peers' slots, the canonical ranges, gloo's staging."""
     peers = sum(b.peer_bytes for b in engine.buffers.values())
-    ranges = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.tensor.numel() * b.tensor.element_size())
-              for b in engine.buffers.values()]
-    materialized = 0
-    for chunk in engine.rollout_chunks:
-        for _, p in chunk.named_parameters():
-            if p.dim() and min(p.data.stride()) == 0:
-                continue  # an aliased placeholder (expand of one element): no storage
-            if not any(lo <= p.data.data_ptr() < hi for lo, hi in ranges):
-                materialized += p.numel() * p.element_size()
-    # gloo's all_gather_into_tensor gathers into a flat temporary of the whole region, then copies it out.
+    # Canonical tensors (canonical mode; 1-D sharded tensors such as biases in either mode) live in one reserved
+    # range per dtype, mapped only while rolling out.
+    canonical = sum(buf.peer_bytes for buf, _ in engine._canonical)
+    # gloo's all_gather_into_tensor gathers CPU tensors into a flat temporary of the whole region, then copies it
+    # out. With CUDA tensors gloo copies through host memory and its device-side staging is not accounted here
+    # (on an H200, gpu-1b at (2,1,2)->(1,1), 2 ranks per GPU: ≈ 0.5 GB per rank measured above the accounted).
     largest = 0
-    if engine.plan is not None and backend == "gloo":
+    device = next(iter(engine._train_params.values())).device
+    if engine.plan is not None and backend == "gloo" and device.type == "cpu":
         largest = max((r.numel * engine.buffers[dt].tensor.element_size()
                        for dt, regs in engine.plan.regions.items() for r in regs), default=0)
-    return {"peer_bytes": peers, "materialized_bytes": materialized, "staging_bytes": largest,
-            "accounted": peers + materialized + largest}
+    return {"peer_bytes": peers, "canonical_bytes": canonical, "staging_bytes": largest,
+            "accounted": peers + canonical + largest}
 
 
-def diag_bind_once(engine, timers: Timers, backend: str, *, huge_pages: bool = False) -> Method:
-    """Diagnosis: the aliased switch with the rollout model bound once instead of at every switch (emulated).
-
-    The buffers keep fixed addresses, so the rollout parameters' blocks stay valid across switches; the engine
-    rebinds them anyway (and unbinds them at switch_to_training). Here the first binding is kept and
-    switch_to_training only unmaps the peers' slots: what ``ours-aliased`` would cost with the binding hoisted out
-    of the switch. Patches this engine instance only. ``huge_pages``: also ``madvise(MADV_HUGEPAGE)`` the CPU
-    buffers (megatron_hybrid.memory's mmap backend), so that mapping the peers' slots faults 2 MB pages, not 4 kB.
-    """
-    if huge_pages:
-        import mmap
-
-        for buf in engine.buffers.values():
-            backend_mm = getattr(getattr(buf._mem._buf, "_backend", None), "mm", None)
-            if backend_mm is not None:
-                backend_mm.madvise(mmap.MADV_HUGEPAGE)
-    bind = engine._bind_rollout
-    done = []
-
-    def bind_once() -> None:
-        if not done:
-            bind()
-            done.append(True)
-
-    def to_training() -> None:
-        for buf in engine.buffers.values():
-            buf.unmap_peers()
-        engine.mode = "training"
-
-    engine._bind_rollout = bind_once
-    engine.switch_to_training = to_training
-    return ours(engine, "diag-aliased-bind-once" + ("-thp" if huge_pages else ""), timers, backend)
-
-
-def bound(engine, missing_max: int, mem: Memory) -> Method:
-    """One all-gather of ``missing_max`` bytes over the micro-DP group, into a resident buffer."""
+def bound(engine, missing_max: int, mem: Memory, dtype: torch.dtype) -> Method:
+    """One all-gather of ``missing_max`` bytes (in ``dtype``, the model's) over the micro-DP group, into a
+    resident buffer."""
     d_g = engine.layout.d_g
     group = engine.groups["micro_dp"]
-    slot = -(-missing_max // (4 * (d_g - 1)))  # float32 elements per member
+    elem = torch.empty((), dtype=dtype).element_size()
+    slot = -(-missing_max // (elem * (d_g - 1)))  # elements per member
     mem.trim()
     before = mem.current()
-    device = next(iter(engine.buffers.values())).tensor.device
-    out = torch.zeros(slot * d_g, dtype=torch.float32, device=device)
+    device = next(iter(engine._train_params.values())).device
+    out = torch.zeros(slot * d_g, dtype=dtype, device=device)
     me = group.rank()
     mem.trim()
     from megatron_hybrid import compat
@@ -444,8 +478,8 @@ def bound(engine, missing_max: int, mem: Memory) -> Method:
     m = Method("bound", lambda: compat.all_gather_into_tensor(m.state["out"], m.state["in"], group=m.state["group"]),
                setup_extra=mem.current() - before,
                state={"out": out, "in": out[me * slot: (me + 1) * slot], "group": group})
-    m.info.update(bytes=slot * 4 * (d_g - 1), collectives=1,
-                  accounted=slot * 4 * d_g * (2 if dist.get_backend(group) == "gloo" else 1))
+    staged = dist.get_backend(group) == "gloo" and device.type == "cpu"
+    m.info.update(bytes=slot * elem * (d_g - 1), collectives=1, accounted=slot * elem * d_g * (2 if staged else 1))
     return m
 
 
@@ -477,11 +511,25 @@ def swap_method(train_model, dst_model, backend: str) -> Method:
     return m
 
 
-def swap_accounting(train_model, dst_model) -> dict[str, int]:
-    """Bytes received from other ranks, messages, the second copy and the staging of one swap (from its plan)."""
+def _swap_plan(dst_model):
+    """swap_model_weights' cached plan: on the target model up to megatron-core 0.18, in a module-level cache keyed
+    by the parallel sizes from 0.19 on (cleared after every layout by _destroy_subgroups, so it holds this one)."""
     from megatron.core.utils import unwrap_model
 
-    plan = getattr(unwrap_model(dst_model), "_cached_reshard_plan")
+    plan = getattr(unwrap_model(dst_model), "_cached_reshard_plan", None)
+    if plan is None:
+        from megatron.core.resharding import refit
+
+        cache = getattr(refit, "_plan_cache", {})
+        if len(cache) != 1:
+            raise RuntimeError(f"cannot find swap_model_weights' plan ({len(cache)} cached plans)")
+        plan = next(iter(cache.values()))
+    return plan
+
+
+def swap_accounting(train_model, dst_model) -> dict[str, int]:
+    """Bytes received from other ranks, messages, the second copy and the staging of one swap (from its plan)."""
+    plan = _swap_plan(dst_model)
     me = dist.get_rank()
     dst = dict(dst_model.named_parameters())
     src = dict(train_model.named_parameters())
@@ -511,7 +559,9 @@ def swap_accounting(train_model, dst_model) -> dict[str, int]:
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    # NCCL reduces CUDA tensors only.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -525,10 +575,13 @@ def _all_objects(obj) -> list:
 def _destroy_subgroups() -> None:
     """Free every process group but the world after a layout: each gloo group keeps its own threads, and a few
     hundred of them (megatron's, the engines', swap's) slow every later collective down."""
-    from megatron.core.resharding.refit import clear_service_cache
+    from megatron.core.resharding import refit
     from torch.distributed import distributed_c10d as c10d
 
-    clear_service_cache()  # swap's copy service holds a world group of its own
+    refit.clear_service_cache()  # swap's copy service holds a world group of its own
+    # megatron-core 0.19+ caches swap's plans by parallel sizes only: the next shape at the same sizes would reuse
+    # this one's plan.
+    getattr(refit, "clear_plan_cache", lambda: None)()
     world = c10d.GroupMember.WORLD
     for pg in list(c10d._world.pg_map):
         if pg is not world:
@@ -545,7 +598,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
 
     t, p, d, t_g, p_g = layout
     rank = dist.get_rank()
-    arch = SHAPES[shape]
+    arch = shape_arch(shape, args.params_dtype)
     ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
     model_parallel_cuda_manual_seed(0)
     try:
@@ -564,7 +617,6 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         step = args.step_seconds
         if step is None and not args.no_report:
             step = step_seconds(model, arch, seq=args.seq_length, runs=args.step_runs, device=device)
-        timers = Timers()
         methods = {m for m in args.methods}
         results: dict[str, Method] = {}
 
@@ -592,16 +644,16 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
                     records, report_dir / f"{stem}_trace.jsonl", report_dir / f"{stem}_report.html",
                     step_seconds=step, switch_seconds=switch,
                     title=f"Switch to rollout: {shape}, (t,p,d)=({t},{p},{d}) -> (t_g,p_g)=({t_g},{p_g}), "
-                          f"d_g={lay.d_g}, aliased, {backend}",
+                          f"d_g={lay.d_g}, aliased, {arch.params_dtype}, {backend}",
                     notes=[f"{dist.get_world_size()} ranks on {device.type} ({os.cpu_count()} cores), bucket "
                            f"{args.reshard_bucket_size_mb} MB, profiled switch (per-collective timing)",
                            f"step time: one training forward+backward of 1x{args.seq_length} tokens"
                            if args.step_seconds is None else "step time: given on the command line"])
         phase1: list[Method] = []
         if "ours-aliased" in methods:
-            phase1.append(ours(engine, "ours-aliased", timers, backend))
+            phase1.append(ours(engine, "ours-aliased", backend))
         if "bound" in methods and engine.layout.d_g > 1:
-            phase1.append(bound(engine, missing_max, mem))
+            phase1.append(bound(engine, missing_max, mem, arch.dtype))
         if "swap" in methods:
             mem.trim()
             before = mem.current()
@@ -614,27 +666,15 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         if "naive-gather" in methods:
             phase1.append(naive_gather(sizes, device))
         run_interleaved(phase1, mem, device, warmup=args.warmup, runs=args.runs, keep_shim=args.keep_cpu_shim)
-        if args.diagnose and "ours-aliased" in methods and engine.layout.d_g > 1:
-            # Same engine, patched: the switch without rebinding, against a bound measured alongside it.
-            for huge_pages in (False, True) if device.type == "cpu" else (False,):
-                diag = diag_bind_once(engine, timers, backend, huge_pages=huge_pages)
-                again = bound(engine, missing_max, mem)
-                run_interleaved([diag, again], mem, device, warmup=args.warmup, runs=args.runs,
-                                keep_shim=args.keep_cpu_shim)
-                diag.info["bound_runs"] = again.times
-                again.release()
-                phase1.append(diag)
         swap_crcs = None
         for m in phase1:
             if m.name == "swap":
                 swap_crcs = tensor_crcs(m.state["dst"])
             m.release()
             results[m.name] = m
-        # The engine's buffers hold the training weights (the parameters are views of them) and are unmapped when
-        # the engine goes: give the parameters their own storage first. (The engine has no close()/detach.)
-        with torch.no_grad():
-            for q in model.parameters():
-                q.data = q.data.clone()
+        # The engine's buffers hold the training weights (the parameters are views of them): close() gives the
+        # parameters ordinary memory again and releases the buffers, so that a second engine can take the model.
+        engine.close()
         del engine, phase1
         mem.trim()
 
@@ -654,16 +694,18 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
                     print(f"WARNING rank {rank}: swap_model_weights and ours-canonical differ on {bad[:5]}",
                           flush=True)
             if "ours-canonical" in methods:
-                canonical = ours(engine, "ours-canonical", timers, backend)
+                canonical = ours(engine, "ours-canonical", backend)
                 run_interleaved([canonical], mem, device, warmup=args.warmup, runs=args.runs,
                                 keep_shim=args.keep_cpu_shim)
                 canonical.release()
                 results[canonical.name] = canonical
+            engine.close()
             del engine
 
         # ---- rows (rank 0) ----
-        local = {name: {"times": m.times, "extras": [e + m.setup_extra for e in m.extras], "info": m.info,
-                        "breakdowns": m.breakdowns} for name, m in results.items()}
+        local = {name: {"times": m.times, "extras": [e + m.setup_extra for e in m.extras],
+                        "extras_after": m.extras_after, "info": m.info, "phases": m.phases}
+                 for name, m in results.items()}
         everyone = _all_objects(local)
         del results, model
     finally:
@@ -673,7 +715,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         return []
     lay_d_g = (t // t_g if t_g <= t else 1) * (p // p_g)
     rows = []
-    for name in [n for n in METHODS + DIAGNOSES if n in everyone[0]]:
+    for name in [n for n in METHODS if n in everyone[0]]:
         per_rank = [e[name] for e in everyone]
         runs = [max(r["times"][i] for r in per_rank) for i in range(len(per_rank[0]["times"]))]
         row = {
@@ -684,26 +726,28 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             "bytes_per_rank": max(r["info"]["bytes"] for r in per_rank),
             "num_collectives": max(r["info"]["collectives"] for r in per_rank),
             "extra_mem_bytes": max(max(r["extras"]) for r in per_rank),
+            "extra_mem_after_bytes": max(max(r["extras_after"]) for r in per_rank),
+            "extra_mem_after_bytes_runs": [max(r["extras_after"][i] for r in per_rank) for i in range(len(runs))],
+            "mem_measure": mem.kind, "ranks_per_device": mem.ranks_per_device, "params_dtype": arch.params_dtype,
             "extra_mem_accounted_bytes": max(r["info"]["accounted"] for r in per_rank),
             "training_shard_bytes": shard_bytes, "model_bytes": model_bytes,
             "bytes_formula": (lay_d_g - 1) * model_bytes / (t * p),
             "bucket_size_mb": args.reshard_bucket_size_mb, "runs": args.runs, "warmup": args.warmup,
-            "step_s": step, "cpu_shim_while_timing": bool(args.keep_cpu_shim), "torch": torch.__version__, "megatron_core": str(compat.MCORE_VERSION),
+            "step_s": step, "cpu_shim_while_timing": bool(args.keep_cpu_shim), "torch": torch.__version__,
+            "megatron_core": str(compat.MCORE_VERSION),
         }
-        if name.startswith("ours") or name.startswith("diag-aliased"):
+        if name.startswith("ours"):
             row["bytes_expected_per_rank"] = max(r["info"]["expected_bytes"] for r in per_rank)
             row["bytes_equal_expected"] = all(r["info"]["bytes"] == r["info"]["expected_bytes"] for r in per_rank)
             row["peer_bytes"] = max(r["info"]["peer_bytes"] for r in per_rank)
             row["staging_bytes"] = max(r["info"]["staging_bytes"] for r in per_rank)
-            row["materialized_bytes"] = max(r["info"]["materialized_bytes"] for r in per_rank)
-            parts = sorted({k for r in per_rank for b in r["breakdowns"] for k in b})
-            row["breakdown_s_median"] = {k: statistics.median(max(r["breakdowns"][i].get(k, 0.0) for r in per_rank)
-                                                              for i in range(args.warmup, len(per_rank[0]["breakdowns"])))
-                                         for k in parts}
-        if name.startswith("diag-aliased-bind-once"):
-            bound_runs = [max(r["info"]["bound_runs"][i] for r in per_rank)
-                          for i in range(len(per_rank[0]["info"]["bound_runs"]))]
-            row["bound_alongside_s_median"] = statistics.median(bound_runs)
+            row["canonical_bytes"] = max(r["info"]["canonical_bytes"] for r in per_rank)
+            row["canonical_bytes_mapped"] = max(r["info"]["canonical_bytes_mapped"] for r in per_rank)
+            # Per phase of the engine's own timing, the slowest rank's per switch, then the median over the runs.
+            parts = list(dict.fromkeys(k for r in per_rank for ph in r["phases"] for k in ph))
+            timed = range(args.warmup, len(per_rank[0]["phases"]))
+            row["phases_median_s"] = {k: statistics.median(max(r["phases"][i].get(k, 0.0) for r in per_rank)
+                                                           for i in timed) for k in parts}
         if name == "swap":
             row["second_copy_bytes"] = max(r["info"]["second_copy_bytes"] for r in per_rank)
             row["staging_bytes"] = max(r["info"]["staging_bytes"] for r in per_rank)
@@ -713,9 +757,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         rows.append(row)
     by = {r["method"]: r for r in rows}
     for r in rows:
-        if "bound_alongside_s_median" in r:
-            r["vs_bound"] = r["switch_s_median"] / r["bound_alongside_s_median"]
-        elif "bound" in by:
+        if "bound" in by:
             r["vs_bound"] = r["switch_s_median"] / by["bound"]["switch_s_median"]
         if "swap" in by and r["method"].startswith("ours"):
             r["swap_over_this"] = by["swap"]["switch_s_median"] / r["switch_s_median"]
@@ -734,28 +776,47 @@ def _mb(b: Optional[float]) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
+def _phase_ms(r: Optional[dict], key: str) -> str:
+    return _ms(r["phases_median_s"].get(key)) if r and "phases_median_s" in r else "-"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
+    if meta["mem_measure"].startswith("cuda"):
+        measured = ("device memory in use (`torch.cuda.mem_get_info`, sampled between barriers, the device's "
+                    f"growth / {meta['ranks_per_device']} rank(s) per device) right after the switch minus just "
+                    "before it, max over ranks")
+    else:
+        measured = "peak resident-set growth while switching (VmHWM, max over ranks)"
     lines = [f"# Switch to rollout: {meta['world_size']} {meta['backend']} ranks on {meta['device']} "
              f"({meta['cpu_count']} cores)", "",
              f"torch {meta['torch']}, megatron-core {meta['megatron_core']}; bucket {meta['bucket_size_mb']} MB; "
              f"median of {meta['runs']} runs after {meta['warmup']} warm-up; times: the slowest rank; "
              "MB = MiB. `x bound`: time / bound time. `swap / this`: swap_model_weights time / this time. Extra "
-             "memory: peak resident-set growth while switching (max over ranks) / bytes accounted by construction.",
+             f"memory: {measured} / bytes accounted by construction. map / coll / canon: the engine's own phase "
+             "timings (`communication_report()['phases']`), slowest rank, median over runs"
+             + (" (on a GPU, launch times: the device is synchronised in the offload phase)"
+                if meta["device"] == "cuda" else "") + ".",
              "", "## Summary", "",
              "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | ours-aliased ms "
-             "(x bound) | ours-canonical ms (x bound) | swap ms (swap / aliased) | naive ms | aliased extra MB "
-             "measured / accounted (missing + bucket) | swap extra MB (its 2nd copy) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["shape"], tuple(r["layout"])) for r in rows}, key=lambda k: (k[0] != "many-small", k[1]))
+             "(x bound) | aliased map / coll / canon ms | ours-canonical ms (x bound) | canonical map / coll / "
+             "canon ms | swap ms (swap / aliased) | naive ms | aliased extra MB measured / accounted (missing + "
+             "bucket) | swap extra MB (its 2nd copy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    order_shapes = list(SHAPES)
+    keys = sorted({(r["shape"], tuple(r["layout"])) for r in rows}, key=lambda k: (order_shapes.index(k[0]), k[1]))
     for shape, lay in keys:
         by = {r["method"]: r for r in rows if r["shape"] == shape and tuple(r["layout"]) == lay}
         a, c, s, n, b = (by.get(k) for k in ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound"))
         cells = [shape, "{},{},{}→{},{}".format(*lay), str(next(iter(by.values()))["d_g"])]
-        cells.append(f"{_mb(a['bytes_per_rank'])} ({'yes' if a['bytes_equal_expected'] else 'NO'})" if a else "-")
+        ref = a or c
+        cells.append(f"{_mb(ref['bytes_per_rank'])} ({'yes' if ref['bytes_equal_expected'] else 'NO'})"
+                     if ref else "-")
         cells.append(_ms(b["switch_s_median"]) if b else "-")
         for r in (a, c):
             cells.append(f"{_ms(r['switch_s_median'])}" + (f" ({r['vs_bound']:.2f})" if "vs_bound" in r else "")
                          if r else "-")
+            cells.append(" / ".join(_phase_ms(r, k) for k in ("map_seconds", "collectives_seconds",
+                                                               "canonical_seconds")) if r else "-")
         cells.append(f"{_ms(s['switch_s_median'])}" + (f" ({s['switch_s_median'] / a['switch_s_median']:.1f})"
                                                          if a else "") if s else "-")
         cells.append(_ms(n["switch_s_median"]) if n else "-")
@@ -767,42 +828,25 @@ def markdown(rows: list[dict], meta: dict) -> str:
             cells.append("-")
         cells.append(f"{_mb(s['extra_mem_bytes'])} ({_mb(s['second_copy_bytes'])})" if s else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    diag = [r for r in rows if r["method"] in DIAGNOSES]
-    if diag:
-        lines += ["", "## Diagnosis: ours-aliased with the rollout model bound once (emulated engine change)", "",
-                  "Same engine, patched after the measured runs: the first binding is kept and switch_to_training only "
-                  "unmaps the peers' slots; `+THP`: the CPU buffers also madvise(MADV_HUGEPAGE). Each is timed "
-                  "interleaved with a bound of its own (`x bound` uses that one).", "",
-                  "| shape | layout | ours-aliased ms (x bound) | bind per switch ms | bind once ms (x bound) | "
-                  "bind once + THP ms (x bound) |", "|---|---|---|---|---|---|"]
-        for shape, lay in keys:
-            by = {r["method"]: r for r in rows if r["shape"] == shape and tuple(r["layout"]) == lay}
-            a, d1, d2 = by.get("ours-aliased"), by.get(DIAGNOSES[0]), by.get(DIAGNOSES[1])
-            if not (a and (d1 or d2)):
-                continue
-            cells = [shape, "{},{},{}→{},{}".format(*lay),
-                     f"{_ms(a['switch_s_median'])} ({a.get('vs_bound', float('nan')):.2f})",
-                     _ms(a["breakdown_s_median"].get("bind"))]
-            for d in (d1, d2):
-                cells.append(f"{_ms(d['switch_s_median'])} ({d['vs_bound']:.2f})" if d else "-")
-            lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## All rows", "",
-              "`breakdown`: per part of the switch, the slowest rank's time (parts do not add up: on an "
-              "oversubscribed CPU a rank's collective also waits for peers that are still busy).", "",
+              "Phases (ours): the engine's own per-switch timings, the slowest rank's, median over runs (on an "
+              "oversubscribed CPU a rank's collective also waits for peers that are still busy mapping). `after "
+              "back`: memory growth still held after switching back to training.", "",
               "| shape | layout | method | ms | x bound | MB recv/rank | collectives/rank | extra MB measured | "
-              "extra MB accounted | breakdown ms (ours) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    order = METHODS + DIAGNOSES
-    for r in sorted(rows, key=lambda r: (r["shape"] != "many-small", r["layout"], order.index(r["method"]))):
-        bd = r.get("breakdown_s_median")
-        bd_s = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in bd.items()) if bd else ""
+              "extra MB after back | extra MB accounted | map ms | collectives ms | canonical ms | offload ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (order_shapes.index(r["shape"]), r["layout"], METHODS.index(r["method"]))):
         lines.append(f"| {r['shape']} | {','.join(map(str, r['layout']))} | {r['method']} | "
                      f"{_ms(r['switch_s_median'])} | {r.get('vs_bound', float('nan')):.2f} | "
                      f"{_mb(r['bytes_per_rank'])} | {r['num_collectives']} | {_mb(r['extra_mem_bytes'])} | "
-                     f"{_mb(r['extra_mem_accounted_bytes'])} | {bd_s} |")
+                     f"{_mb(r.get('extra_mem_after_bytes'))} | {_mb(r['extra_mem_accounted_bytes'])} | "
+                     + " | ".join(_phase_ms(r, k) for k in ("map_seconds", "collectives_seconds",
+                                                             "canonical_seconds", "offload_seconds")) + " |")
+    dtypes = {r["shape"]: r.get("params_dtype", SHAPES[r["shape"]].params_dtype) for r in rows}
     lines += ["", "Shapes: " + "; ".join(
         f"`{k}`: {v.num_layers} layers, hidden {v.hidden_size}, ffn {v.ffn_hidden_size}, heads "
-        f"{v.num_attention_heads}/{v.num_query_groups or v.num_attention_heads}, vocab {v.vocab_size}, fp32"
-        for k, v in SHAPES.items() if any(r["shape"] == k for r in rows)), ""]
+        f"{v.num_attention_heads}/{v.num_query_groups or v.num_attention_heads}, vocab {v.vocab_size}, {dtypes[k]}"
+        for k, v in SHAPES.items() if k in dtypes), ""]
     return "\n".join(lines)
 
 
@@ -855,7 +899,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--name", default=None, help="file stem (default: reshard_cpu or reshard_gpu)")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["many-small", "few-large"])
     ap.add_argument("--layouts", nargs="+", type=parse_layout, default=None,
-                    help="t,p,d,t_g,p_g ... (default: per shape, for the world size; see DEFAULT_LAYOUTS_8)")
+                    help="t,p,d,t_g,p_g ... (default: per shape, for the world size; see DEFAULT_LAYOUTS_8 and "
+                         "DEFAULT_LAYOUTS)")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--runs", type=int, default=5, help="timed runs per method (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per method first")
@@ -866,8 +911,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--report-dir", type=Path, default=None, help="communication reports (default: --output-dir)")
     ap.add_argument("--no-report", action="store_true", help="no communication report and no step time")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="also time ours-aliased with the rollout model bound once (emulated engine change)")
+    ap.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                    help="auto: nccl with CUDA, gloo without. gloo with CUDA: ranks may share a GPU (LOCAL_RANK "
+                         "modulo the GPU count); tensors stay on the GPU, gloo moves them through host memory")
+    ap.add_argument("--params-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="parameter dtype of every shape (default: each shape's own: fp32 for many-small and "
+                         "few-large, bf16 for gpu-1b and llama-7b)")
     ap.add_argument("--keep-cpu-shim", action="store_true",
                     help="time the switches inside cpu_gloo()'s TorchFunctionMode (default: suspended while timing)")
     args = ap.parse_args(argv)
@@ -877,15 +926,21 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise ValueError(f"--runs ({args.runs}) must be >= 1 and --warmup ({args.warmup}) >= 0")
 
     use_cuda = torch.cuda.is_available()
+    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("--backend nccl needs CUDA; this machine has no GPU (use gloo)")
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if use_cuda else "gloo"
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if backend == "nccl" and local_rank >= gpus:
+            raise ValueError(f"--backend nccl: local rank {local_rank} but {gpus} GPU(s); NCCL refuses two ranks "
+                             "on one GPU: use --backend gloo to share GPUs")
+        torch.cuda.set_device(local_rank % gpus)
     dist.init_process_group(backend)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     args.name = args.name or ("reshard_gpu" if use_cuda else "reshard_cpu")
-    mem = Memory()
+    mem = CudaMemory(device) if use_cuda else Memory()
     from megatron_hybrid.patches import cpu_gloo
 
     rows: list[dict] = []
@@ -909,7 +964,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if rank == 0:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         meta = {k: rows[0][k] for k in ("world_size", "backend", "device", "cpu_count", "torch", "megatron_core",
-                                         "bucket_size_mb", "runs", "warmup")}
+                                         "bucket_size_mb", "runs", "warmup", "mem_measure", "ranks_per_device")}
         meta["host"] = platform.platform()
         for r in rows:
             r["host"] = meta["host"]

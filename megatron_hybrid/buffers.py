@@ -14,6 +14,8 @@ from typing import Iterable
 
 import torch
 
+from .memory import subtract_ranges
+
 
 def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
@@ -22,21 +24,6 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], max(out[-1][1], hi))
         else:
             out.append((lo, hi))
-    return out
-
-
-def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out = []
-    for lo, hi in ranges:
-        cur = lo
-        for hlo, hhi in holes:
-            if hhi <= cur or hlo >= hi:
-                continue
-            if hlo > cur:
-                out.append((cur, hlo))
-            cur = max(cur, hhi)
-        if cur < hi:
-            out.append((cur, hi))
     return out
 
 
@@ -52,7 +39,7 @@ class RolloutBuffer:
         own_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in own)
         used_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in used)
         self.own_ranges = own_pages
-        self.peer_ranges = _subtract(used_pages, own_pages)
+        self.peer_ranges = subtract_ranges(used_pages, own_pages)
         # Peers' elements that share a granule with the own slots, hence stay backed while training.
         exact_own = _merge(own)
         self.resident_peer_bytes = (sum(hi - lo for lo, hi in own_pages) - sum(hi - lo for lo, hi in exact_own)) \

@@ -37,6 +37,22 @@ import torch
 __all__ = ["ReservedBuffer", "allocation_granularity", "pad_to_granularity"]
 
 
+def subtract_ranges(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted, disjoint ``[lo, hi)`` ranges that no range of sorted, disjoint ``holes`` covers."""
+    out = []
+    for lo, hi in ranges:
+        cur = lo
+        for h_lo, h_hi in holes:
+            if h_hi <= cur or h_lo >= hi:
+                continue
+            if h_lo > cur:
+                out.append((cur, h_lo))
+            cur = max(cur, h_hi)
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
@@ -422,16 +438,7 @@ class ReservedBuffer:
         Each unmapped hole in the range becomes one mapping. New memory holds undefined values (zeros on CPU).
         """
         lo, hi = self._byte_range("map", start, end)
-        holes, cursor = [], lo
-        for m_lo, m_hi in self._mappings:
-            if m_hi <= cursor or m_lo >= hi:
-                continue
-            if m_lo > cursor:
-                holes.append((cursor, m_lo))
-            cursor = max(cursor, m_hi)
-        if cursor < hi:
-            holes.append((cursor, hi))
-        for h_lo, h_hi in holes:
+        for h_lo, h_hi in subtract_ranges([(lo, hi)], self._mappings):
             self._backend.map(h_lo, h_hi)
             self._mappings.append((h_lo, h_hi))
             self._mappings.sort()
