@@ -66,10 +66,11 @@ class RolloutBuffer:
                 self._mem.map(lo, hi)
             self.peers_mapped = True
 
-    def unmap_peers(self) -> None:
+    def unmap_peers(self, *, synchronize: bool = True) -> None:
+        """``synchronize=False``: the caller has made sure that no queued kernel touches the peers' ranges."""
         if self.peers_mapped:
             for lo, hi in self.peer_ranges:
-                self._mem.unmap(lo, hi)
+                self._mem.unmap(lo, hi, synchronize=synchronize)
             self.peers_mapped = False
 
     def close(self) -> None:
@@ -100,8 +101,8 @@ class _Reservation:
     def map(self, lo: int, hi: int) -> None:
         self._buf.map(lo, hi)
 
-    def unmap(self, lo: int, hi: int) -> None:
-        self._buf.unmap(lo, hi)
+    def unmap(self, lo: int, hi: int, *, synchronize: bool = True) -> None:
+        self._buf.unmap(lo, hi, synchronize=synchronize)
 
     def close(self) -> None:
         self._buf.close()

@@ -186,6 +186,7 @@ class HybridEngine:
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.num_switches = 0  # switches to rollout that ran (a call while rolling out is not one)
         self._bind_once()
         self._train_ptrs = [p.data_ptr() for p in self._train_params.values()]
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
@@ -364,7 +365,8 @@ class HybridEngine:
                                  "from the training model")
         self.member_index = [m.rank for m in members].index(dist.get_rank())
         device = next(iter(self._train_params.values())).device
-        bucket_numel = max(1, int(self.bucket_size_mb * 2**20 // 4))
+        bucket_numel = {name: max(1, int(self.bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
+                        for name, dt in _DTYPES.items()}
         if lay.widens:
             self.plan = None
             self.buffers = {}
@@ -425,8 +427,7 @@ class HybridEngine:
             if self._fingerprint_now() != self._fingerprint:
                 raise RuntimeError("the training weights changed while in rollout mode; call "
                                    "switch_to_training() before training")
-            self._last_report = self._report([], 0.0, {})
-            return
+            return  # not a switch: the report keeps describing the last one
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
         if [p.data_ptr() for p in self._train_params.values()] != self._train_ptrs:
@@ -453,12 +454,15 @@ class HybridEngine:
             refill()
         t_canon = time.perf_counter()
         self._offloaded = _offload(self._offload_targets(offload_optimizer, offload_grads))
+        t_off = time.perf_counter()
         self._synchronize()
         end = time.perf_counter()
         self.mode = "rollout"
+        self.num_switches += 1
         self._fingerprint = self._fingerprint_now()
         phases = {"map_seconds": t_map - start, "collectives_seconds": t_coll - t_map,
-                  "canonical_seconds": t_canon - t_coll, "offload_seconds": end - t_canon}
+                  "canonical_seconds": t_canon - t_coll, "offload_seconds": t_off - t_canon,
+                  "sync_seconds": end - t_off}
         self._last_report = self._report(records, end - start, phases)
 
     def _group_for(self, reg) -> tuple[Any, list[int]]:
@@ -594,10 +598,11 @@ class HybridEngine:
         """
         if self.mode == "training":
             return
+        self._synchronize()  # once: nothing queued may touch the ranges unmapped below
         for buf in self.buffers.values():
-            buf.unmap_peers()
+            buf.unmap_peers(synchronize=False)
         for buf, _ in self._canonical:
-            buf.unmap_peers()
+            buf.unmap_peers(synchronize=False)
         _reload(self._offloaded)
         self._offloaded = []
         self.mode = "training"
@@ -696,8 +701,8 @@ class HybridEngine:
             "total_bytes": sum(r.bytes_received for r in records),
             "num_collectives": len(records),
             "switch_seconds": seconds,
-            # Where the switch's time went (without profiling, GPU phases are launch times; the device is
-            # synchronised once, inside offload_seconds).
+            # Where the switch's time went. Without profiling, GPU phases are launch times and the device is
+            # synchronised once at the end: the wait for the queued collectives and copies is sync_seconds.
             "phases": dict(phases),
             "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
                                                      else 0.0} for r in records],

@@ -205,9 +205,9 @@ class _CudaVmmBackend:
             # The mapping holds the physical memory; dropping the handle now means cuMemUnmap frees it.
             d.check(d.cuMemRelease(handle.value), "cuMemRelease")
 
-    def unmap(self, lo: int, hi: int) -> None:
-        # Kernels queued on any stream may still read or write the range.
-        torch.cuda.synchronize(self.device)
+    def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
+        if synchronize:  # kernels queued on any stream may still read or write the range
+            torch.cuda.synchronize(self.device)
         self.driver.check(self.driver.cuMemUnmap(self.ptr + lo, hi - lo), "cuMemUnmap")
 
     def tensor(self) -> torch.Tensor:
@@ -251,7 +251,7 @@ class _MmapBackend:
         self._populate = False
         self.bytes[lo:hi:self.granularity].zero_()
 
-    def unmap(self, lo: int, hi: int) -> None:
+    def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
         self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def tensor(self) -> torch.Tensor:
@@ -281,7 +281,7 @@ class _PlainBackend:
     def map(self, lo: int, hi: int) -> None:
         pass
 
-    def unmap(self, lo: int, hi: int) -> None:
+    def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
         pass
 
     def tensor(self) -> torch.Tensor:
@@ -443,11 +443,12 @@ class ReservedBuffer:
             self._mappings.append((h_lo, h_hi))
             self._mappings.sort()
 
-    def unmap(self, start: int, end: int) -> None:
+    def unmap(self, start: int, end: int, *, synchronize: bool = True) -> None:
         """Give back the physical memory of every mapping inside ``[start, end)``; the address stays reserved.
 
         A mapping that straddles either end is an error (map in smaller pieces to unmap in smaller pieces). On CUDA
-        this synchronizes the device first, so no queued kernel touches the range afterwards.
+        this synchronizes the device first, so no queued kernel touches the range afterwards (``synchronize=False``
+        skips that, for a caller that has synchronized already).
         """
         lo, hi = self._byte_range("unmap", start, end)
         inside = []
@@ -460,8 +461,8 @@ class ReservedBuffer:
                     f"[{m_lo // self.element_size}, {min(m_hi // self.element_size, self.numel)}), which was mapped "
                     "in one piece")
             inside.append((m_lo, m_hi))
-        for m in inside:
-            self._backend.unmap(*m)
+        for i, m in enumerate(inside):
+            self._backend.unmap(*m, synchronize=synchronize and i == 0)
             self._mappings.remove(m)
 
     # -- access ----------------------------------------------------------------------------------------------

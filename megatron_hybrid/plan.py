@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 _LAYER = re.compile(r"^(?P<prefix>.*?layers)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 
@@ -180,7 +180,7 @@ def _align(n: int, alignment: int) -> int:
 
 
 def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
-                     bucket_numel: int, alignment: Optional[dict[str, int]] = None) -> GroupPlan:
+                     bucket_numel: Union[int, dict[str, int]], alignment: Optional[dict[str, int]] = None) -> GroupPlan:
     """Plan the switch for one micro-DP group.
 
     ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
@@ -274,17 +274,18 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     return GroupPlan(members, regions, needed_stage, at, k, by_name)
 
 
-def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: int, emit) -> None:
+def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[int, dict[str, int]], emit) -> None:
     """Split each member's (corresponding) lists into dtype-homogeneous buckets of about ``bucket_numel``."""
     first = next(iter(per_member))
     n = len(per_member[first])
     dtypes = sorted({p.dtype for p in per_member[first]})
     for dtype in dtypes:
         idx = [i for i in range(n) if per_member[first][i].dtype == dtype]
+        limit = bucket_numel[dtype] if isinstance(bucket_numel, dict) else bucket_numel
         start = 0
         while start < len(idx):
             end, total = start, 0
-            while end < len(idx) and (end == start or total + per_member[first][idx[end]].numel <= bucket_numel):
+            while end < len(idx) and (end == start or total + per_member[first][idx[end]].numel <= limit):
                 total += per_member[first][idx[end]].numel
                 end += 1
             emit(dtype, {j: [ps[i] for i in idx[start:end]] for j, ps in per_member.items()})

@@ -79,11 +79,11 @@ def rollout_full_weights(engine) -> dict:
                 continue
             blocks = getattr(p, "_mh_blocks", None)
             if blocks is None:
-                t = p.detach().clone()
+                t = p.detach().cpu().clone()
             else:
                 s = blocks.stride
                 chunks = [v.chunk(s, dim=blocks.dim) for v in blocks.views]
-                t = torch.cat([c[j] for j in range(s) for c in chunks], dim=blocks.dim)
+                t = torch.cat([c[j] for j in range(s) for c in chunks], dim=blocks.dim).cpu()
             assert tuple(t.shape) == tuple(p.shape), (name, t.shape, p.shape)
             local[global_name(name, off)] = (t, TPSpec.of(p))
     parts = _objects(local, engine.groups["tp"])
@@ -157,11 +157,14 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
         if logits is not None:
             logits = gather_vocab(logits, engine.groups["tp"], engine.rollout_tp_order).float()
         weights = rollout_full_weights(engine)
-        again = (engine.switch_to_rollout(), engine.communication_report())[1]
+        switches = engine.num_switches
+        engine.switch_to_rollout()  # already rolling out: not a switch, moves nothing, keeps the report
+        again = {"switches": engine.num_switches - switches,
+                 "same_report": engine.communication_report() == report}
         engine.switch_to_training()
         return {"logits": logits, "weights": weights, "bytes": report["total_bytes"],
                 "resident": report["resident_peer_bytes"], "regions": report["num_collectives"],
-                "again_bytes": again["total_bytes"], "report": report, "addresses": rollout_addresses(engine)}
+                "again": again, "report": report, "addresses": rollout_addresses(engine)}
 
     first = observe()
     first["expected_bytes"] = expected_missing_bytes(engine)

@@ -45,9 +45,10 @@ def _check(arch_kw: dict, layout, mode: str, *, logits_tol: dict, exact_bytes: b
                 pad = obs["regions"] * (t * p // (t_g * p_g)) * 4096
                 assert r["first"]["expected_bytes"] <= obs["bytes"] <= r["first"]["expected_bytes"] + pad
                 assert obs["resident"] == 0
-            assert obs["again_bytes"] == 0
+            assert obs["again"] == {"switches": 0, "same_report": True}
             phases = obs["report"]["phases"]
-            assert set(phases) == {"map_seconds", "collectives_seconds", "canonical_seconds", "offload_seconds"}
+            assert set(phases) == {"map_seconds", "collectives_seconds", "canonical_seconds", "offload_seconds",
+                                   "sync_seconds"}
             assert 0 <= sum(phases.values()) <= obs["report"]["switch_seconds"] * 1.001 + 1e-6
             if obs["logits"] is not None:
                 seen_logits += 1
