@@ -10,7 +10,7 @@ reserved once, so tensors viewing it keep their addresses across switches.
 from __future__ import annotations
 
 import warnings
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -47,6 +47,7 @@ class RolloutBuffer:
         for lo, hi in self.own_ranges:
             self._mem.map(lo, hi)
         self.peers_mapped = False
+        self._touched = False  # some peers' range is (partly) mapped
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -60,18 +61,28 @@ class RolloutBuffer:
     def peer_bytes(self) -> int:
         return sum(hi - lo for lo, hi in self.peer_ranges) * self.tensor.element_size()
 
-    def map_peers(self) -> None:
-        if not self.peers_mapped:
-            for lo, hi in self.peer_ranges:
-                self._mem.map(lo, hi)
+    def map_peers(self, start: int = 0, end: Optional[int] = None) -> None:
+        """Back the peers' ranges that overlap elements ``[start, end)`` (rounded out to granules); by default all
+        of them. Mapping region by region lets the host map the next region while the device gathers this one."""
+        if self.peers_mapped:
+            return
+        g = self.granularity
+        lo = start // g * g
+        hi = self._mem.numel if end is None else min(-(-end // g) * g, self._mem.numel)
+        for p_lo, p_hi in self.peer_ranges:
+            a, b = max(p_lo, lo), min(p_hi, hi)
+            if a < b:
+                self._mem.map(a, b)
+                self._touched = True
+        if end is None:
             self.peers_mapped = True
 
     def unmap_peers(self, *, synchronize: bool = True) -> None:
         """``synchronize=False``: the caller has made sure that no queued kernel touches the peers' ranges."""
-        if self.peers_mapped:
+        if self.peers_mapped or self._touched:
             for lo, hi in self.peer_ranges:
                 self._mem.unmap(lo, hi, synchronize=synchronize)
-            self.peers_mapped = False
+            self.peers_mapped = self._touched = False
 
     def close(self) -> None:
         self._mem.close()

@@ -64,6 +64,12 @@ def run_case(layout, mode: str, dtype: str) -> dict:
     config = a.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
     model = a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     model.cuda()
+    # Data-parallel replicas start equal, as Megatron's DDP makes them (it broadcasts from DP rank 0): the rollout
+    # layout may combine shards of different replicas (t_g > t).
+    dp_group = ps.get_data_parallel_group()
+    with torch.no_grad():
+        for prm in model.parameters():
+            dist.broadcast(prm.data, src=dist.get_global_rank(dp_group, 0), group=dp_group)
     tok = cases.tokens().cuda()
     pos = torch.arange(cases.SEQ, device="cuda").expand(cases.BATCH, -1)
     with torch.no_grad():
@@ -139,6 +145,7 @@ def run_case(layout, mode: str, dtype: str) -> dict:
             with torch.no_grad():
                 for prm in model.parameters():
                     prm.grad = torch.randn_like(prm) * 0.01
+                    dist.broadcast(prm.grad, src=dist.get_global_rank(dp_group, 0), group=dp_group)  # as DDP's
             opt.step()
     out["engine_resident_bytes"] = free0 - free_built
     out["failures"] = failures
