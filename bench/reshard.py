@@ -794,7 +794,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "MB = MiB. `x bound`: time / bound time. `swap / this`: swap_model_weights time / this time. Extra "
              f"memory: {measured} / bytes accounted by construction. map / coll / canon: the engine's own phase "
              "timings (`communication_report()['phases']`), slowest rank, median over runs"
-             + (" (on a GPU, launch times: the device is synchronised in the offload phase)"
+             + (" (on a GPU, host times: launches; the device is synchronised once, in the sync phase)"
                 if meta["device"] == "cuda" else "") + ".",
              "", "## Summary", "",
              "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | ours-aliased ms "
@@ -833,15 +833,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "oversubscribed CPU a rank's collective also waits for peers that are still busy mapping). `after "
               "back`: memory growth still held after switching back to training.", "",
               "| shape | layout | method | ms | x bound | MB recv/rank | collectives/rank | extra MB measured | "
-              "extra MB after back | extra MB accounted | map ms | collectives ms | canonical ms | offload ms |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "extra MB after back | extra MB accounted | map ms | collectives ms | canonical ms | offload ms | sync ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (order_shapes.index(r["shape"]), r["layout"], METHODS.index(r["method"]))):
         lines.append(f"| {r['shape']} | {','.join(map(str, r['layout']))} | {r['method']} | "
                      f"{_ms(r['switch_s_median'])} | {r.get('vs_bound', float('nan')):.2f} | "
                      f"{_mb(r['bytes_per_rank'])} | {r['num_collectives']} | {_mb(r['extra_mem_bytes'])} | "
                      f"{_mb(r.get('extra_mem_after_bytes'))} | {_mb(r['extra_mem_accounted_bytes'])} | "
                      + " | ".join(_phase_ms(r, k) for k in ("map_seconds", "collectives_seconds",
-                                                             "canonical_seconds", "offload_seconds")) + " |")
+                                                             "canonical_seconds", "offload_seconds", "sync_seconds")) + " |")
     dtypes = {r["shape"]: r.get("params_dtype", SHAPES[r["shape"]].params_dtype) for r in rows}
     lines += ["", "Shapes: " + "; ".join(
         f"`{k}`: {v.num_layers} layers, hidden {v.hidden_size}, ffn {v.ffn_hidden_size}, heads "
@@ -904,7 +904,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--runs", type=int, default=5, help="timed runs per method (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per method first")
-    ap.add_argument("--reshard-bucket-size-mb", type=float, default=256.0, help="HybridEngine bucket_size_mb")
+    ap.add_argument("--reshard-bucket-size-mb", type=float, default=1024.0, help="HybridEngine bucket_size_mb")
     ap.add_argument("--seq-length", type=int, default=128, help="tokens of the training forward+backward (step time)")
     ap.add_argument("--step-runs", type=int, default=2, help="timed training steps (median) after one warm-up")
     ap.add_argument("--step-seconds", type=float, default=None, help="use this step time instead of measuring")

@@ -62,7 +62,7 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
-    g.add_argument("--reshard-bucket-size-mb", type=float, default=256.0)
+    g.add_argument("--reshard-bucket-size-mb", type=float, default=1024.0)
     g.add_argument("--no-hybrid-rollout", action="store_true",
                    help="generate with the training-layout model on Megatron's groups (no resharding); for "
                    "comparisons")

@@ -114,8 +114,9 @@ class HybridEngine:
         rollout: the rollout layout (t_g, p_g).
         weight_mode: ``"aliased"`` (default; zero redundancy: the rollout model computes on the training shards
             as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
-            buffers; costs the own shard twice while rolling out).
-        bucket_size_mb: the size of one gather bucket.
+            buffers into a range backed only while rolling out: the rollout shard then exists twice).
+        bucket_size_mb: the size of one gather bucket (default 1 GiB: on 2 H200s a 7B model switched in 1.23× the
+            time of one raw all-gather with 1 GiB buckets, 1.38× with 256 MiB ones).
         align_slots: pad every slot to the memory backend's granule (2 MiB with CUDA virtual memory). Then no
             page is shared between the own slot and a peer's, so nothing of the peers' stays resident while
             training; the padding travels with the gathers (at most one granule per slot). Without it, the
@@ -127,7 +128,7 @@ class HybridEngine:
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
-                 weight_mode: str = "aliased", bucket_size_mb: float = 256.0, align_slots: bool = False,
+                 weight_mode: str = "aliased", bucket_size_mb: float = 1024.0, align_slots: bool = False,
                  tp_group=None, pp_group=None,
                  dp_group=None, model_provider: Optional[ModelProvider] = None) -> None:
         # ---- validation: everything below this block may run collectives ----

@@ -226,29 +226,21 @@ class _MmapBackend:
         self.nbytes = _round_up(nbytes, self.granularity)
         self.mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # Transparent huge pages: mapping a peer's slot then faults 2 MiB at a time instead of 4 KiB (7x faster
-        # for 108 MB on 8 busy processes). Unmapping part of a huge page splits it, so ranges stay page-granular;
-        # the price is that a huge page straddling the end of an own range may stay resident (≤ 2 MiB per
-        # own/peer boundary), like the granules of the CUDA backend.
-        self._madvise(getattr(mmap, "MADV_HUGEPAGE", None), 0, self.nbytes)
-        self._populate = True
+        # Transparent huge pages: mapping a peer's slot then faults 2 MiB at a time instead of 4 KiB. Measured with
+        # 8 processes on 2 cores mapping 54 MB each: 19 ms with huge pages, 117 ms without (MADV_POPULATE_WRITE
+        # instead of touching: 48 / 94 ms); in bench/reshard.py's few-large switch, 1.02x instead of 1.31x the
+        # all-gather bound. Unmapping part of a huge page splits it, so ranges stay page-granular; the price is
+        # that a huge page straddling the end of an own range may stay resident (<= 2 MiB per own/peer boundary),
+        # like the granules of the CUDA backend.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # kernels without transparent huge pages
+                pass
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
-    def _madvise(self, advice, lo: int, length: int) -> bool:
-        if advice is None:
-            return False
-        try:
-            self.mm.madvise(advice, lo, length)
-            return True
-        except (OSError, ValueError):
-            return False
-
     def map(self, lo: int, hi: int) -> None:
-        # Make the range resident now, as on the GPU: one MADV_POPULATE_WRITE call (Linux >= 5.14) where the
-        # kernel has it, else one write per page.
-        if self._populate and self._madvise(_MADV_POPULATE_WRITE, lo, hi - lo):
-            return
-        self._populate = False
+        # Fault the pages in now (one byte per page) so that a mapped range is resident, as on the GPU.
         self.bytes[lo:hi:self.granularity].zero_()
 
     def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
@@ -264,9 +256,6 @@ class _MmapBackend:
         except BufferError:
             # Tensors over the mapping are still alive; the mapping goes away with the last of them.
             pass
-
-
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # linux/mman.h; Python 3.11 lacks the name
 
 
 class _PlainBackend:
