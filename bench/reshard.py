@@ -91,6 +91,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_hybrid.models import GPTArchitecture  # noqa: E402
+from tests.engine_cases import expected_missing_bytes  # noqa: E402  (the tests' independent formula)
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound")
@@ -359,18 +360,6 @@ def full_sizes(model: torch.nn.Module, t: int) -> dict[str, tuple[int, torch.dty
         for name, (numel, dtype) in part.items():
             out[name] = (numel, getattr(torch, dtype.split(".")[-1]))
     return dict(sorted(out.items()))
-
-
-def expected_missing_bytes(engine) -> int:
-    """This rank's rollout shard minus the bytes of its own training tensors that are part of it."""
-    rollout = {}
-    for chunk in engine.rollout_chunks:
-        off = layer_offset(chunk)
-        for name, p in chunk.named_parameters():
-            rollout[global_name(name, off)] = p.numel() * p.element_size()
-    own = sum(p.numel() * p.element_size() for chunk in engine.modules for name, p in chunk.named_parameters()
-              if global_name(name, layer_offset(chunk)) in rollout)
-    return 0 if engine.layout.widens else sum(rollout.values()) - own
 
 
 def step_seconds(model: torch.nn.Module, arch: GPTArchitecture, *, seq: int, runs: int, device) -> float:

@@ -48,6 +48,29 @@ class RolloutBuffer:
             self._mem.map(lo, hi)
         self.peers_mapped = False
         self._touched = False  # some peers' range is (partly) mapped
+        # The peers' ranges as pieces that are mapped and unmapped on their own: (lo, hi, transient). Transient
+        # pieces are needed only during the switch (see set_kept); by default nothing is.
+        self.pieces = [(lo, hi, False) for lo, hi in self.peer_ranges]
+
+    def set_kept(self, ranges: list[tuple[int, int]]) -> None:
+        """Mark every peers' element outside ``ranges`` as transient: :meth:`release_transient` gives it back
+        once the switch has consumed it (canonical mode reads the gathered shards once, into its own tensors)."""
+        g = self.granularity
+        kept = subtract_ranges(self.peer_ranges, subtract_ranges(
+            self.peer_ranges, _merge((lo // g * g, min(-(-hi // g) * g, self._mem.numel)) for lo, hi in ranges)))
+        transient = subtract_ranges(self.peer_ranges, kept)
+        self.pieces = sorted([(lo, hi, False) for lo, hi in kept] + [(lo, hi, True) for lo, hi in transient])
+
+    @property
+    def mapped_peer_bytes(self) -> int:
+        """Peers' bytes backed now: all of them while rolling out, less the transient ones once released."""
+        if not self._touched:
+            return 0
+        return self.peer_bytes - (0 if self.peers_mapped else self.transient_bytes)
+
+    @property
+    def transient_bytes(self) -> int:
+        return sum(hi - lo for lo, hi, t in self.pieces if t) * self.tensor.element_size()
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -69,7 +92,7 @@ class RolloutBuffer:
         g = self.granularity
         lo = start // g * g
         hi = self._mem.numel if end is None else min(-(-end // g) * g, self._mem.numel)
-        for p_lo, p_hi in self.peer_ranges:
+        for p_lo, p_hi, _ in self.pieces:  # each mapping stays inside one piece, so pieces unmap on their own
             a, b = max(p_lo, lo), min(p_hi, hi)
             if a < b:
                 self._mem.map(a, b)
@@ -77,11 +100,17 @@ class RolloutBuffer:
         if end is None:
             self.peers_mapped = True
 
+    def release_transient(self, *, synchronize: bool = True) -> None:
+        """Give back the transient pieces (after the switch has read them)."""
+        for i, (lo, hi, _) in enumerate([p for p in self.pieces if p[2]]):
+            self._mem.unmap(lo, hi, synchronize=synchronize and i == 0)
+            self.peers_mapped = False
+
     def unmap_peers(self, *, synchronize: bool = True) -> None:
         """``synchronize=False``: the caller has made sure that no queued kernel touches the peers' ranges."""
         if self.peers_mapped or self._touched:
-            for lo, hi in self.peer_ranges:
-                self._mem.unmap(lo, hi, synchronize=synchronize)
+            for i, (lo, hi, _) in enumerate(self.pieces):
+                self._mem.unmap(lo, hi, synchronize=synchronize and i == 0)
             self.peers_mapped = self._touched = False
 
     def close(self) -> None:

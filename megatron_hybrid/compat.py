@@ -64,8 +64,6 @@ def static_inference_engine(model, *, pg_collection, tokenizer, max_batch_size: 
     Megatron's pipeline helpers for inference read its global groups, so use this where the model's pipeline
     groups are Megatron's (p = p_g = 1 for a rollout model).
     """
-    import torch
-
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper

@@ -19,7 +19,7 @@ from . import compat
 from .aliased import Blocks, make_aliased, placeholder, supports_blocks
 from .buffers import RolloutBuffer
 from .layout import Grid, ParallelLayout, RolloutLayout
-from .plan import GroupPlan, MemberInfo, ParamInfo, build_group_plan
+from .plan import MemberInfo, ParamInfo, build_group_plan
 from .sharding import TPSpec, global_name, layer_offset
 
 WEIGHT_MODES = ("aliased", "canonical")
@@ -114,7 +114,8 @@ class HybridEngine:
         rollout: the rollout layout (t_g, p_g).
         weight_mode: ``"aliased"`` (default; zero redundancy: the rollout model computes on the training shards
             as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
-            buffers into a range backed only while rolling out: the rollout shard then exists twice).
+            buffers into a range backed only while rolling out; the gathered peers' slots that nothing views are
+            released once read, so generation runs with the own shard plus the rebuilt rollout shard).
         bucket_size_mb: the size of one gather bucket (default 1 GiB: on 2 H200s a 7B model switched in 1.23× the
             time of one raw all-gather with 1 GiB buckets, 1.38× with 256 MiB ones).
         align_slots: pad every slot to the memory backend's granule (2 MiB with CUDA virtual memory). Then no
@@ -463,6 +464,8 @@ class HybridEngine:
         self._offloaded = _offload(self._offload_targets(offload_optimizer, offload_grads))
         t_off = time.perf_counter()
         self._synchronize()
+        for buf in self.buffers.values():
+            buf.release_transient(synchronize=False)
         end = time.perf_counter()
         self.mode = "rollout"
         self.num_switches += 1
@@ -538,6 +541,7 @@ class HybridEngine:
         from . import ops
 
         pending: dict[torch.dtype, list[tuple[str, torch.nn.Parameter, Blocks]]] = {}
+        viewed: dict[str, list[tuple[int, int]]] = {}  # buffer ranges that rollout parameters view directly
         for chunk in self.rollout_chunks:
             owners = _owner_modules(chunk)
             for name, prm in list(self._rollout_iter(chunk)):
@@ -548,6 +552,10 @@ class HybridEngine:
                     new = placeholder(prm, None)
                     new.data = blocks.views[0]
                     new._mh_keepalive = list(self.buffers.values())
+                    src = self._sources[name].blocks[0] if self.plan is not None else None
+                    if src is not None and src.member != self.member_index:  # a view of a peer's slot
+                        dtype, off = self.plan.where(src.member, name)
+                        viewed.setdefault(dtype, []).append((off, off + prm.numel()))
                 elif self.weight_mode == "aliased" and prm.dim() > 1:
                     new = placeholder(prm, blocks)
                     new._mh_keepalive = list(self.buffers.values())
@@ -556,6 +564,11 @@ class HybridEngine:
                     pending.setdefault(prm.dtype, []).append((name, new, blocks))
                 new._mh_rollout_name = name
                 owner._parameters[attr] = new
+        # Canonical mode reads the gathered shards once, into its own tensors: the peers' slots that no rollout
+        # parameter views are given back at the end of the switch (aliased mode views all of them).
+        if self.weight_mode == "canonical":
+            for dtype, buf in self.buffers.items():
+                buf.set_kept(viewed.get(dtype, []))
         self._canonical: list[tuple[RolloutBuffer, Callable[[], None]]] = []
         device = next(iter(self._train_params.values())).device
         for dtype, items in pending.items():
@@ -714,7 +727,8 @@ class HybridEngine:
             "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
                                                      else 0.0} for r in records],
             "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
-            "peer_bytes_mapped": sum(b.peer_bytes for b in self.buffers.values() if b.peers_mapped),
+            "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()),
+            "transient_bytes_released": sum(b.transient_bytes for b in self.buffers.values()),
             "canonical_bytes_mapped": sum(b.peer_bytes for b, _ in self._canonical if b.peers_mapped),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
             "weight_mode": self.weight_mode,

@@ -281,8 +281,8 @@ def memory_case(mode: str):
         engine.switch_to_training()
         out["after"].append(rss())
         out["buf_after"].append(buffers_rss())
-    out.update(moved=report["total_bytes"], mapped=sum(b.peer_bytes for b in engine.buffers.values()),
-               canonical=report["canonical_bytes_mapped"])
+    out.update(moved=report["total_bytes"], mapped=report["peer_bytes_mapped"],
+               released=report["transient_bytes_released"], canonical=report["canonical_bytes_mapped"])
     return out
 
 
