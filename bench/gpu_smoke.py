@@ -41,7 +41,9 @@ def main() -> None:
         engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=mode, bucket_size_mb=1, align_slots=align)
         backends = {k: b._mem._buf.backend for k, b in engine.buffers.items()}
         engine.switch_to_rollout()
+        torch.cuda.synchronize()
         free_rollout = torch.cuda.mem_get_info()[0]
+        rollout_report = engine.communication_report()
         with torch.no_grad():
             logits = engine.rollout_model(tokens, pos, None)
         engine.switch_to_training()
@@ -51,8 +53,16 @@ def main() -> None:
                      "bytes": rep["total_bytes"], "collectives": rep["num_collectives"],
                      "free_drop_rollout": free0 - free_rollout, "free_drop_after": free0 - free_back,
                      "peer_bytes": sum(b.peer_bytes for b in engine.buffers.values()),
-                     "resident_peer_bytes": sum(b.resident_peer_bytes for b in engine.buffers.values())}
-        model = engine.chunks[0]
+                     "resident_peer_bytes": sum(b.resident_peer_bytes for b in engine.buffers.values()),
+                     "peer_bytes_mapped_rolling_out": rollout_report["peer_bytes_mapped"],
+                     "canonical_bytes_mapped": rollout_report["canonical_bytes_mapped"],
+                     "transient_bytes_released": rollout_report["transient_bytes_released"]}
+        engine.close()  # the training parameters go back to ordinary memory; the next engine starts afresh
+        torch.cuda.synchronize()
+        out[f"{mode}{'-aligned' if align else ''}"]["free_drop_after_close"] = free0 - torch.cuda.mem_get_info()[0]
+        with torch.no_grad():
+            again = gather_vocab(model(tokens, pos, None), ps.get_tensor_model_parallel_group())
+        out[f"{mode}{'-aligned' if align else ''}"]["train_logits_unchanged"] = bool(torch.equal(again, train_logits))
     res = [None, None]
     dist.all_gather_object(res, out)
     if dist.get_rank() == 0:
