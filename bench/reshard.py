@@ -7,14 +7,17 @@ Methods (same model, same layout, same job):
   slots and the canonical ranges, one in-place collective per bucket/region, refill the canonical tensors by one
   fused scatter per dtype; the rollout model is bound once, at construction), with ``set_profiling(False)``.
   Per switch, the engine's own phase timings (``communication_report()["phases"]``: map, collectives,
-  canonical, offload) are kept; the rows hold their medians (``phases_median_s``). On a GPU without profiling
-  the phases before ``offload`` are launch times: the device is synchronised once, inside ``offload_seconds``.
+  canonical, offload, sync) are kept; the rows hold their medians (``phases_median_s``). On a GPU without
+  profiling the phases before ``sync`` are host (launch) times: the device is synchronised once, in ``sync``.
 - ``swap``: ``megatron.core.resharding.swap_model_weights(train, rollout, "gloo"|"nccl")`` into a second rollout
   model built with its own process groups (the engine's ``pg_collection``). Its plan is built on the warm-up.
 - ``naive-gather``: every rank all-gathers the whole model over the world, one all-gather per parameter, each rank
   contributing 1/world of it (DeepSpeed-Chat's ZeRO-3 hybrid engine): (tpd-1)/(tpd)·M bytes per rank.
 - ``bound``: one ``all_gather_into_tensor`` of exactly the bytes ``ours`` receives (the most any rank receives),
   in the model's dtype, over our micro-DP groups, into a resident preallocated buffer: the floor of a switch.
+- ``bound-fresh``: the same all-gather into an output the call allocates (``torch.empty``), as a plain all-gather
+  does: the floor of a switch that, like ours, must obtain memory that was not resident before it (on CPU, large
+  allocations are fresh pages that fault in during the gather; on a GPU the caching allocator reuses a block).
 
 Timing: before every run, garbage collection, ``malloc_trim(0)`` (CUDA: ``torch.cuda.empty_cache()``) and a
 barrier; a run's time is the largest per-rank time of the call (CUDA: up to a ``torch.cuda.synchronize()``);
@@ -94,7 +97,7 @@ from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 from tests.engine_cases import expected_missing_bytes  # noqa: E402  (the tests' independent formula)
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
-METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound")
+METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound", "bound-fresh")
 Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
 
 SHAPES: dict[str, GPTArchitecture] = {
@@ -472,6 +475,31 @@ def bound(engine, missing_max: int, mem: Memory, dtype: torch.dtype) -> Method:
     return m
 
 
+def bound_fresh(engine, missing_max: int, dtype: torch.dtype) -> Method:
+    """The same all-gather into an output allocated by the call (as a plain ``torch.empty`` + all-gather would):
+    the floor of a switch that, like ours, has to obtain memory that was not resident before it. On CPU the
+    allocator hands out fresh pages for large outputs (glibc mmaps them), which then fault in during the gather.
+    """
+    from megatron_hybrid import compat
+
+    d_g = engine.layout.d_g
+    group = engine.groups["micro_dp"]
+    elem = torch.empty((), dtype=dtype).element_size()
+    slot = -(-missing_max // (elem * (d_g - 1)))
+    device = next(iter(engine._train_params.values())).device
+
+    def op():
+        out = torch.empty(slot * d_g, dtype=dtype, device=device)
+        compat.all_gather_into_tensor(out, m.state["in"], group=group)
+        m.state["held"].append(out)
+
+    m = Method("bound-fresh", op, state={"in": torch.zeros(slot, dtype=dtype, device=device), "held": []})
+    m.after = lambda: m.state["held"].clear()
+    staged = dist.get_backend(group) == "gloo" and device.type == "cpu"
+    m.info.update(bytes=slot * elem * (d_g - 1), collectives=1, accounted=slot * elem * d_g * (2 if staged else 1))
+    return m
+
+
 def naive_gather(sizes: dict[str, tuple[int, torch.dtype]], device) -> Method:
     """One all-gather over the world per parameter of the whole model; the gathered model is kept until after."""
     from megatron_hybrid import compat
@@ -643,6 +671,8 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             phase1.append(ours(engine, "ours-aliased", backend))
         if "bound" in methods and engine.layout.d_g > 1:
             phase1.append(bound(engine, missing_max, mem, arch.dtype))
+        if "bound-fresh" in methods and engine.layout.d_g > 1:
+            phase1.append(bound_fresh(engine, missing_max, arch.dtype))
         if "swap" in methods:
             mem.trim()
             before = mem.current()
@@ -748,6 +778,8 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
     for r in rows:
         if "bound" in by:
             r["vs_bound"] = r["switch_s_median"] / by["bound"]["switch_s_median"]
+        if "bound-fresh" in by:
+            r["vs_bound_fresh"] = r["switch_s_median"] / by["bound-fresh"]["switch_s_median"]
         if "swap" in by and r["method"].startswith("ours"):
             r["swap_over_this"] = by["swap"]["switch_s_median"] / r["switch_s_median"]
     return rows
@@ -786,11 +818,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
              + (" (on a GPU, host times: launches; the device is synchronised once, in the sync phase)"
                 if meta["device"] == "cuda" else "") + ".",
              "", "## Summary", "",
-             "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | ours-aliased ms "
-             "(x bound) | aliased map / coll / canon ms | ours-canonical ms (x bound) | canonical map / coll / "
+             "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | bound-fresh ms "
+             "(aliased x bound-fresh) | ours-aliased ms (x bound) | aliased map / coll / canon ms | ours-canonical ms (x bound) | canonical map / coll / "
              "canon ms | swap ms (swap / aliased) | naive ms | aliased extra MB measured / accounted (missing + "
              "bucket) | swap extra MB (its 2nd copy) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order_shapes = list(SHAPES)
     keys = sorted({(r["shape"], tuple(r["layout"])) for r in rows}, key=lambda k: (order_shapes.index(k[0]), k[1]))
     for shape, lay in keys:
@@ -801,6 +833,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         cells.append(f"{_mb(ref['bytes_per_rank'])} ({'yes' if ref['bytes_equal_expected'] else 'NO'})"
                      if ref else "-")
         cells.append(_ms(b["switch_s_median"]) if b else "-")
+        f = by.get("bound-fresh")
+        cells.append(_ms(f["switch_s_median"]) + (f" ({a['vs_bound_fresh']:.2f})" if a and "vs_bound_fresh" in a
+                                                  else "") if f else "-")
         for r in (a, c):
             cells.append(f"{_ms(r['switch_s_median'])}" + (f" ({r['vs_bound']:.2f})" if "vs_bound" in r else "")
                          if r else "-")
@@ -851,7 +886,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
     colours = {"ours-aliased": "#3b7dd8", "ours-canonical": "#7fb0ee", "swap": "#d9534f",
-               "naive-gather": "#8a8a8a", "bound": "#2e8b57"}
+               "naive-gather": "#8a8a8a", "bound": "#2e8b57", "bound-fresh": "#9acd32"}
     for ax, shape in zip(axes[0], shapes):
         layouts = sorted({tuple(r["layout"]) for r in rows if r["shape"] == shape})
         present = [m for m in METHODS if any(r["method"] == m and r["shape"] == shape for r in rows)]

@@ -226,17 +226,11 @@ class _MmapBackend:
         self.nbytes = _round_up(nbytes, self.granularity)
         self.mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # Transparent huge pages: mapping a peer's slot then faults 2 MiB at a time instead of 4 KiB. Measured with
-        # 8 processes on 2 cores mapping 54 MB each: 19 ms with huge pages, 117 ms without (MADV_POPULATE_WRITE
-        # instead of touching: 48 / 94 ms); in bench/reshard.py's few-large switch, 1.02x instead of 1.31x the
-        # all-gather bound. Unmapping part of a huge page splits it, so ranges stay page-granular; the price is
-        # that a huge page straddling the end of an own range may stay resident (<= 2 MiB per own/peer boundary),
-        # like the granules of the CUDA backend.
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self.mm.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # kernels without transparent huge pages
-                pass
+        # No transparent huge pages (MADV_HUGEPAGE): they made faulting the peers' slots back 6x faster on idle
+        # processes (19 vs 117 ms for 8 x 54 MB) but 3x slower once other allocations had churned memory (355 vs
+        # 116 ms for 216 MB in bench/reshard.py's few-large shape at 2 ranks): with the kernel's default
+        # defrag=madvise, each huge-page fault may compact memory synchronously. 4 KiB faults cost the same each
+        # time.
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
     def map(self, lo: int, hi: int) -> None:
