@@ -34,10 +34,9 @@ class RolloutBuffer:
                  used: list[tuple[int, int]]) -> None:
         self.dtype, self.device, self.numel = dtype, device, numel
         self._mem = _reserve(numel, dtype, device)
-        gran = self._mem.granularity  # elements per page/granule
         # Round the own ranges out to whole granules: they stay backed; the peers' part is what is left.
-        own_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in own)
-        used_pages = _merge((lo // gran * gran, min(-(-hi // gran) * gran, self._mem.numel)) for lo, hi in used)
+        own_pages = self._granules(own)
+        used_pages = self._granules(used)
         self.own_ranges = own_pages
         self.peer_ranges = subtract_ranges(used_pages, own_pages)
         # Peers' elements that share a granule with the own slots, hence stay backed while training.
@@ -52,13 +51,16 @@ class RolloutBuffer:
         # pieces are needed only during the switch (see set_kept); by default nothing is.
         self.pieces = [(lo, hi, False) for lo, hi in self.peer_ranges]
 
+    def _granules(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` rounded out to whole granules (the last one may end at ``numel``), merged."""
+        g = self._mem.granularity  # elements per page/granule
+        return _merge((lo // g * g, min(-(-hi // g) * g, self._mem.numel)) for lo, hi in ranges)
+
     def set_kept(self, ranges: list[tuple[int, int]]) -> None:
         """Mark every peers' element outside ``ranges`` as transient: :meth:`release_transient` gives it back
         once the switch has consumed it (canonical mode reads the gathered shards once, into its own tensors)."""
-        g = self.granularity
-        kept = subtract_ranges(self.peer_ranges, subtract_ranges(
-            self.peer_ranges, _merge((lo // g * g, min(-(-hi // g) * g, self._mem.numel)) for lo, hi in ranges)))
-        transient = subtract_ranges(self.peer_ranges, kept)
+        transient = subtract_ranges(self.peer_ranges, self._granules(ranges))
+        kept = subtract_ranges(self.peer_ranges, transient)
         self.pieces = sorted([(lo, hi, False) for lo, hi in kept] + [(lo, hi, True) for lo, hi in transient])
 
     @property
@@ -87,11 +89,9 @@ class RolloutBuffer:
     def map_peers(self, start: int = 0, end: Optional[int] = None) -> None:
         """Back the peers' ranges that overlap elements ``[start, end)`` (rounded out to granules); by default all
         of them. Mapping region by region lets the host map the next region while the device gathers this one."""
-        if self.peers_mapped:
+        if self.peers_mapped or (end is not None and end <= start):
             return
-        g = self.granularity
-        lo = start // g * g
-        hi = self._mem.numel if end is None else min(-(-end // g) * g, self._mem.numel)
+        ((lo, hi),) = self._granules([(start, self._mem.numel if end is None else end)])
         for p_lo, p_hi, _ in self.pieces:  # each mapping stays inside one piece, so pieces unmap on their own
             a, b = max(p_lo, lo), min(p_hi, hi)
             if a < b:
@@ -100,17 +100,21 @@ class RolloutBuffer:
         if end is None:
             self.peers_mapped = True
 
+    def _unmap(self, pieces: list[tuple[int, int, bool]], synchronize: bool) -> None:
+        for i, (lo, hi, _) in enumerate(pieces):
+            self._mem.unmap(lo, hi, synchronize=synchronize and i == 0)  # one device sync covers them all
+
     def release_transient(self, *, synchronize: bool = True) -> None:
         """Give back the transient pieces (after the switch has read them)."""
-        for i, (lo, hi, _) in enumerate([p for p in self.pieces if p[2]]):
-            self._mem.unmap(lo, hi, synchronize=synchronize and i == 0)
+        transient = [p for p in self.pieces if p[2]]
+        if transient:
+            self._unmap(transient, synchronize)
             self.peers_mapped = False
 
     def unmap_peers(self, *, synchronize: bool = True) -> None:
         """``synchronize=False``: the caller has made sure that no queued kernel touches the peers' ranges."""
         if self.peers_mapped or self._touched:
-            for i, (lo, hi, _) in enumerate(self.pieces):
-                self._mem.unmap(lo, hi, synchronize=synchronize and i == 0)
+            self._unmap(self.pieces, synchronize)
             self.peers_mapped = self._touched = False
 
     def close(self) -> None:
