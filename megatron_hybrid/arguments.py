@@ -4,15 +4,17 @@
 it), so a Megatron-LM launch script can add the rollout layout and the RL settings to its own arguments:
 ``initialize_megatron(extra_args_provider=add_hybrid_args)``. :func:`add_megatron_args` adds the Megatron-LM
 flags themselves, for standalone recipes. :func:`validate_args` checks everything that can be checked without a
-collective and raises ``ValueError`` naming the values.
+collective and raises ``ValueError`` naming the values; :func:`check_number` is its range check, shared with the
+tools.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
 
@@ -35,6 +37,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("parallelism (Megatron-LM names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=2)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    # A float, unlike Megatron-LM's int: short timeouts (tests, quick failure on a small job) are fractions.
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of every collective, on every process group (fractions allowed); raise it above "
+                   "the longest generation phase and checkpoint write, not only the switch")
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
@@ -122,16 +128,70 @@ def load_callable(spec: str) -> Callable:
     return fn
 
 
+def check_number(flag: str, value: float, *, ge: Optional[float] = None, gt: Optional[float] = None,
+                 le: Optional[float] = None, hint: str = "") -> None:
+    """``ValueError`` naming ``flag`` and ``value`` unless ``value`` is finite and within the given bounds.
+
+    Every bound is tested as "inside", so NaN (which compares false with everything) never passes.
+    """
+    if (math.isfinite(value) and (ge is None or value >= ge) and (gt is None or value > gt)
+            and (le is None or value <= le)):
+        return
+    low = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
+    if low is not None and le is not None:
+        want = f"in {low}, {le:g}]"
+    else:
+        bounds = [f"{op} {b:g}" for op, b in (("≥", ge), (">", gt), ("≤", le)) if b is not None]
+        # ints are finite; for floats "finite" says why nan or inf fails a one-sided bound
+        want = " ".join(["a finite number"] * isinstance(value, float) + bounds)
+    raise ValueError(f"{flag} ({value}) must be {want}" + (f" ({hint})" if hint else ""))
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+#: The range of every numeric flag, as :func:`check_number`'s bounds (and a hint where one helps).
+_RANGES: dict[str, dict] = {
+    **dict.fromkeys(("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "rollout_tensor_model_parallel_size", "rollout_pipeline_model_parallel_size", "micro_batch_size",
+                     "global_batch_size", "train_iters", "save_interval", "num_layers", "hidden_size",
+                     "num_attention_heads", "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+                     "make_vocab_size_divisible_by", "vocab_size", "prompt_length", "num_samples_per_prompt",
+                     "max_new_tokens", "ppo_epochs"), {"ge": 1}),
+    **dict.fromkeys(("lr", "critic_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef", "kl_loss_coef",
+                     "entropy_coef", "value_loss_coef", "target_token"), {"ge": 0}),
+    **dict.fromkeys(("clip_ratio", "clip_ratio_high", "kl_target", "kl_horizon", "reshard_bucket_size_mb",
+                     "distributed_timeout_minutes"), {"gt": 0}),
+    **dict.fromkeys(("gamma", "lam"), {"ge": 0, "le": 1}),
+    "temperature": {"gt": 0, "hint": "use --top-k 1 for greedy"},
+    "top_k": {"ge": 0, "hint": "0: off"},
+    "top_p": {"ge": 0, "le": 1, "hint": "0 or 1: off"},
+}
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no collective; ``ValueError`` with the values and the arithmetic."""
+    # Ranges first: the arithmetic below divides by several of these. None is an optional flag left unset.
+    for name, bounds in _RANGES.items():
+        if getattr(args, name) is not None:
+            check_number(_flag(name), getattr(args, name), **bounds)
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "rollout_tensor_model_parallel_size",
-                 "rollout_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size", "train_iters",
-                 "num_layers", "hidden_size", "num_attention_heads", "max_new_tokens", "num_samples_per_prompt",
-                 "ppo_epochs", "prompt_length"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
+    if args.tokenizer_type == "NullTokenizer":  # the only vocabulary whose size is known before loading
+        V = args.vocab_size
+        if args.top_k > V:
+            raise ValueError(f"--top-k ({args.top_k}) must be at most --vocab-size ({V})")
+        if args.reward_fn is None and args.reward_model_load is None and args.target_token >= V:
+            raise ValueError(f"--target-token ({args.target_token}) must be a token of the vocabulary, in "
+                             f"[0, {V - 1}] (--vocab-size {V})")
+    n_pos, n_new = args.max_position_embeddings, args.max_new_tokens
+    if args.prompt_file is None and n_pos < args.prompt_length + n_new:
+        raise ValueError(f"--max-position-embeddings ({n_pos}) must be at least --prompt-length "
+                         f"({args.prompt_length}) + --max-new-tokens ({n_new}) = {args.prompt_length + n_new}")
+    if args.prompt_file is not None and n_pos <= n_new:  # the file's prompts are measured once tokenised
+        raise ValueError(f"--max-position-embeddings ({n_pos}) must exceed --max-new-tokens ({n_new}): the prompt "
+                         "takes positions too")
     if world_size % (t * p):
         raise ValueError(f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size ({t}) × "
                          f"--pipeline-model-parallel-size ({p}) = {t * p}")
@@ -151,6 +211,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads % t:
         raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --num-attention-heads "
                          f"({args.num_attention_heads})")
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % t:  # the default, 4 × hidden, divides
+        raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --ffn-hidden-size ({args.ffn_hidden_size})")
     if args.group_query_attention and args.num_query_groups is None:
         raise ValueError("--group-query-attention needs --num-query-groups")
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
@@ -165,10 +227,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if p % p_g:
         raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide "
                          f"--pipeline-model-parallel-size ({p})")
-    if args.temperature <= 0:
-        raise ValueError(f"--temperature ({args.temperature}) must be positive (use --top-k 1 for greedy)")
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ValueError(f"--save-interval ({args.save_interval}) must be at least 1")
     if args.tokenizer_type == "NullTokenizer":
         if args.tokenizer_model is not None:
             raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "

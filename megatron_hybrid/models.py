@@ -84,6 +84,8 @@ class GPTArchitecture:
         groups = self.num_query_groups or self.num_attention_heads
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype ({self.params_dtype!r}) must be one of {sorted(_DTYPES)}")
+        if self.make_vocab_size_divisible_by < 1:  # padded_vocab_size divides by it
+            raise ValueError(f"make_vocab_size_divisible_by ({self.make_vocab_size_divisible_by}) must be ≥ 1")
         if self.num_attention_heads % groups:
             raise ValueError(f"num_query_groups ({groups}) must divide num_attention_heads "
                              f"({self.num_attention_heads})")

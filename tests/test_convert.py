@@ -8,10 +8,12 @@ the culprit named and leave nothing behind, and conversion memory must not grow 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_hybrid.convert import CheckpointError, hf_to_megatron, megatron_to_hf, read_architecture
-from megatron_hybrid.convert.layout import canonical_name, stored_name
+from megatron_hybrid.convert.layout import FORMAT, FORMAT_VERSION, canonical_name, stored_name
 from tests.harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,6 +247,8 @@ def test_tools_convert_then_verify(hf_models, tmp_path):
 def test_help_has_examples():
     done = _tool("convert_checkpoint.py", "--help")
     assert done.returncode == 0 and "examples:" in done.stdout and "hf-to-megatron" in done.stdout
+    done = _tool("verify_checkpoint.py", "--help")
+    assert done.returncode == 0 and "examples:" in done.stdout and "--tensor-model-parallel-size 2" in done.stdout
 
 
 # ---------------------------------------------------------------- 3. configs of real checkpoints
@@ -369,19 +373,24 @@ def test_load_into_a_different_model_fails_clearly(hf_models, tmp_path):
 # ---------------------------------------------------------------- 4. bad inputs
 
 
-def _convert_cli(*args: str) -> None:
+def _tool_main(name: str, *args: str) -> int:
+    """tools/NAME.py's main(args), in this process (so that tests can monkeypatch the library under it)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
-        import convert_checkpoint
+        module = __import__(name)
     finally:
         sys.path.pop(0)
-    convert_checkpoint.main(["hf-to-megatron", "--no-progress", *args])
+    return module.main(list(args))
 
 
-def _expect_failure(tmp_path: Path, src: Path, match: str, *extra: str) -> None:
+def _convert_cli(*args: str) -> None:
+    _tool_main("convert_checkpoint", "hf-to-megatron", "--no-progress", *args)
+
+
+def _expect_failure(tmp_path: Path, src: Path, match: str, *extra: str, output: Path | None = None) -> None:
     before = _listing(tmp_path)
     with pytest.raises(SystemExit, match=match):
-        _convert_cli("--hf-dir", str(src), "--megatron-dir", str(tmp_path / "out" / "mg"), *extra)
+        _convert_cli("--hf-dir", str(src), "--megatron-dir", str(output or tmp_path / "out" / "mg"), *extra)
     assert _listing(tmp_path) == before  # no output, no partial directory, not even the parent "out"
 
 
@@ -477,6 +486,164 @@ def test_broken_megatron_checkpoint(hf_models, tmp_path):
     assert not (tmp_path / "back").exists()
     with pytest.raises(CheckpointError, match="not a megatron-hybrid checkpoint"):
         read_architecture(tmp_path)
+
+
+def _rewrite_header(path: Path, header: bytes) -> None:
+    """Replace a safetensors file's JSON header (padded to the old length, so the data stays where it was)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    assert len(header) <= n
+    path.write_bytes(data[:8] + header.ljust(n) + data[8 + n:])
+
+
+@pytest.mark.parametrize("fault", ["config-not-json", "config-a-list", "header-a-list", "index-no-weight-map",
+                                   "index-weight-map-a-list"])
+def test_malformed_json_inputs(sharded_copy, tmp_path, fault):
+    """Each was a traceback (JSONDecodeError, AttributeError, KeyError); now a message naming the file."""
+    first = sorted(sharded_copy.glob("model-*.safetensors"))[0]
+    index = sharded_copy / "model.safetensors.index.json"
+    if fault == "config-not-json":
+        (sharded_copy / "config.json").write_text('{"model_type": "llama",')
+        match = r"config\.json is not valid JSON \(Expecting property name enclosed in double quotes"
+    elif fault == "config-a-list":
+        (sharded_copy / "config.json").write_text("[1, 2]")
+        match = r"config\.json must hold a JSON object, not an array$"
+    elif fault == "header-a-list":
+        _rewrite_header(first, b"[1, 2]")
+        match = f"{first.name} is not a safetensors file: its header must hold a JSON object, not an array$"
+    else:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        index.write_text(json.dumps({"metadata": {}} if fault == "index-no-weight-map" else
+                                    {"weight_map": list(weight_map)}))
+        match = r"model\.safetensors\.index\.json has no \"weight_map\" object \(tensor name → shard file name\)$"
+    _expect_failure(tmp_path, sharded_copy, "^convert_checkpoint.py: error: .*" + match)
+
+
+def _meta_with(change: str) -> bytes:
+    """A converted checkpoint's metadata, broken as ``change`` says."""
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION, "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "architecture": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100}}
+    if change == "no-architecture":
+        del data["architecture"]
+    elif change == "architecture-a-number":
+        data["architecture"] = 7
+    elif change == "architecture-unknown-field":
+        data["architecture"]["colour"] = "blue"
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize("meta, message", [
+    (b'{"format": ', " is not valid JSON (Expecting value: line 1 column 12 (char 11))"),
+    (b"\x89PNG", " is not valid JSON ('utf-8' codec can't decode byte 0x89 in position 0: invalid start byte)"),
+    (b"[]", " must hold a JSON object, not an array"),
+    (_meta_with("no-architecture"), ": missing fields ['architecture']"),
+    (_meta_with("architecture-a-number"), ": architecture must be a JSON object, not 7"),
+    (_meta_with("architecture-unknown-field"), ": architecture: unknown GPTArchitecture fields: ['colour']"),
+], ids=["truncated", "binary", "a-list", "no-architecture", "architecture-a-number", "architecture-unknown-field"])
+def test_corrupt_megatron_meta(tmp_path, meta, message):
+    path = tmp_path / "mg" / "megatron_hybrid_checkpoint.json"
+    path.parent.mkdir()
+    path.write_bytes(meta)
+    with pytest.raises(SystemExit) as e:
+        _tool_main("convert_checkpoint", "megatron-to-hf", "--megatron-dir", str(path.parent), "--hf-dir",
+                   str(tmp_path / "hf"), "--no-progress")
+    assert str(e.value) == f"convert_checkpoint.py: error: {path}{message}"
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["hf-to-megatron", "--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by (0) must be ≥ 1"),
+    (["hf-to-megatron", "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size (0) must be ≥ 1"),
+    (["megatron-to-hf", "--max-shard-size-gb", "-1"], "--max-shard-size-gb (-1.0) must be a finite number > 0"),
+    (["megatron-to-hf", "--max-shard-size-gb", "nan"], "--max-shard-size-gb (nan) must be a finite number > 0"),
+])
+def test_bad_numbers_are_usage_errors(tmp_path, capsys, argv, message):
+    """Exit 2 with argparse's usage line, before anything is read (the directories need not exist)."""
+    with pytest.raises(SystemExit) as e:
+        _tool_main("convert_checkpoint", *argv, "--hf-dir", str(tmp_path / "a"), "--megatron-dir", str(tmp_path / "b"))
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"convert_checkpoint.py: error: {message}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_library_checks_its_numbers(hf_models, tmp_path):
+    with pytest.raises(CheckpointError, match=r"make_vocab_size_divisible_by \(0\) must be ≥ 1"):
+        hf_to_megatron(hf_models[("llama", True)], tmp_path / "x", make_vocab_size_divisible_by=0, progress=False)
+    with pytest.raises(CheckpointError, match=r"max_shard_bytes \(-1\) must be ≥ 1"):
+        megatron_to_hf(tmp_path / "x", tmp_path / "y", max_shard_bytes=-1, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_output(hf_models, tmp_path, monkeypatch):
+    """A parent that is a file, and a parent without write permission (simulated: root may write anywhere)."""
+    src = hf_models[("llama", True)]
+    (tmp_path / "a-file").write_text("")
+    _expect_failure(tmp_path, src, f"^convert_checkpoint.py: error: cannot write {tmp_path}/a-file/sub/mg: Not a "
+                                   f"directory; nothing was written$", output=tmp_path / "a-file" / "sub" / "mg")
+
+    def refused(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, ".mg.partial-x1y2"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    _expect_failure(tmp_path, src, f"^convert_checkpoint.py: error: cannot write {tmp_path}/out/mg: Permission "
+                                   f"denied; nothing was written$")
+
+
+def test_full_disk(hf_models, tmp_path, monkeypatch):
+    """Writing the second rank file fails as on a full disk (write() raises an OSError that names no file): the
+    message names the output and the cause, and nothing is left behind."""
+    from megatron_hybrid.convert import conversions
+
+    real_write = conversions.write_safetensors
+    calls = []
+
+    def filling_write(path, *args, **kwargs):
+        calls.append(path)
+        real_write(path, *args, **kwargs)
+        if len(calls) % 2 == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(conversions, "write_safetensors", filling_write)
+    _expect_failure(tmp_path, hf_models[("qwen2", False)], f"^convert_checkpoint.py: error: cannot write "
+                                                           f"{tmp_path}/out/mg: No space left on device; nothing "
+                                                           f"was written$", "--tensor-model-parallel-size", "2")
+    with pytest.raises(OSError) as e:  # the library: an OSError with the output's path
+        hf_to_megatron(hf_models[("qwen2", False)], tmp_path / "mg", tensor_model_parallel_size=2, progress=False)
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "mg"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_verify_checks_its_inputs_first(hf_models, sharded_copy, tmp_path, capsys):
+    """verify_checkpoint.py: the same faults fail before any model is built or rank spawned."""
+    good = hf_models[("llama", False)]
+    (sharded_copy / "config.json").write_text("[]")
+    with pytest.raises(SystemExit) as e:
+        _tool_main("verify_checkpoint", "--hf-dir", str(sharded_copy), "--megatron-dir", str(tmp_path))
+    assert str(e.value) == f"verify_checkpoint.py: error: {sharded_copy}/config.json must hold a JSON object, not " \
+                           f"an array"
+    (tmp_path / "mg").mkdir()
+    (tmp_path / "mg" / "megatron_hybrid_checkpoint.json").write_text("[]")
+    with pytest.raises(SystemExit) as e:
+        _tool_main("verify_checkpoint", "--hf-dir", str(good), "--megatron-dir", str(tmp_path / "mg"))
+    assert str(e.value).endswith("megatron_hybrid_checkpoint.json must hold a JSON object, not an array")
+    for argv, message in [(["--atol", "nan"], "--atol (nan) must be a finite number ≥ 0"),
+                          (["--seq-length", "0"], "--seq-length (0) must be ≥ 1")]:
+        with pytest.raises(SystemExit) as e:
+            _tool_main("verify_checkpoint", "--hf-dir", "x", "--megatron-dir", "y", *argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"verify_checkpoint.py: error: {message}"
+
+
+def test_cli_failure_is_one_line(tmp_path):
+    """As a user sees it: exit status 1, one line on stderr, no traceback."""
+    bad = tmp_path / "hf"
+    bad.mkdir()
+    (bad / "config.json").write_text("[1, 2]")
+    done = _tool("convert_checkpoint.py", "hf-to-megatron", "--hf-dir", str(bad), "--megatron-dir",
+                 str(tmp_path / "mg"))
+    assert done.returncode == 1
+    assert done.stderr == f"convert_checkpoint.py: error: {bad}/config.json must hold a JSON object, not an array\n"
 
 
 # ---------------------------------------------------------------- 5. memory

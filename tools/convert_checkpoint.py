@@ -54,17 +54,37 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model-type", choices=("llama", "mistral", "qwen2", "qwen3"), default=None,
                        help="Hugging Face family (default: the one the checkpoint came from)")
     to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0,
-                       help="split the safetensors output into files of at most this size (default: %(default)s)")
+                       help="split the safetensors output into files of at most this many GB (10^9 bytes; a larger "
+                       "tensor gets a file of its own; default: %(default)s)")
     for p in (to_mg, to_hf):
         p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    from megatron_hybrid.convert import CheckpointError, hf_to_megatron, megatron_to_hf
+def _check_numbers(args: argparse.Namespace) -> None:
+    from megatron_hybrid.arguments import check_number
 
+    if args.direction == "hf-to-megatron":
+        check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)
+        check_number("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, ge=1)
+        check_number("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by, ge=1)
+    else:
+        check_number("--max-shard-size-gb", args.max_shard_size_gb, gt=0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status 0 on success; 2 for a bad flag (as argparse), 1 for an unusable input or a failed write, each
+    with a one-line message (outputs are written whole or not at all)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_numbers(args)
+    except ValueError as e:
+        parser.error(str(e))
+    from megatron_hybrid.convert import CheckpointError, describe_os_error, hf_to_megatron, megatron_to_hf
+
+    output = args.megatron_dir if args.direction == "hf-to-megatron" else args.hf_dir
     try:
         if args.direction == "hf-to-megatron":
             arch = hf_to_megatron(args.hf_dir, args.megatron_dir,
@@ -83,6 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"wrote {args.hf_dir}")
     except CheckpointError as e:
         raise SystemExit(f"convert_checkpoint.py: error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"convert_checkpoint.py: error: {describe_os_error(e, output=output)}; nothing was "
+                         f"written") from None
     return 0
 
 

@@ -38,8 +38,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     args = parser.parse_args(argv)
+    from megatron_hybrid.arguments import check_number
 
-    from megatron_hybrid.convert import CheckpointError
+    try:
+        check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)
+        check_number("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, ge=1)
+        check_number("--batch-size", args.batch_size, ge=1)
+        check_number("--seq-length", args.seq_length, ge=1)
+        check_number("--atol", args.atol, ge=0)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from megatron_hybrid.convert import CheckpointError, describe_os_error
     from megatron_hybrid.convert.verify import verify
 
     try:
@@ -48,6 +58,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         seq_length=args.seq_length, seed=args.seed)
     except CheckpointError as e:
         raise SystemExit(f"verify_checkpoint.py: error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"verify_checkpoint.py: error: {describe_os_error(e)}") from None
     print(f"megatron-core TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} vs "
           f"transformers: {result.report(args.atol)}")
     return 0 if result.passed(args.atol) else 1

@@ -46,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="train_ppo.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_megatron_args(parser)
-    parser.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                        help="collective timeout (Megatron-LM's name); raise it for long switches on large models")
     return add_hybrid_args(parser)
 
 
@@ -769,7 +767,10 @@ def distributed(args: argparse.Namespace) -> Iterator[None]:
             own_mp = not ps.model_parallel_is_initialized()
             t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
             if own_mp:
-                ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+                # megatron-core (0.16.1) annotates the minutes as int but only computes timedelta(minutes=...)
+                # from them, so fractional minutes reach its groups unchanged.
+                ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                             distributed_timeout_minutes=args.distributed_timeout_minutes)
             elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (t, p):
                 raise ValueError(f"Megatron's parallel state is set up for (tensor, pipeline) = "
                                  f"({ps.get_tensor_model_parallel_world_size()}, "

@@ -13,9 +13,9 @@
 Importing this package does not import megatron-core; the conversions do not need it.
 """
 
-from .conversions import hf_to_megatron, megatron_to_hf
+from .conversions import describe_os_error, hf_to_megatron, megatron_to_hf
 from .layout import MegatronCheckpoint, load_megatron_checkpoint, read_architecture
 from .safetensors_io import CheckpointError
 
-__all__ = ["CheckpointError", "MegatronCheckpoint", "hf_to_megatron", "load_megatron_checkpoint", "megatron_to_hf",
-           "read_architecture"]
+__all__ = ["CheckpointError", "MegatronCheckpoint", "describe_os_error", "hf_to_megatron", "load_megatron_checkpoint",
+           "megatron_to_hf", "read_architecture"]

@@ -8,6 +8,7 @@ on any failure (an exception or Ctrl-C) the partial directory is removed. An exi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -29,7 +30,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 @contextlib.contextmanager
 def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ...] = ()) -> Iterator[Path]:
-    """A fresh directory that becomes ``target`` when the block succeeds and vanishes when it fails."""
+    """A fresh directory that becomes ``target`` when the block succeeds and vanishes when it fails.
+
+    An ``OSError`` of the output (a full disk, a read-only or missing parent) names ``target`` or the file under
+    it, not the hidden partial directory the user never asked for.
+    """
     target = Path(os.path.abspath(target))
     for other in keep_clear_of:
         other = Path(os.path.abspath(other))
@@ -38,8 +43,12 @@ def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ..
     if (target.exists() or target.is_symlink()) and not force:
         raise CheckpointError(f"{target} exists; pass --force to overwrite it")
     created = [p for p in [target.parent, *target.parent.parents] if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as e:
+        _remove_dirs(created)
+        raise OSError(e.errno, e.strerror, str(target)) from e
     try:
         yield tmp
         old = None
@@ -47,14 +56,45 @@ def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ..
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "x")
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # innermost first
-            with contextlib.suppress(OSError):
-                p.rmdir()
+        _remove_dirs(created)
+        renamed = _named_as_output(e, tmp, target) if isinstance(e, OSError) and e.errno is not None else e
+        if renamed is not e:
+            raise renamed from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    for p in created:  # innermost first
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def _named_as_output(e: OSError, tmp: Path, target: Path) -> OSError:
+    """``e`` naming the output instead of the partial directory; errors of input files (which name them) stay."""
+    for name in (e.filename2, e.filename):  # shutil's copies name the source first, the destination second
+        if name is not None:
+            path = Path(os.fsdecode(name))
+            if path == tmp or tmp in path.parents:
+                return OSError(e.errno, e.strerror, str(target / path.relative_to(tmp)))
+    # write() names no file; a copy that fills the disk names its source.
+    if e.filename is None or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return OSError(e.errno, e.strerror, str(target))
+    return e
+
+
+def describe_os_error(e: OSError, *, output: str | os.PathLike | None = None) -> str:
+    """One line for an ``OSError`` of a conversion: which file could not be read, or which ``output`` could not be
+    written, and why."""
+    if e.filename is None:
+        return str(e)
+    name = os.path.abspath(os.fsdecode(e.filename))
+    out = os.path.abspath(output) if output is not None else None
+    writing = out is not None and (name == out or name.startswith(out + os.sep))
+    return f"cannot {'write' if writing else 'read'} {name}: {e.strerror or e}"
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -116,6 +156,8 @@ def megatron_to_hf(megatron_dir: str | os.PathLike, hf_dir: str | os.PathLike, *
     architecture for ``model_type`` (default: the stored family, else inferred from the architecture).
     """
     src, out = Path(megatron_dir), Path(hf_dir)
+    if max_shard_bytes < 1:
+        raise CheckpointError(f"max_shard_bytes ({max_shard_bytes}) must be ≥ 1")
     if (out.exists() or out.is_symlink()) and not force:
         raise CheckpointError(f"{out} exists; pass --force to overwrite it")
     ckpt = MegatronCheckpoint(src)

@@ -7,7 +7,6 @@ and shapes against what the config implies.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import warnings
@@ -16,7 +15,7 @@ from typing import Any
 
 from ..models import GPTArchitecture
 from .families import Family, family_of, hf_shapes
-from .safetensors_io import CheckpointError, read_header
+from .safetensors_io import CheckpointError, read_header, read_json_object
 from .virtual import Virtual
 
 CONFIG_FILE = "config.json"
@@ -32,7 +31,7 @@ def read_config(hf_dir: Path) -> tuple[dict, Any]:
     path = hf_dir / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{hf_dir} has no {CONFIG_FILE}")
-    raw = json.loads(path.read_text())
+    raw = read_json_object(path)
     family_of(raw.get("model_type"))  # an unsupported family fails here, with its name
     from transformers import AutoConfig
 
@@ -43,7 +42,9 @@ def open_weights(hf_dir: Path) -> dict[str, Virtual]:
     """Every stored tensor, as a lazily read :class:`Virtual`; checks every shard file first."""
     index = hf_dir / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} has no \"weight_map\" object (tensor name → shard file name)")
         files = sorted(set(weight_map.values()))
     elif (hf_dir / SINGLE_FILE).is_file():
         weight_map, files = {}, [SINGLE_FILE]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -30,7 +30,7 @@ import torch
 from ..models import GPTArchitecture
 from ..sharding import TPSpec, global_name, layer_offset
 from .families import EMBEDDING, OUTPUT_LAYER, hf_shapes, infer_family, megatron_from_hf
-from .safetensors_io import CheckpointError, TensorReader, read_header
+from .safetensors_io import CheckpointError, TensorReader, json_object, read_header
 from .virtual import Virtual, read_into, shard, unshard
 
 META_FILE = "megatron_hybrid_checkpoint.json"
@@ -164,15 +164,24 @@ class CheckpointMeta:
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, *, path: str = META_FILE) -> "CheckpointMeta":
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes, *, path: str = META_FILE) -> "CheckpointMeta":
+        data = json_object(text, where=path)
         if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: format {data.get('format')!r} version {data.get('format_version')!r} "
                                   f"is not {FORMAT!r} version {FORMAT_VERSION}")
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise CheckpointError(f"{path}: unknown fields {unknown}")
-        data["architecture"] = GPTArchitecture.from_dict(data["architecture"])
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(data) - set(fields))
+        missing = sorted(n for n, f in fields.items()
+                         if n not in data and f.default is MISSING and f.default_factory is MISSING)
+        problems = [f"unknown fields {unknown}"] * bool(unknown) + [f"missing fields {missing}"] * bool(missing)
+        if problems:
+            raise CheckpointError(f"{path}: {'; '.join(problems)}")
+        if not isinstance(data["architecture"], dict):
+            raise CheckpointError(f"{path}: architecture must be a JSON object, not {data['architecture']!r}")
+        try:
+            data["architecture"] = GPTArchitecture.from_dict(data["architecture"])
+        except (TypeError, ValueError) as e:  # unknown or missing GPTArchitecture fields
+            raise CheckpointError(f"{path}: architecture: {e}") from None
         return cls(**data)
 
 
@@ -180,7 +189,7 @@ def read_meta(megatron_dir: str | os.PathLike) -> CheckpointMeta:
     path = Path(megatron_dir) / META_FILE
     if not path.is_file():
         raise CheckpointError(f"{megatron_dir} is not a megatron-hybrid checkpoint: {META_FILE} is missing")
-    return CheckpointMeta.from_json(path.read_text(), path=str(path))
+    return CheckpointMeta.from_json(path.read_bytes(), path=str(path))
 
 
 def read_architecture(megatron_dir: str | os.PathLike) -> GPTArchitecture:

@@ -30,6 +30,27 @@ class CheckpointError(ValueError):
     """A checkpoint or a conversion request that cannot be used as it is; the message names the culprit."""
 
 
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def json_object(data: bytes | str, *, where: str) -> dict[str, Any]:
+    """``data`` parsed as a JSON object; ``CheckpointError`` naming ``where`` when it is not JSON or not an object."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where} must hold a JSON object, not {_JSON_TYPES.get(type(obj), type(obj).__name__)}")
+    return obj
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object a file holds (see :func:`json_object`)."""
+    with open(path, "rb") as f:
+        return json_object(f.read(), where=os.fspath(path))
+
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -65,10 +86,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         if n > _MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{path} is truncated or not a safetensors file: its header claims {n} bytes, "
                                   f"the file has {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is not a safetensors file (bad header: {e})") from None
+        header = json_object(f.read(n), where=f"{path} is not a safetensors file: its header")
     infos: dict[str, TensorInfo] = {}
     end = 0
     for name, entry in header.items():
@@ -116,7 +134,10 @@ class TensorReader:
             return torch.empty((0, *info.shape[1:]), dtype=info.dtype)[(slice(None), *index[1:])]
         view, pos = memoryview(buf), info.offset + start * row_bytes
         while view:
-            n = os.preadv(fd, [view], pos)
+            try:
+                n = os.preadv(fd, [view], pos)
+            except OSError as e:  # preadv names no file; the caller must tell a failed read from a failed write
+                raise OSError(e.errno, e.strerror, path) from e
             if n == 0:
                 raise CheckpointError(f"{path} ended while reading {name}")
             view, pos = view[n:], pos + n

@@ -15,11 +15,13 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from .layout import load_megatron_checkpoint, read_architecture
+from . import hf_checkpoint as hfc
+from .layout import MegatronCheckpoint, check_parallel_sizes, load_megatron_checkpoint, read_architecture
 
 #: fp32 logits of the same weights computed by two implementations differ by reordered sums: ~1e-7 relative per
 #: op, growing with depth and width to ~1e-5 relative for a 1B model; logits there reach |z| ≈ 30, so ~3e-4
@@ -195,9 +197,14 @@ def megatron_logits_here(megatron_dir: str | os.PathLike, tokens: torch.Tensor) 
 def verify(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
            pipeline_model_parallel_size: int = 1, batch_size: int = 2, seq_length: int = 32,
            seed: int = 0) -> Comparison:
-    """Compare the two models' logits on random tokens."""
-    vocab = read_architecture(megatron_dir).vocab_size
-    tokens = random_tokens(vocab, batch_size=batch_size, seq_length=seq_length, seed=seed)
+    """Compare the two models' logits on random tokens. Both checkpoints are checked first (configs and headers:
+    cheap), so that a broken input fails with its name rather than inside transformers or a spawned rank."""
+    hfc.read_config(Path(hf_dir))
+    hfc.open_weights(Path(hf_dir))
+    arch = MegatronCheckpoint(megatron_dir).architecture
+    check_parallel_sizes(arch, tensor_model_parallel_size=tensor_model_parallel_size,
+                         pipeline_model_parallel_size=pipeline_model_parallel_size)
+    tokens = random_tokens(arch.vocab_size, batch_size=batch_size, seq_length=seq_length, seed=seed)
     reference = hf_logits(hf_dir, tokens)
     if tensor_model_parallel_size * pipeline_model_parallel_size == 1:
         ours = megatron_logits_here(megatron_dir, tokens)

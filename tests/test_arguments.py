@@ -1,0 +1,136 @@
+"""Command-line checks (megatron_hybrid.arguments) and --distributed-timeout-minutes on every process group.
+
+Every numeric flag is checked before any collective, with a message naming the flag and the value. A rank that
+stalls makes the others fail within the timeout instead of hanging them (the recipe end to end under torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, check_number, validate_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _validate(*argv: str, world_size: int = 4) -> None:
+    parser = add_hybrid_args(add_megatron_args(argparse.ArgumentParser()))
+    validate_args(parser.parse_args(argv), world_size)
+
+
+# ---------------------------------------------------------------- 1. every numeric flag is checked
+
+
+@pytest.mark.parametrize("argv, message", [
+    # The faults found (issue 15): each went through to training.
+    (["--temperature", "nan"], "--temperature (nan) must be a finite number > 0 (use --top-k 1 for greedy)"),
+    (["--lr", "nan"], "--lr (nan) must be a finite number ≥ 0"),
+    (["--gamma", "nan"], "--gamma (nan) must be in [0, 1]"),
+    (["--top-p", "1.5"], "--top-p (1.5) must be in [0, 1] (0 or 1: off)"),
+    (["--top-k", "-3"], "--top-k (-3) must be ≥ 0 (0: off)"),
+    (["--clip-ratio", "-1"], "--clip-ratio (-1.0) must be a finite number > 0"),
+    (["--vocab-size", "0"], "--vocab-size (0) must be ≥ 1"),
+    (["--target-token", "99"], "--target-token (99) must be a token of the vocabulary, in [0, 15] (--vocab-size 16)"),
+    (["--max-position-embeddings", "4"],
+     "--max-position-embeddings (4) must be at least --prompt-length (4) + --max-new-tokens (8) = 12"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes (0.0) must be a finite number > 0"),
+    (["--distributed-timeout-minutes", "-5"], "--distributed-timeout-minutes (-5.0) must be a finite number > 0"),
+    # Their neighbours.
+    (["--lam", "1.5"], "--lam (1.5) must be in [0, 1]"),
+    (["--kl-coef", "-0.1"], "--kl-coef (-0.1) must be a finite number ≥ 0"),
+    (["--kl-horizon", "inf"], "--kl-horizon (inf) must be a finite number > 0"),
+    (["--critic-lr", "nan"], "--critic-lr (nan) must be a finite number ≥ 0"),
+    (["--clip-ratio-high", "0"], "--clip-ratio-high (0.0) must be a finite number > 0"),
+    (["--reshard-bucket-size-mb", "nan"], "--reshard-bucket-size-mb (nan) must be a finite number > 0"),
+    (["--num-query-groups", "0"], "--num-query-groups (0) must be ≥ 1"),  # was a ZeroDivisionError
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by (0) must be ≥ 1"),
+    (["--ppo-epochs", "0"], "--ppo-epochs (0) must be ≥ 1"),
+    (["--save-interval", "0"], "--save-interval (0) must be ≥ 1"),
+    (["--top-k", "17"], "--top-k (17) must be at most --vocab-size (16)"),
+    (["--ffn-hidden-size", "99"], "--tensor-model-parallel-size (2) must divide --ffn-hidden-size (99)"),
+])
+def test_bad_numbers_are_named(argv, message):
+    with pytest.raises(ValueError) as e:
+        _validate(*argv)
+    assert str(e.value) == message
+
+
+def test_good_values_pass():
+    _validate()  # the defaults
+    _validate("--distributed-timeout-minutes", "0.05", "--top-p", "1", "--top-k", "16", "--gamma", "0",
+              "--target-token", "15", "--max-position-embeddings", "12")
+    # The vocabulary bound applies to the built-in reward only; a --prompt-file's prompts need one position each.
+    _validate("--target-token", "99", "--reward-fn", "tests.test_arguments:stall_rank_1")
+    with pytest.raises(ValueError, match=r"must exceed --max-new-tokens \(8\): the prompt takes positions too"):
+        _validate("--prompt-file", __file__, "--max-position-embeddings", "8")
+    _validate("--prompt-file", __file__, "--max-position-embeddings", "9")
+
+
+def test_check_number_bounds():
+    check_number("--x", 0.5, gt=0, le=1)
+    with pytest.raises(ValueError, match=r"^--x \(0\.0\) must be in \(0, 1\]$"):
+        check_number("--x", 0.0, gt=0, le=1)
+    with pytest.raises(ValueError, match=r"^--x \(2\) must be ≤ 1$"):
+        check_number("--x", 2, le=1)
+    with pytest.raises(ValueError, match=r"^--x \(nan\) must be a finite number$"):
+        check_number("--x", float("nan"))
+
+
+def test_recipe_exits_with_the_message():
+    """The recipe turns the ValueError into argparse's usage error (exit 2), before any process group."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "ppo" / "train_ppo.py"), "--top-p", "1.5"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "4"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == "train_ppo.py: error: --top-p (1.5) must be in [0, 1] (0 or 1: off)"
+
+
+# ---------------------------------------------------------------- 2. a stalled rank ends the job in time
+
+TIMEOUT_S = 3.0  # --distributed-timeout-minutes 0.05
+# torchrun notices a failed worker within a second and stops the others with SIGTERM; the survivors' teardown takes
+# a few seconds more on 2 cores. A group left at megatron-core's default would wait 30 minutes.
+GRACE_S = 30.0
+
+
+def stall_rank_1(prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+    """A ``--reward-fn`` that stalls rank 1 (as ``kill -STOP`` would) and notes when, in $MH_STALL_FILE."""
+    if os.environ.get("RANK") == "1" and "MH_STALL_FILE" in os.environ:
+        Path(os.environ["MH_STALL_FILE"]).write_text(repr(time.time()))
+        time.sleep(240)  # ends by itself even if the test could not stop it
+    return [0.0] * len(responses)
+
+
+def test_stalled_rank_ends_the_recipe_within_the_timeout(tmp_path):
+    """Rank 1 stalls in its reward function; rank 0 goes on into the log-prob pass and waits in Megatron's
+    tensor-parallel group, which must give up after --distributed-timeout-minutes (a fraction of a minute)."""
+    stall_file = tmp_path / "stalled_at"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MH_STALL_FILE": str(stall_file)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / "ppo" / "train_ppo.py"), "--tensor-model-parallel-size", "2",
+           "--distributed-timeout-minutes", str(TIMEOUT_S / 60), "--reward-fn", "tests.test_arguments:stall_rank_1",
+           "--global-batch-size", "4", "--micro-batch-size", "4", "--train-iters", "2", "--no-progress"]
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tmp_path)
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            # torchrun stops its workers on SIGTERM (they run in sessions of their own: killing torchrun's
+            # process group would leave them running).
+            proc.terminate()
+            proc.wait(timeout=60)
+            pytest.fail(f"the job was still running 180 s after it started:\n{log.read_text()[-3000:]}")
+    stderr = log.read_text()
+    ended = time.time()
+    assert proc.returncode != 0, stderr[-3000:]
+    assert stall_file.exists(), stderr[-3000:]  # the stall happened (the failure is not something else)
+    waited = ended - float(stall_file.read_text())
+    assert waited < TIMEOUT_S + GRACE_S, (waited, stderr[-3000:])
+    assert "timed out" in stderr.lower(), stderr[-3000:]
