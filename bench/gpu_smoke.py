@@ -39,7 +39,7 @@ def main() -> None:
     for mode, align in (("aliased", False), ("canonical", False), ("aliased", True)):
         free0 = torch.cuda.mem_get_info()[0]
         engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=mode, bucket_size_mb=1, align_slots=align)
-        backends = {k: b._mem._buf.backend for k, b in engine.buffers.items()}
+        backends = {k: b.memory.backend for k, b in engine.placement.buffers.items()}
         engine.switch_to_rollout()
         torch.cuda.synchronize()
         free_rollout = torch.cuda.mem_get_info()[0]
@@ -52,8 +52,8 @@ def main() -> None:
         out[f"{mode}{'-aligned' if align else ''}"] = {"backends": backends, "max_abs_logit_diff": (logits - train_logits).abs().max().item(),
                      "bytes": rep["total_bytes"], "collectives": rep["num_collectives"],
                      "free_drop_rollout": free0 - free_rollout, "free_drop_after": free0 - free_back,
-                     "peer_bytes": sum(b.peer_bytes for b in engine.buffers.values()),
-                     "resident_peer_bytes": sum(b.resident_peer_bytes for b in engine.buffers.values()),
+                     "peer_bytes": sum(b.peer_bytes for b in engine.placement.buffers.values()),
+                     "resident_peer_bytes": sum(b.resident_peer_bytes for b in engine.placement.buffers.values()),
                      "peer_bytes_mapped_rolling_out": rollout_report["peer_bytes_mapped"],
                      "canonical_bytes_mapped": rollout_report["canonical_bytes_mapped"],
                      "transient_bytes_released": rollout_report["transient_bytes_released"]}

@@ -40,7 +40,7 @@ exact with one rank per GPU, an average over the device's ranks with ``--backend
 Both: ``extra_mem_after_bytes`` is the same growth measured after switching back (after ``after()``, a trim and
 on CUDA ``empty_cache()``): what a method keeps once training resumes (≈ 0 for ours; swap's second copy is
 setup, not counted there).
-Beside it the bytes accounted by construction: ours = peers' slots + the canonical ranges (``engine._canonical``,
+Beside it the bytes accounted by construction: ours = peers' slots + the canonical ranges (``engine.placement.rollout_only``,
 mapped only while rolling out) + gloo's flat staging of the largest collective (CPU tensors only: gloo's staging
 of CUDA tensors is not accounted); swap = second model copy + its receive staging (a buffer per receive plus
 gloo's CPU copy of it) + contiguous copies of strided send slices; naive = the gathered model; bound = its buffer
@@ -436,17 +436,17 @@ def ours(engine, name: str, backend: str) -> Method:
 
 def _ours_accounting(engine, backend: str) -> dict[str, int]:
     """While rolling out: the peers' slots, the canonical ranges, gloo's staging."""
-    peers = sum(b.peer_bytes for b in engine.buffers.values())
+    peers = sum(b.peer_bytes for b in engine.placement.buffers.values())
     # Canonical tensors (canonical mode; 1-D sharded tensors such as biases in either mode) live in one reserved
     # range per dtype, mapped only while rolling out.
-    canonical = sum(buf.peer_bytes for buf, _ in engine._canonical)
+    canonical = sum(buf.peer_bytes for buf in engine.placement.rollout_only)
     # gloo's all_gather_into_tensor gathers CPU tensors into a flat temporary of the whole region, then copies it
     # out. With CUDA tensors gloo copies through host memory and its device-side staging is not accounted here
     # (on an H200, gpu-1b at (2,1,2)->(1,1), 2 ranks per GPU: ≈ 0.5 GB per rank measured above the accounted).
     largest = 0
-    device = next(iter(engine._train_params.values())).device
+    device = engine.device
     if engine.plan is not None and backend == "gloo" and device.type == "cpu":
-        largest = max((r.numel * engine.buffers[dt].tensor.element_size()
+        largest = max((r.numel * engine.placement.buffers[dt].tensor.element_size()
                        for dt, regs in engine.plan.regions.items() for r in regs), default=0)
     return {"peer_bytes": peers, "canonical_bytes": canonical, "staging_bytes": largest,
             "accounted": peers + canonical + largest}
@@ -461,7 +461,7 @@ def bound(engine, missing_max: int, mem: Memory, dtype: torch.dtype) -> Method:
     slot = -(-missing_max // (elem * (d_g - 1)))  # elements per member
     mem.trim()
     before = mem.current()
-    device = next(iter(engine._train_params.values())).device
+    device = engine.device
     out = torch.zeros(slot * d_g, dtype=dtype, device=device)
     me = group.rank()
     mem.trim()
@@ -486,7 +486,7 @@ def bound_fresh(engine, missing_max: int, dtype: torch.dtype) -> Method:
     group = engine.groups["micro_dp"]
     elem = torch.empty((), dtype=dtype).element_size()
     slot = -(-missing_max // (elem * (d_g - 1)))
-    device = next(iter(engine._train_params.values())).device
+    device = engine.device
 
     def op():
         out = torch.empty(slot * d_g, dtype=dtype, device=device)

@@ -59,7 +59,7 @@ def main() -> None:
             report = engine.communication_report()
             logits = pipeline_forward(rollout_model, engine.groups["pp"], tokens, positions)
             if logits is not None:
-                logits = gather_vocab(logits, engine.groups["tp"], engine.rollout_tp_order)
+                logits = gather_vocab(logits, engine.groups["tp"])
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, {k: report[k] for k in ("total_bytes", "num_collectives", "switch_seconds")}
                                | {"rollout_tp_group": report["groups"]["tp"], "micro_dp_group":

@@ -5,8 +5,8 @@ tensor. A rollout rank then does the work of the k training TP ranks it stands f
 concatenates the k blocks' outputs (re-interleaving gated-MLP halves), a row-parallel linear sums the k partial
 products before its usual TP all-reduce, and a vocabulary-parallel embedding looks each token up in the block
 that holds it. Parameters keep their Megatron names, shapes and attributes; their storage is a zero-byte
-placeholder (``expand`` of one element) that carries the blocks. Weights never move, so their addresses stay
-fixed across switches.
+placeholder (``expand`` of one element), and the binding's :class:`BlockTable` says which views it stands for.
+Weights never move, so their addresses stay fixed across switches.
 
 Supported: megatron-core's local-spec ``ColumnParallelLinear``, ``RowParallelLinear`` and
 ``VocabParallelEmbedding``. Other modules with multi-block parameters need ``weight_mode="canonical"``.
@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tpl
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+from . import compat
 
 
 @dataclass
@@ -43,7 +45,7 @@ class Blocks:
         return torch.cat(parts, dim=self.dim, out=out)
 
 
-def placeholder(like: torch.Tensor, blocks: Optional[Blocks]) -> torch.nn.Parameter:
+def placeholder(like: torch.Tensor) -> torch.nn.Parameter:
     """A parameter with ``like``'s shape, dtype, device and Megatron attributes, owning no memory."""
     data = torch.zeros(1, dtype=like.dtype, device=like.device).expand(like.shape)
     p = torch.nn.Parameter(data, requires_grad=False)
@@ -51,12 +53,34 @@ def placeholder(like: torch.Tensor, blocks: Optional[Blocks]) -> torch.nn.Parame
                  "allreduce", "sequence_parallel"):
         if hasattr(like, attr):
             setattr(p, attr, getattr(like, attr))
-    p._mh_blocks = blocks
     return p
 
 
-def blocks_of(t: Optional[torch.Tensor]) -> Optional[Blocks]:
-    return getattr(t, "_mh_blocks", None) if t is not None else None
+class BlockTable:
+    """Which rollout parameters compute as blocks, and on which views: owned by the binding, read by the aliased
+    modules. Keyed by the parameter object (a tied output layer computes with the embedding's parameter)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[torch.Tensor, Blocks]] = {}
+
+    def set(self, param: torch.Tensor, blocks: Blocks) -> None:
+        self._by_id[id(param)] = (param, blocks)  # holding the parameter keeps its id unique
+
+    def get(self, param: Optional[torch.Tensor]) -> Optional[Blocks]:
+        entry = self._by_id.get(id(param)) if param is not None else None
+        return entry[1] if entry is not None else None
+
+    def clear(self) -> None:
+        self._by_id.clear()
+
+
+class _Aliased:
+    """What the block-aware twins share: the binding's table (``None`` until the rollout model is bound)."""
+
+    block_table: Optional[BlockTable] = None
+
+    def blocks_of(self, param: Optional[torch.Tensor]) -> Optional[Blocks]:
+        return self.block_table.get(param) if self.block_table is not None else None
 
 
 def _column(x: torch.Tensor, b: Blocks) -> torch.Tensor:
@@ -67,31 +91,43 @@ def _column(x: torch.Tensor, b: Blocks) -> torch.Tensor:
     return torch.cat([c[j] for j in range(b.stride) for c in chunks], dim=-1)
 
 
-class AliasedColumnParallelLinear(tpl.ColumnParallelLinear):
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        b = blocks_of(weight)
-        if b is None:
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        bias = kwargs.get("bias", args[0] if args else None)
-        y = _column(input, b)
-        return y if bias is None else y + bias
+def _column_impl(self, input, weight, *args, **kwargs):
+    b = self.blocks_of(weight)
+    if b is None:
+        return compat.linear_forward_impl(tpl.ColumnParallelLinear)(self, input, weight, *args, **kwargs)
+    bias = kwargs.get("bias", args[0] if args else None)
+    y = _column(input, b)
+    return y if bias is None else y + bias
 
 
-class AliasedRowParallelLinear(tpl.RowParallelLinear):
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        b = blocks_of(weight)
-        if b is None:
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        xs = input.split([w.shape[1] for w in b.views], dim=-1)
-        y = F.linear(xs[0], b.views[0])
-        for x, w in zip(xs[1:], b.views[1:]):
-            y = y + F.linear(x, w)
-        return y
+def _row_impl(self, input, weight, *args, **kwargs):
+    b = self.blocks_of(weight)
+    if b is None:
+        return compat.linear_forward_impl(tpl.RowParallelLinear)(self, input, weight, *args, **kwargs)
+    xs = input.split([w.shape[1] for w in b.views], dim=-1)
+    y = F.linear(xs[0], b.views[0])
+    for x, w in zip(xs[1:], b.views[1:]):
+        y = y + F.linear(x, w)
+    return y
 
 
-class AliasedVocabParallelEmbedding(tpl.VocabParallelEmbedding):
+class AliasedColumnParallelLinear(_Aliased, tpl.ColumnParallelLinear):
+    pass
+
+
+class AliasedRowParallelLinear(_Aliased, tpl.RowParallelLinear):
+    pass
+
+
+# Megatron's linears call a private per-matmul hook from forward() (the column one also for a tied output layer's
+# external weight): override exactly that, behind compat (the versions it is checked for).
+compat.override_linear_forward_impl(AliasedColumnParallelLinear, _column_impl)
+compat.override_linear_forward_impl(AliasedRowParallelLinear, _row_impl)
+
+
+class AliasedVocabParallelEmbedding(_Aliased, tpl.VocabParallelEmbedding):
     def forward(self, input_):
-        b = blocks_of(self.weight)
+        b = self.blocks_of(self.weight)
         if b is None:
             return super().forward(input_)
         if self.reduce_scatter_embeddings:

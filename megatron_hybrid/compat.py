@@ -91,3 +91,109 @@ def static_inference_engine(model, *, pg_collection, tokenizer, max_batch_size: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.distributed
+
+
+def _new_group_keeps_order() -> bool:
+    import inspect
+
+    import torch.distributed as dist
+
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+#: torch ≥ 2.13: ``new_group(sort_ranks=False)`` makes the position in ``ranks`` the group rank.
+NEW_GROUP_KEEPS_ORDER = _new_group_keeps_order()
+
+
+def new_group(ranks: list[int], *, timeout):
+    """``dist.new_group(ranks, timeout=timeout)`` with group rank i = ``ranks[i]``.
+
+    Older torch sorts the ranks; a list that is not sorted is then refused (a ``ValueError``, raised on every rank
+    alike, since the lists are the same everywhere).
+    """
+    import torch.distributed as dist
+
+    if NEW_GROUP_KEEPS_ORDER:
+        return dist.new_group(ranks, timeout=timeout, sort_ranks=False)
+    if list(ranks) != sorted(ranks):
+        import torch
+
+        raise ValueError(f"this layout needs a process group whose ranks are not in global order ({ranks}); "
+                         f"torch {torch.__version__} sorts them: use torch >= 2.13 (new_group(sort_ranks=False))")
+    return dist.new_group(ranks, timeout=timeout)
+
+
+def group_timeout(group):
+    """The timeout a process group was created with (``None`` when its backend does not say)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# megatron-core model wrappers: what the engine reads of Megatron DDP (0.16.1 – 0.19.x)
+
+
+def unwrap_model(chunk):
+    """The model inside Megatron's ``DistributedDataParallel`` / ``Float16Module`` wrappers (each ``.module``)."""
+    import torch
+
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def ddp_param_and_grad_buffers(chunk) -> list:
+    """Megatron DDP's ``_ParamAndGradBuffer``s of a wrapped chunk (``ddp.buffers``; also the expert-parallel
+    ones), or ``[]`` for an unwrapped model."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not isinstance(chunk, DistributedDataParallel):
+        return []
+    return list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
+
+
+def ddp_uses_distributed_optimizer(chunk) -> bool:
+    """Whether Megatron DDP keeps this chunk's parameters in its own buckets (``use_distributed_optimizer``)."""
+    return any(getattr(buf, "param_data", None) is not None for buf in ddp_param_and_grad_buffers(chunk))
+
+
+def ddp_grad_buffers(chunk):
+    """Megatron DDP's contiguous gradient buffers of a chunk (one per dtype), or ``None`` for an unwrapped model."""
+    buffers = ddp_param_and_grad_buffers(chunk)
+    return [b.grad_data for b in buffers] if buffers else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# megatron-core linear layers: the private per-matmul hook the aliased (block-wise) twins override.
+# ColumnParallelLinear.forward and RowParallelLinear.forward call ``self._forward_impl(input, weight, ...)``
+# (a private method, present from 0.16.1 through 0.19.x; the column one also receives a tied output layer's
+# external weight there). Checked at import, so a megatron-core that renames it fails loudly, not silently.
+
+LINEAR_FORWARD_IMPL = "_forward_impl"
+
+
+def linear_forward_impl(cls):
+    """megatron-core's own per-matmul hook of ``cls`` (ColumnParallelLinear or RowParallelLinear)."""
+    return getattr(cls, LINEAR_FORWARD_IMPL)
+
+
+def override_linear_forward_impl(cls, fn) -> None:
+    """Install ``fn`` as the per-matmul hook of ``cls``, a subclass of a megatron-core parallel linear."""
+    import inspect
+
+    base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("megatron.core"))
+    if not hasattr(base, LINEAR_FORWARD_IMPL) or LINEAR_FORWARD_IMPL not in inspect.getsource(base.forward):
+        raise ImportError(f"megatron-core {MCORE_VERSION}: {base.__name__}.forward no longer calls "
+                          f"{LINEAR_FORWARD_IMPL}; megatron-hybrid's aliased weight mode supports 0.16.1 - 0.19.x")
+    setattr(cls, LINEAR_FORWARD_IMPL, fn)

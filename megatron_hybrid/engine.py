@@ -1,68 +1,42 @@
 """The HybridEngine: one copy of the actor's weights serves the training layout and the rollout layout.
 
+A facade that sequences the pieces, each in a module of its own:
+
+- layouts and the rank arithmetic: :mod:`megatron_hybrid.layout`; the rollout groups: :mod:`megatron_hybrid.groups`;
+- the rollout model (built without weights): :mod:`megatron_hybrid.rollout_model`;
+- the reshard plan (which bytes move where): :mod:`megatron_hybrid.plan`;
+- where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.placement`;
+- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding`;
+- host offload of optimizer states and gradients: :mod:`megatron_hybrid.memory`.
+
 Where the bytes move: :meth:`HybridEngine.switch_to_rollout` (one in-place collective per region of the plan).
-Where the rollout groups come from: :meth:`HybridEngine._create_groups` (all ranks, once, next to Megatron's).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import datetime
+import math
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import compat
-from .aliased import Blocks, make_aliased, placeholder, supports_blocks
-from .buffers import RolloutBuffer
-from .layout import Grid, ParallelLayout, RolloutLayout
+from .aliased import supports_blocks
+from .binding import BINDINGS, named_parameters
+from .groups import create_rollout_groups, training_grid
+from .layout import ParallelLayout, RolloutLayout
+from .memory import HostOffload, ReservedBuffer, optimizer_tensors
+from .placement import DTYPE_NAMES, DTYPES, Placement
 from .plan import MemberInfo, ParamInfo, build_group_plan
-from .sharding import TPSpec, global_name, layer_offset
+from .rollout_model import ModelProvider, build_rollout_chunks
+from .sharding import TPSpec
 
-WEIGHT_MODES = ("aliased", "canonical")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
-ModelProvider = Callable[..., torch.nn.Module]
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside Megatron's DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
-def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """id(parameter) -> the module that registered it."""
-    out = {}
-    for m in module.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                out[id(p)] = m
-    return out
-
-
-@contextmanager
-def _weightless_parameters() -> Iterator[None]:
-    """Build modules whose parameters own no memory: every registered parameter becomes a placeholder.
-
-    Keeps the rollout model's construction from allocating a second copy of the weights (each parameter's
-    temporary allocation is dropped as soon as it is registered).
-    """
-    def hook(module, name, param):
-        if param is None or getattr(param, "_mh_blocks", 0) != 0:
-            return None
-        return placeholder(param, None)
-
-    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+WEIGHT_MODES = tuple(BINDINGS)
+_TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
 
 
 @dataclasses.dataclass
@@ -78,31 +52,18 @@ class CollectiveRecord:
     rank: int
 
 
-def _offload(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Copy each tensor to host memory and release its storage in place (views and pointers held elsewhere
-    stay valid objects; their memory comes back in :func:`_reload`)."""
-    out = []
-    for t in tensors:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-        host.copy_(t, non_blocking=t.is_cuda)
-        out.append((t, host, t.untyped_storage().nbytes()))
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
-    for t, _, _ in out:
-        if t.untyped_storage().resizable():
-            t.untyped_storage().resize_(0)  # keeps the storage object: views of it (DDP's main_grad) stay views
-        else:  # e.g. tensors from torch.load(weights_only=True): swap the data behind the same tensor object
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return out
+def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(parameter) -> the module that registered it."""
+    return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None}
 
 
-def _reload(offloaded: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-    for t, host, nbytes in offloaded:
-        if t.numel() == 0 and host.numel() > 0:
-            t.data = host.to(t.device, non_blocking=t.is_cuda)
-            continue
-        t.untyped_storage().resize_(nbytes)
-        t.copy_(host, non_blocking=t.is_cuda)
+def _as_timeout(timeout: Any) -> datetime.timedelta:
+    value = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
+        value = datetime.timedelta(seconds=timeout)
+    if not isinstance(value, datetime.timedelta) or not value.total_seconds() > 0:
+        raise ValueError(f"timeout ({timeout!r}) must be a positive datetime.timedelta or number of seconds")
+    return value
 
 
 class HybridEngine:
@@ -124,37 +85,25 @@ class HybridEngine:
             switch moves exactly the missing bytes and up to two granules per bucket stay resident
             (``communication_report()["resident_peer_bytes"]``): use buckets much larger than a granule.
         tp_group, pp_group, dp_group: the training groups; default: Megatron's ``parallel_state``.
+        timeout: the rollout groups' timeout (a ``datetime.timedelta`` or seconds); default: the training tensor-
+            parallel group's, so that a stalled or dead rank fails the others within the same time in both layouts.
         model_provider: ``model_provider(config, pg_collection, pre_process, post_process)`` building one
             rollout stage, for model classes other than GPTModel.
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
                  weight_mode: str = "aliased", bucket_size_mb: float = 1024.0, align_slots: bool = False,
-                 tp_group=None, pp_group=None,
-                 dp_group=None, model_provider: Optional[ModelProvider] = None) -> None:
+                 tp_group=None, pp_group=None, dp_group=None, timeout: Any = None,
+                 model_provider: Optional[ModelProvider] = None) -> None:
         # ---- validation: everything below this block may run collectives ----
-        if weight_mode not in WEIGHT_MODES:
-            raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb ({bucket_size_mb}) must be positive")
-        if not isinstance(rollout, RolloutLayout):
-            raise ValueError(f"rollout ({rollout!r}) must be a RolloutLayout")
+        self._check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout)
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        if not self.chunks:
-            raise ValueError("model is an empty list of model chunks")
-        for c in self.chunks:
-            ddp_buffers = getattr(c, "buffers", None)  # Megatron DDP's param-and-grad buffers (a list)
-            for buf in ddp_buffers if isinstance(ddp_buffers, list) else []:
-                if getattr(buf, "param_data", None) is not None:
-                    raise ValueError("Megatron DDP with use_distributed_optimizer=True keeps parameters in its "
-                                     "own buckets; the HybridEngine supports DDP without the distributed "
-                                     "optimizer for now")
-        self.modules = [_unwrap(c) for c in self.chunks]
+        self.modules = [compat.unwrap_model(c) for c in self.chunks]
         if tp_group is None or pp_group is None or dp_group is None:
-            m_tp, m_pp, m_dp, self._cp_group = compat.megatron_groups()
+            m_tp, m_pp, m_dp, cp_group = compat.megatron_groups()
             tp_group, pp_group, dp_group = tp_group or m_tp, pp_group or m_pp, dp_group or m_dp
         else:
-            self._cp_group = None
+            cp_group = None
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         t, p, d = tp_group.size(), pp_group.size(), dp_group.size()
         self.layout = ParallelLayout.create(training=(t, p, d), rollout=rollout)
@@ -165,38 +114,77 @@ class HybridEngine:
             raise ValueError(f"rollout pipeline_model_parallel_size ({rollout.pipeline_model_parallel_size}) < "
                              f"pipeline_model_parallel_size ({p}) is not supported with virtual pipeline chunks")
         self.config = self.modules[0].config
-        self._check_model(self.config)
+        self._check_model(self.config, weight_mode)
+        if timeout is None:
+            timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
+        self.timeout = _as_timeout(timeout)
         self.weight_mode = weight_mode
         self.bucket_size_mb = bucket_size_mb
         self.align_slots = align_slots
-        self.model_provider = model_provider
         self.tp_rank, self.pp_rank = dist.get_rank(tp_group), dist.get_rank(pp_group)
         self.dp_rank = dist.get_rank(dp_group)
-        needs_blocks = self.layout.k > 1 or self.layout.widens
-        if weight_mode == "aliased" and needs_blocks:
-            for mod in self.modules:
-                owners = _owner_modules(mod)
-                for name, prm in mod.named_parameters():
-                    if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
-                        raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
-                                         ") on blocks; use weight_mode='canonical' for this model")
+        lay = self.layout
+        tied = bool(getattr(self.modules[-1], "share_embeddings_and_output_weights", False))
+        # p_g = 1 < p with tied embeddings: the last stage's output layer is the rollout embedding (no transfer).
+        self._tied = _TIED if tied and lay.p_g == 1 < lay.p and not lay.widens else None
 
         # ---- collectives from here on ----
-        self._create_groups()
-        self.rollout_chunks = self._build_rollout_model()
-        self._plan_and_place()
+        self.rollout_groups = create_rollout_groups(lay, training_grid(tp_group, pp_group, dp_group),
+                                                    timeout=self.timeout, cp_group=cp_group,
+                                                    tied_embedding=self._tied is not None)
+        rg = self.rollout_groups
+        self.grid, self.groups, self.group_ranks = rg.grid, rg.groups, rg.ranks
+        self.pg_collection = rg.pg_collection
+        self.rollout_tp_rank, self.rollout_pp_rank, self.rollout_replica = rg.tp_rank, rg.pp_rank, rg.replica
+        self.rollout_chunks = build_rollout_chunks(self.modules, lay, pg_collection=self.pg_collection,
+                                                   rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
+                                                   guard=self._check_rollout_mode, model_provider=model_provider)
+        self._train_params = dict(named_parameters(self.modules))
+        self.plan, self.member_index = self._make_plan()
+        self.device = device = next(iter(self._train_params.values())).device
+        self.placement = Placement(self.plan, self.member_index, self._train_params, lay,
+                                   rollout_tp_rank=self.rollout_tp_rank, device=device)
+        self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
-        self._offloaded: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._offload: Optional[HostOffload] = None
         self.num_switches = 0  # switches to rollout that ran (a call while rolling out is not one)
-        self._bind_once()
         self._train_ptrs = [p.data_ptr() for p in self._train_params.values()]
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         # Off by default: per-collective timing synchronises the device after every collective.
         self.profiling = False
 
-    # ------------------------------------------------------------------------------------------------------
-    def _check_model(self, config) -> None:
+    # ---- validation ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout) -> None:
+        if weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
+                or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a positive number of MiB")
+        if not isinstance(align_slots, bool):
+            raise ValueError(f"align_slots ({align_slots!r}) must be True or False")
+        if timeout is not None:
+            _as_timeout(timeout)
+        if not isinstance(rollout, RolloutLayout):
+            raise ValueError(f"rollout ({rollout!r}) must be a RolloutLayout")
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not chunks:
+            raise ValueError("model is an empty list of model chunks")
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        for c in chunks:
+            inner = compat.unwrap_model(c) if isinstance(c, torch.nn.Module) else c
+            if not isinstance(inner, torch.nn.Module) or not isinstance(getattr(inner, "config", None),
+                                                                         TransformerConfig):
+                raise ValueError(f"model ({type(c).__name__}) must be a megatron-core model (a GPTModel, a list of "
+                                 "its chunks, or Megatron DDP around one) with a TransformerConfig as .config")
+            if compat.ddp_uses_distributed_optimizer(c):
+                raise ValueError("Megatron DDP with use_distributed_optimizer=True keeps parameters in its "
+                                 "own buckets; the HybridEngine supports DDP without the distributed "
+                                 "optimizer for now")
+
+    def _check_model(self, config, weight_mode: str) -> None:
         lay = self.layout
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         if heads % lay.t_g:
@@ -220,140 +208,51 @@ class HybridEngine:
         if vocab is not None and vocab % lay.t_g:
             raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
                              f"({vocab})")
+        if weight_mode == "aliased" and (lay.k > 1 or lay.widens):
+            for mod in self.modules:
+                owners = _owner_modules(mod)
+                for name, prm in mod.named_parameters():
+                    if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
+                        raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
+                                         ") on blocks; use weight_mode='canonical' for this model")
 
-    def _create_groups(self) -> None:
-        """Create every rollout group on every rank (torch needs all ranks in every new_group call)."""
-        coords = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (self.tp_rank, self.pp_rank, self.dp_rank))
-        self.grid = Grid.from_coords({r: tuple(c) for r, c in enumerate(coords)})
-        me = dist.get_rank()
-        lay = self.layout
-        self.group_ranks: dict[str, list[int]] = {}
-        self.groups: dict[str, Any] = {}
-        for name, lists in (("tp", lay.rollout_tp_groups(self.grid)), ("pp", lay.rollout_pp_groups(self.grid)),
-                            ("dp", lay.rollout_dp_groups(self.grid)), ("micro_dp", lay.micro_dp_groups(self.grid)),
-                            ("cross_stage", lay.cross_stage_groups(self.grid)),
-                            ("single", [[r] for r in range(dist.get_world_size())] if self._cp_group is None else [])):
-            for ranks in lists:
-                g = dist.new_group(ranks)
-                if me in ranks:
-                    self.groups[name], self.group_ranks[name] = g, ranks
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        pgc = ProcessGroupCollection()
-        pgc.tp, pgc.pp, pgc.dp = self.groups["tp"], self.groups["pp"], self.groups["dp"]
-        pgc.cp = self._cp_group if self._cp_group is not None else self.groups["single"]
-        pgc.tp_cp = pgc.tp
-        pgc.dp_cp = pgc.dp
-        pgc.embd = None
-        pgc.pos_embd = None
-        self.pg_collection = pgc
-        i, s, dp = self.tp_rank, self.pp_rank, self.dp_rank
-        self.rollout_tp_rank, self.rollout_pp_rank, self.rollout_replica = lay.rollout_coords((i, s, dp))
-        # Which rollout TP shard each member of this rank's rollout TP group serves, in group-rank order. torch
-        # orders group ranks by global rank; with t_g > t the shard a rank can serve without communication is
-        # fixed by its training shard, so the two orders differ and vocabulary-parallel outputs must be gathered
-        # with this order (forward.gather_vocab(order=...)). For t_g <= t it is the identity.
-        coord_of = dict(self.grid.coords())
-        self.rollout_tp_order = [lay.rollout_coords(coord_of[r])[0] for r in self.group_ranks["tp"]]
-
-    def _build_rollout_model(self) -> list[torch.nn.Module]:
-        lay = self.layout
-        config = copy.copy(self.config)
-        config.tensor_model_parallel_size = lay.t_g
-        config.pipeline_model_parallel_size = lay.p_g
-        config.perform_initialization = False
-        chunks = []
-        for vp, train in enumerate(self.modules):
-            vp_stage = vp if len(self.modules) > 1 else None
-            # With virtual pipeline chunks, only the first chunk of the first stage embeds and only the last
-            # chunk of the last stage has the output layer.
-            pre = self.rollout_pp_rank == 0 and vp == 0
-            post = self.rollout_pp_rank == lay.p_g - 1 and vp == len(self.modules) - 1
-            with _weightless_parameters():
-                if self.model_provider is not None:
-                    chunk = self.model_provider(config=config, pg_collection=self.pg_collection, pre_process=pre,
-                                                post_process=post)
-                else:
-                    chunk = self._rebuild_gpt(train, config, pre, post, vp_stage)
-            chunk.eval()
-            if self.weight_mode == "aliased":
-                for mod in chunk.modules():
-                    if supports_blocks(mod):
-                        make_aliased(mod)
-            # Non-parameter state (rotary frequencies) is replicated: take it from the training model.
-            train_buffers = dict(train.named_buffers())
-            for name, buf in chunk.named_buffers():
-                src = train_buffers.get(name)
-                if src is not None and src.shape == buf.shape:
-                    buf.copy_(src)
-            chunk.register_forward_pre_hook(self._check_rollout_mode)
-            chunk.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self._check_rollout_mode(module, ()))
-            for mod in chunk.modules():
-                if hasattr(mod, "vocab_start_index") and hasattr(mod, "num_embeddings_per_partition"):
-                    n = mod.num_embeddings_per_partition
-                    mod.vocab_start_index = self.rollout_tp_rank * n
-                    mod.vocab_end_index = mod.vocab_start_index + n
-            chunks.append(chunk)
-        return chunks
-
-    def _rebuild_gpt(self, train: torch.nn.Module, config, pre: bool, post: bool, vp_stage):
-        from megatron.core.models.gpt import GPTModel
-
-        if not isinstance(train, GPTModel):
-            raise ValueError(f"model is a {type(train).__name__}; pass model_provider= to build its rollout stage")
-        kwargs = dict(config=config, transformer_layer_spec=train.transformer_layer_spec,
-                      vocab_size=train.vocab_size, max_sequence_length=train.max_sequence_length,
-                      pre_process=pre, post_process=post, fp16_lm_cross_entropy=train.fp16_lm_cross_entropy,
-                      parallel_output=train.parallel_output,
-                      share_embeddings_and_output_weights=train.share_embeddings_and_output_weights,
-                      position_embedding_type=train.position_embedding_type, rotary_percent=train.rotary_percent,
-                      rotary_base=train.rotary_base, rope_scaling=train.rotary_scaling,
-                      pg_collection=self.pg_collection)
-        if vp_stage is not None:
-            kwargs["vp_stage"] = vp_stage
-        return compat.build_gpt_model(**kwargs)
-
-    def _check_rollout_mode(self, module, args) -> None:
+    def _check_rollout_mode(self) -> None:
         if self.mode == "closed":
             raise RuntimeError("the rollout model of a closed HybridEngine has no weights")
         if self.mode != "rollout":
             raise RuntimeError("the rollout model was used in training mode: call engine.switch_to_rollout() "
                                "first (its weights are not there while training)")
 
-    # ------------------------------------------------------------------------------------------------------
-    def _param_infos(self, chunks: list[torch.nn.Module]) -> list[tuple[ParamInfo, torch.Tensor]]:
+    # ---- the plan ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _param_infos(chunks: list[torch.nn.Module]) -> list[ParamInfo]:
         out = []
         for chunk in chunks:
-            offset = layer_offset(chunk)
-            for name, prm in chunk.named_parameters():
+            for (name, prm), (local, _) in zip(named_parameters([chunk]), chunk.named_parameters()):
                 spec = TPSpec.of(prm)
-                out.append((ParamInfo(global_name(name, offset), name, tuple(prm.shape), _DTYPE_NAMES[prm.dtype],
-                                      spec.sharded, spec.dim, spec.stride), prm))
+                out.append(ParamInfo(name, local, tuple(prm.shape), DTYPE_NAMES[prm.dtype], spec.sharded, spec.dim,
+                                     spec.stride))
         return out
 
-    def _plan_and_place(self) -> None:
+    def _make_plan(self):
+        """Gather the micro-DP members' parameter descriptions and plan the switch (the same plan on each)."""
         lay = self.layout
         mine = self._param_infos(self.modules)
-        names = [info.name for info, _ in mine]
+        names = [info.name for info in mine]
         if len(set(names)) != len(names):
             raise ValueError("duplicate parameter names across model chunks")
-        self._train_params = {info.name: prm for info, prm in mine}
-        rollout_infos = self._param_infos(self.rollout_chunks)
-        self._rollout_params = {info.name: prm for info, prm in rollout_infos}
-        layers_per_stage = self.config.num_layers // lay.p
-        member = MemberInfo(dist.get_rank(), self.tp_rank, self.pp_rank, tuple(i for i, _ in mine), layers_per_stage)
-        group = self.groups["micro_dp"]
-        members: list[Any] = [None] * group.size()
-        if lay.widens:
-            members = [member]
-        else:
-            dist.all_gather_object(members, member, group=group)
+        rollout_params = dict(named_parameters(self.rollout_chunks))
+        member = MemberInfo(dist.get_rank(), self.tp_rank, self.pp_rank, tuple(mine),
+                            self.config.num_layers // lay.p)
+        members: list[Any] = [member]
+        if not lay.widens:
+            members = [None] * self.groups["micro_dp"].size()
+            dist.all_gather_object(members, member, group=self.groups["micro_dp"])
         members.sort(key=lambda m: m.rank)
         # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
         # attributes: they are layout-invariant, so take them from the training tensor of the same name.
         info_by_name = {p.name: p for m in members for p in m.params}
-        for name, prm in self._rollout_params.items():
+        for name, prm in rollout_params.items():
             if name not in info_by_name:
                 raise ValueError(f"no training rank of this micro-DP group holds {name}: the rollout model does "
                                  "not correspond to the training model")
@@ -365,65 +264,44 @@ class HybridEngine:
             if tuple(shape) != tuple(prm.shape):
                 raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
                                  "from the training model")
-        self.member_index = [m.rank for m in members].index(dist.get_rank())
+        index = [m.rank for m in members].index(dist.get_rank())
+        if lay.widens:
+            return None, index
         device = next(iter(self._train_params.values())).device
         bucket_numel = {name: max(1, int(self.bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
-                        for name, dt in _DTYPES.items()}
-        if lay.widens:
-            self.plan = None
-            self.buffers = {}
-            return
-        alignment = None
-        if self.align_slots:
-            from .memory import allocation_granularity
+                        for name, dt in DTYPES.items()}
+        alignment = Placement.alignment(device) if self.align_slots else None
+        plan = build_group_plan(members, list(rollout_params), k=lay.k, q=lay.q, bucket_numel=bucket_numel,
+                                alignment=alignment, tied=self._tied)
+        return plan, index
 
-            granule = allocation_granularity(device)
-            alignment = {name: max(1, granule // torch.empty((), dtype=dt).element_size())
-                         for name, dt in _DTYPES.items()}
-        self.plan = build_group_plan(members, [i.name for i, _ in rollout_infos], k=lay.k, q=lay.q,
-                                     bucket_numel=bucket_numel, alignment=alignment)
-        # Place the training tensors in their own slots (a one-time copy at construction).
-        self.buffers: dict[str, RolloutBuffer] = {}
-        j = self.member_index
-        for dtype, regions in self.plan.regions.items():
-            own, used = [], []
-            for reg in regions:
-                if j not in reg.members:
-                    continue
-                used.append((reg.offset, reg.offset + reg.numel))
-                if reg.kind != "broadcast" or reg.owner == j:
-                    lo = reg.slot_offset(j)
-                    own.append((lo, lo + reg.slot_numel))
-            buf = RolloutBuffer(self.plan.buffer_numel(dtype), _DTYPES[dtype], device, own=own, used=used)
-            self.buffers[dtype] = buf
-            flat = buf.tensor
-            for reg in regions:
-                for sl in reg.slices:
-                    if sl.member != j:
-                        continue
-                    prm = self._train_params[sl.name]
-                    view = flat[sl.offset: sl.offset + sl.numel].view(sl.shape)
-                    with torch.no_grad():
-                        view.copy_(prm.data)
-                    prm.data = view
-                    prm._mh_keepalive = buf  # the buffer lives as long as a parameter views it
-        self._sources = self.plan.sources(j)
-
-    # ------------------------------------------------------------------------------------------------------
-    def _fingerprint_now(self) -> int:
-        return sum(p._version for p in self._train_params.values())
-
+    # ---- switching -----------------------------------------------------------------------------------------
     @property
     def rollout_model(self) -> Union[torch.nn.Module, list[torch.nn.Module]]:
         """The megatron-core model of the rollout layout (a list when the training model was a list)."""
         return self.rollout_chunks if len(self.chunks) > 1 else self.rollout_chunks[0]
 
-    def switch_to_rollout(self, *, offload_optimizer: Optional[torch.optim.Optimizer] = None,
-                          offload_grads: bool = False) -> None:
+    def _fingerprint_now(self) -> int:
+        return sum(p._version for p in self._train_params.values())
+
+    def reserve_rollout_memory(self, numel: int, dtype: torch.dtype) -> ReservedBuffer:
+        """A range of ``numel`` elements at a fixed address, backed only while rolling out (a KV cache, say):
+        mapped by every :meth:`switch_to_rollout`, given back by :meth:`switch_to_training`."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"numel ({numel!r}) must be a positive integer")
+        if self.mode == "closed":
+            raise RuntimeError("the engine was closed")
+        buf = self.placement.reserve_rollout(numel, dtype)
+        if self.mode == "rollout":
+            buf.map_peers()
+        return buf.memory
+
+    def switch_to_rollout(self, *, offload_optimizer: Any = None, offload_grads: bool = False) -> None:
         """Gather the missing shards and bind the rollout model to them. No-op when already rolling out.
 
-        ``offload_optimizer`` (a torch or Megatron optimizer) and ``offload_grads`` move optimizer states and
-        gradient buffers to host memory (pinned on GPU) until :meth:`switch_to_training` brings them back.
+        ``offload_optimizer`` (a torch or megatron-core optimizer, ``ChainedOptimizer`` included: states and fp32
+        main parameters) and ``offload_grads`` move those tensors to host memory (pinned on GPU) until
+        :meth:`switch_to_training` brings them back, bit for bit.
         """
         if self.mode == "rollout":
             if self._fingerprint_now() != self._fingerprint:
@@ -437,57 +315,42 @@ class HybridEngine:
             raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
                                "the HybridEngine was built; the rollout model is bound to the old storage. Copy new "
                                "values in place (param.data.copy_(...)) instead")
+        to_offload = self._offload_targets(offload_optimizer, offload_grads)  # bad input fails before collectives
         start = time.perf_counter()
+        self.placement.map_rollout()  # every piece first: one access update per contiguous span
+        t_map = time.perf_counter()
         records: list[CollectiveRecord] = []
-        map_seconds = 0.0
         if self.plan is not None:
             j = self.member_index
             for dtype, regions in self.plan.regions.items():
-                buf = self.buffers[dtype]
+                flat = self.placement.buffers[dtype].tensor
                 for reg in regions:
-                    if j in reg.members:
-                        # Map just this region's peers' slots: on a GPU the previous collective runs meanwhile.
-                        t0 = time.perf_counter()
-                        buf.map_peers(reg.offset, reg.offset + reg.numel)
-                        map_seconds += time.perf_counter() - t0
-                        records.append(self._run_region(buf.tensor, reg, j))
-        t0 = time.perf_counter()
-        for buf in self.buffers.values():
-            buf.map_peers()  # the rest, if any range lies outside this rank's regions
-        for buf, _ in self._canonical:
-            buf.map_peers()  # while the device still gathers
+                    if j in reg.members and len(reg.members) > 1:
+                        records.append(self._run_region(flat, reg, j))
         t_coll = time.perf_counter()
-        map_seconds += t_coll - t0
-        for _, refill in self._canonical:
-            refill()
+        self.binding.refill()
         t_canon = time.perf_counter()
-        self._offloaded = _offload(self._offload_targets(offload_optimizer, offload_grads))
+        self._offload = HostOffload(to_offload)
         t_off = time.perf_counter()
         self._synchronize()
-        for buf in self.buffers.values():
-            buf.release_transient(synchronize=False)
+        self.placement.release_transient()
         end = time.perf_counter()
         self.mode = "rollout"
         self.num_switches += 1
         self._fingerprint = self._fingerprint_now()
-        phases = {"map_seconds": map_seconds, "collectives_seconds": t_coll - start - map_seconds,
+        phases = {"map_seconds": t_map - start, "collectives_seconds": t_coll - t_map,
                   "canonical_seconds": t_canon - t_coll, "offload_seconds": t_off - t_canon,
                   "sync_seconds": end - t_off}
         self._last_report = self._report(records, end - start, phases)
 
-    def _group_for(self, reg) -> tuple[Any, list[int]]:
-        if reg.members == list(range(len(self.plan.members))):
-            return self.groups["micro_dp"], self.group_ranks["micro_dp"]
-        return self.groups["cross_stage"], self.group_ranks["cross_stage"]
-
     def _run_region(self, flat: torch.Tensor, reg, j: int) -> CollectiveRecord:
-        group, ranks = self._group_for(reg)
+        ranks = [self.plan.members[i].rank for i in reg.members]
+        group = self.rollout_groups.group_of(ranks)
         region = flat[reg.offset: reg.offset + reg.numel]
         elem = flat.element_size()
         t0, wall0 = time.perf_counter(), time.time()
         if reg.kind == "broadcast":
-            src = self.plan.members[reg.owner].rank
-            dist.broadcast(region, src=src, group=group)
+            dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
             received = 0 if reg.owner == j else reg.slot_numel * elem
             op = "broadcast"
         else:
@@ -501,131 +364,42 @@ class HybridEngine:
         return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank())
 
     def _synchronize(self) -> None:
-        if torch.cuda.is_available() and next(iter(self._train_params.values())).is_cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _make_blocks(self, name: str) -> Blocks:
-        """The rollout parameter ``name`` as views of training tensors (own, or in peers' slots)."""
-        lay = self.layout
-        if lay.widens:
-            prm = self._train_params[name]
-            spec = TPSpec.of(prm)
-            if not spec.sharded:
-                return Blocks([prm.data], 0, 1)
-            j = self.rollout_tp_rank % lay.m
-            pieces = prm.data.chunk(spec.stride * lay.m, dim=spec.dim)
-            return Blocks([pieces[s * lay.m + j] for s in range(spec.stride)], spec.dim, 1)
-        src = self._sources[name]
-        views = []
-        for blk in src.blocks:
-            if blk.member == self.member_index:
-                views.append(self._train_params[name].data)
-            else:
-                dtype, off = self.plan.where(blk.member, name)
-                info = self.plan.by_name[blk.member][name]
-                views.append(self.buffers[dtype].tensor[off: off + info.numel].view(info.shape))
-        return Blocks(views, src.dim, src.stride if len(views) > 1 else 1)
-
-    def _bind_once(self) -> None:
-        """Point every rollout parameter at its storage, once for the engine's lifetime.
-
-        The buffers keep their addresses, so the bindings stay valid across switches; a switch only maps the
-        peers' slots and fills them. Three kinds of binding:
-
-        - a view: the rollout tensor is one training tensor (own, or a peer's slot): zero copies;
-        - blocks (aliased mode, weights): a placeholder carrying the views, computed on by :mod:`aliased`;
-        - a canonical tensor (canonical mode, and 1-D sharded tensors such as biases in either mode): storage in a
-          per-dtype reserved range that is mapped only while rolling out, refilled at every switch by one fused
-          ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces).
-        """
-        from . import ops
-
-        pending: dict[torch.dtype, list[tuple[str, torch.nn.Parameter, Blocks]]] = {}
-        viewed: dict[str, list[tuple[int, int]]] = {}  # buffer ranges that rollout parameters view directly
-        for chunk in self.rollout_chunks:
-            owners = _owner_modules(chunk)
-            for name, prm in list(self._rollout_iter(chunk)):
-                blocks = self._make_blocks(name)
-                owner = owners[id(prm)]
-                attr = next(a for a, v in owner._parameters.items() if v is prm)
-                if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
-                    new = placeholder(prm, None)
-                    new.data = blocks.views[0]
-                    new._mh_keepalive = list(self.buffers.values())
-                    src = self._sources[name].blocks[0] if self.plan is not None else None
-                    if src is not None and src.member != self.member_index:  # a view of a peer's slot
-                        dtype, off = self.plan.where(src.member, name)
-                        viewed.setdefault(dtype, []).append((off, off + prm.numel()))
-                elif self.weight_mode == "aliased" and prm.dim() > 1:
-                    new = placeholder(prm, blocks)
-                    new._mh_keepalive = list(self.buffers.values())
-                else:
-                    new = placeholder(prm, None)
-                    pending.setdefault(prm.dtype, []).append((name, new, blocks))
-                new._mh_rollout_name = name
-                owner._parameters[attr] = new
-        # Canonical mode reads the gathered shards once, into its own tensors: the peers' slots that no rollout
-        # parameter views are given back at the end of the switch (aliased mode views all of them).
-        if self.weight_mode == "canonical":
-            for dtype, buf in self.buffers.items():
-                buf.set_kept(viewed.get(dtype, []))
-        self._canonical: list[tuple[RolloutBuffer, Callable[[], None]]] = []
-        device = next(iter(self._train_params.values())).device
-        for dtype, items in pending.items():
-            # 16-element alignment keeps every canonical tensor's start vector-friendly for the copy kernels.
-            offsets, total = [], 0
-            for _, new, _ in items:
-                offsets.append(total)
-                total += -(-new.numel() // 16) * 16
-            buf = RolloutBuffer(total, dtype, device, own=[], used=[(0, total)])
-            flat = buf.tensor
-            dsts = []
-            for (_, new, _), off in zip(items, offsets):
-                new.data = flat[off: off + new.numel()].view(new.shape)
-                new._mh_keepalive = buf
-                dsts.append(new.data)
-            if self.plan is None:  # t_g > t: pieces of the own shard, no gather buffer involved
-                pairs = [(blocks, dst) for (_, _, blocks), dst in zip(items, dsts)]
-
-                def refill(pairs=pairs) -> None:
-                    with torch.no_grad():
-                        for blocks, dst in pairs:
-                            blocks.materialize(out=dst)
-            else:
-                tables = []
-                for i, (name, _, blocks) in enumerate(items):
-                    src = self._sources[name]
-                    offs = [self.plan.where(b.member, name)[1] for b in src.blocks]
-                    tables.append(ops.plan_stack(blocks.views[0].shape, offs, partition_dim=src.dim,
-                                                 partition_stride=src.stride, dst_index=i))
-                source = self.buffers[_DTYPE_NAMES[dtype]].tensor
-                table = torch.cat(tables)
-
-                def refill(source=source, dsts=dsts, table=table) -> None:
-                    ops.scatter_blocks(source, dsts, table)
-            self._canonical.append((buf, refill))
-
-    def _rollout_iter(self, chunk):
-        offset = layer_offset(chunk)
-        for name, prm in chunk.named_parameters():
-            yield global_name(name, offset), prm
+    def _offload_targets(self, optimizer: Any, grads: bool) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        if optimizer is not None:
+            out.extend(optimizer_tensors(optimizer, keep=list(self._train_params.values())))
+        if grads:
+            for c in self.chunks:
+                buffers = compat.ddp_grad_buffers(c)  # Megatron DDP: one contiguous grad buffer per dtype
+                out.extend(buffers if buffers is not None else (p.grad for p in c.parameters() if p.grad is not None))
+        return out
 
     def switch_to_training(self) -> None:
-        """Release the peers' slots (and the canonical tensors); the training shards never moved.
+        """Release the peers' slots and the rollout-only memory; the training shards never moved.
 
         The rollout model keeps its bindings (fixed addresses), but its weights are not there until the next
         :meth:`switch_to_rollout`: its forward and ``state_dict`` refuse to run while training.
         """
-        if self.mode == "training":
+        if self.mode != "rollout":
             return
         self._synchronize()  # once: nothing queued may touch the ranges unmapped below
-        for buf in self.buffers.values():
-            buf.unmap_peers(synchronize=False)
-        for buf, _ in self._canonical:
-            buf.unmap_peers(synchronize=False)
-        _reload(self._offloaded)
-        self._offloaded = []
+        self.placement.unmap_rollout()
+        if self._offload is not None:
+            self._offload.reload()
+            self._offload = None
         self.mode = "training"
+
+    @contextmanager
+    def rollout(self) -> Iterator[torch.nn.Module]:
+        """``with engine.rollout() as model:`` switch to rollout, and back to training on exit."""
+        self.switch_to_rollout()
+        try:
+            yield self.rollout_model
+        finally:
+            self.switch_to_training()
 
     def close(self) -> None:
         """Detach the engine from the model: training parameters get ordinary memory again (one copy), the
@@ -638,46 +412,14 @@ class HybridEngine:
             return
         self.switch_to_training()
         with torch.no_grad():
-            for prm in self._train_params.values():
-                if hasattr(prm, "_mh_keepalive"):
-                    prm.data = prm.data.clone()
-                    del prm._mh_keepalive
-        for chunk in self.rollout_chunks:
-            owners = _owner_modules(chunk)
-            for _, prm in list(chunk.named_parameters()):
-                owner = owners[id(prm)]
-                attr = next(a for a, v in owner._parameters.items() if v is prm)
-                owner._parameters[attr] = placeholder(prm, None)
-        for buf in list(self.buffers.values()) + [b for b, _ in self._canonical]:
-            buf.close()
-        self.buffers, self._canonical = {}, []
+            for name in self.placement.placed:
+                prm = self._train_params[name]
+                prm.data = prm.data.clone()
+        self.binding.unbind()
+        self.placement.close()
         self.mode = "closed"
 
-    def _offload_targets(self, optimizer, grads: bool) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        if optimizer is not None:
-            inner = getattr(optimizer, "optimizer", optimizer)  # Megatron wraps a torch optimizer
-            for state in inner.state.values():
-                out.extend(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-        if grads:
-            for c in self.chunks:
-                ddp_buffers = getattr(c, "buffers", None)
-                if isinstance(ddp_buffers, list):  # Megatron DDP: one contiguous grad buffer per dtype
-                    out.extend(b.grad_data for b in ddp_buffers)
-                else:
-                    out.extend(p.grad for p in c.parameters() if p.grad is not None)
-        return out
-
-    @contextmanager
-    def rollout(self) -> Iterator[torch.nn.Module]:
-        """``with engine.rollout() as model:`` switch to rollout, and back to training on exit."""
-        self.switch_to_rollout()
-        try:
-            yield self.rollout_model
-        finally:
-            self.switch_to_training()
-
-    # ------------------------------------------------------------------------------------------------------
+    # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
@@ -694,7 +436,7 @@ class HybridEngine:
         lay = self.layout
         chunk = self.rollout_chunks[0]
         kwargs = dict(tp_group=self.groups["tp"], pp_group=self.groups["pp"], params=sampling_params,
-                      vocab_order=self.rollout_tp_order, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                      vocab_size=vocab_size, stop_token_ids=stop_token_ids,
                       seed=seed + 1_000_003 * self.rollout_replica)
         prompts = [list(map(int, p)) for p in prompts]
         if lay.widens:
@@ -715,7 +457,7 @@ class HybridEngine:
         dist.all_gather_object(gathered, (replica, results), group=self.groups["micro_dp"])
         return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
 
-    # ------------------------------------------------------------------------------------------------------
+    # ---- reporting -----------------------------------------------------------------------------------------
     def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
         return {
             "total_bytes": sum(r.bytes_received for r in records),
@@ -727,10 +469,7 @@ class HybridEngine:
             "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
                                                      else 0.0} for r in records],
             "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
-            "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()),
-            "transient_bytes_released": sum(b.transient_bytes for b in self.buffers.values()),
-            "canonical_bytes_mapped": sum(b.peer_bytes for b, _ in self._canonical if b.peers_mapped),
-            "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
+            **self.placement.report(),
             "weight_mode": self.weight_mode,
             "layout": dataclasses.asdict(self.layout),
         }

@@ -34,16 +34,11 @@ def pipeline_forward(chunk: torch.nn.Module, pp_group, tokens_BS: torch.Tensor, 
     return out
 
 
-def gather_vocab(logits_BSVt: torch.Tensor, tp_group, order: Optional[list[int]] = None) -> torch.Tensor:
-    """All-gather vocabulary-parallel logits to ``[B, S, V]``.
-
-    ``order[j]`` is the vocabulary shard that group rank j holds (default: j), as in
-    ``HybridEngine.rollout_tp_order``.
-    """
+def gather_vocab(logits_BSVt: torch.Tensor, tp_group) -> torch.Tensor:
+    """All-gather vocabulary-parallel logits to ``[B, S, V]`` (group rank j holds vocabulary shard j, as in every
+    megatron-core model and the HybridEngine's rollout model)."""
     if tp_group.size() == 1:
         return logits_BSVt
     parts = [torch.empty_like(logits_BSVt) for _ in range(tp_group.size())]
     dist.all_gather(parts, logits_BSVt.contiguous(), group=tp_group)
-    if order is not None:
-        parts = [parts[order.index(shard)] for shard in range(len(parts))]
     return torch.cat(parts, dim=-1)

@@ -19,7 +19,7 @@ already holds, so the switch moves nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,13 @@ class RolloutLayout:
     """Rollout tensor-parallel size t_g (a divisor of the training TP size, or a multiple that divides TP × DP)."""
     pipeline_model_parallel_size: int = 1
     """Rollout pipeline-parallel size p_g (a divisor of the training PP size)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            v = getattr(self, name)
+            # bool is an int subclass: RolloutLayout(True, 1) must not pass as t_g = 1.
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"rollout {name} ({v!r}) must be a positive integer")
 
 
 Coord = tuple[int, int, int]  # (tp, pp, dp)
@@ -88,7 +95,7 @@ class ParallelLayout:
         for name, v in (("tensor_model_parallel_size", self.t), ("pipeline_model_parallel_size", self.p),
                         ("data_parallel_size", self.d), ("rollout tensor_model_parallel_size", self.t_g),
                         ("rollout pipeline_model_parallel_size", self.p_g)):
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
         if self.p % self.p_g:
             raise ValueError(f"rollout pipeline_model_parallel_size ({self.p_g}) must divide "
@@ -160,19 +167,25 @@ class ParallelLayout:
         a, b = i % self.k, s % self.q
         return i // self.k, s // self.q, dp * self.d_g + b * self.k + a
 
-    def _groups(self, grid: Grid, key: Callable[[Coord], tuple]) -> list[list[int]]:
+    def _groups(self, grid: Grid, key: Callable[[Coord], tuple],
+                order: Optional[Callable[[Coord], int]] = None) -> list[list[int]]:
+        """Ranks grouped by ``key(coord)``; inside a group in ``order(coord)`` order (default: global rank)."""
         if grid.sizes != (self.t, self.p, self.d):
             raise ValueError(f"grid sizes {grid.sizes} do not match the layout ({self.t}, {self.p}, {self.d})")
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple, list[tuple[int, int]]] = {}
         for rank, coord in grid.coords():
-            groups.setdefault(key(coord), []).append(rank)
-        return sorted(sorted(g) for g in groups.values())
+            groups.setdefault(key(coord), []).append((rank if order is None else order(coord), rank))
+        return sorted([r for _, r in sorted(g)] for g in groups.values())
 
     def rollout_tp_groups(self, grid: Grid) -> list[list[int]]:
-        return self._groups(grid, lambda c: (self.rollout_coords(c)[1], self.rollout_coords(c)[2]))
+        """Rollout TP groups, each in rollout TP rank order (group rank j holds rollout TP shard j)."""
+        return self._groups(grid, lambda c: (self.rollout_coords(c)[1], self.rollout_coords(c)[2]),
+                            order=lambda c: self.rollout_coords(c)[0])
 
     def rollout_pp_groups(self, grid: Grid) -> list[list[int]]:
-        return self._groups(grid, lambda c: (self.rollout_coords(c)[0], self.rollout_coords(c)[2]))
+        """Rollout PP groups, each in stage order."""
+        return self._groups(grid, lambda c: (self.rollout_coords(c)[0], self.rollout_coords(c)[2]),
+                            order=lambda c: self.rollout_coords(c)[1])
 
     def rollout_dp_groups(self, grid: Grid) -> list[list[int]]:
         return self._groups(grid, lambda c: self.rollout_coords(c)[:2])
@@ -188,6 +201,19 @@ class ParallelLayout:
         if self.widens:
             return [[r] for r, _ in grid.coords()]
         return self._groups(grid, lambda c: (c[2], c[0], c[1] // self.q))
+
+    def tied_embedding_groups(self, grid: Grid) -> list[list[int]]:
+        """With tied embeddings gathered into one rollout stage (p_g = 1 < p): per micro-DP group and training TP
+        shard a, the group over which the first stage's rank of column a broadcasts embedding shard a: every
+        member but the last stage's rank of column a, which holds the same shard as its tied output layer."""
+        if self.widens or self.p_g != 1 or self.p == 1:
+            return []
+        out = []
+        coord_of = dict(grid.coords())
+        for group in self.micro_dp_groups(grid):
+            for a in range(self.k):
+                out.append([r for r in group if not (coord_of[r][0] % self.k == a and coord_of[r][1] == self.p - 1)])
+        return sorted(g for g in out if len(g) > 1)
 
     # Byte arithmetic ---------------------------------------------------------------------------------------
     def missing_fraction(self) -> float:

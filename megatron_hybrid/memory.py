@@ -30,7 +30,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import warnings
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import torch
 
@@ -184,37 +185,77 @@ class _CudaVmmBackend:
         self.driver.check(self.driver.cuMemAddressReserve(ctypes.byref(ptr), self.nbytes, self.granularity, 0, 0),
                           f"cuMemAddressReserve({self.nbytes} bytes)")
         self.ptr = int(ptr.value)
+        # Mapped byte ranges. The range lives as long as this object, which every tensor over it keeps alive
+        # (through _CudaArray): when the last of them goes, the finalizer unmaps what is left and frees it.
+        self.mapped: list[tuple[int, int]] = []
+        self._free = weakref.finalize(self, _cuda_release, self.driver, self.ptr, self.nbytes, self.mapped)
 
     def map(self, lo: int, hi: int) -> None:
+        self.map_many([(lo, hi)])
+
+    def map_many(self, ranges: list[tuple[int, int]]) -> None:
+        """Back each range with a physical allocation of its own.
+
+        One allocation per range, not one for all: ``cuMemMap`` only maps a physical allocation from its start
+        (its ``offset`` must be 0; CUDA 13.0 answers 801, operation not supported, otherwise). Access is then set
+        once per contiguous mapped span (a rank's own slots sit between its peers' slots, so a switch's pieces
+        usually form one span per buffer) rather than once per range. A failure unmaps what this call mapped.
+        """
         d = self.driver
+        done: list[tuple[int, int]] = []
+        access = _CUmemAccessDesc()
+        access.location.type = _CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.ordinal
+        access.flags = _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         prop = d.allocation_prop(self.ordinal)
-        handle = ctypes.c_uint64()
-        d.check(d.cuMemCreate(ctypes.byref(handle), hi - lo, ctypes.byref(prop), 0), f"cuMemCreate({hi - lo} bytes)")
         try:
-            d.check(d.cuMemMap(self.ptr + lo, hi - lo, 0, handle.value, 0), "cuMemMap")
-            try:
-                access = _CUmemAccessDesc()
-                access.location.type = _CU_MEM_LOCATION_TYPE_DEVICE
-                access.location.id = self.ordinal
-                access.flags = _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                d.check(d.cuMemSetAccess(self.ptr + lo, hi - lo, ctypes.byref(access), 1), "cuMemSetAccess")
-            except RuntimeError:
+            for lo, hi in ranges:
+                handle = ctypes.c_uint64()
+                d.check(d.cuMemCreate(ctypes.byref(handle), hi - lo, ctypes.byref(prop), 0),
+                        f"cuMemCreate({hi - lo} bytes)")
+                try:
+                    d.check(d.cuMemMap(self.ptr + lo, hi - lo, 0, handle.value, 0), "cuMemMap")
+                finally:
+                    # The mapping holds the physical memory; dropping the handle now means cuMemUnmap frees it.
+                    d.check(d.cuMemRelease(handle.value), "cuMemRelease")
+                done.append((lo, hi))
+            spans: list[list[int]] = []
+            for lo, hi in sorted(self.mapped + done):
+                if spans and spans[-1][1] == lo:
+                    spans[-1][1] = hi
+                else:
+                    spans.append([lo, hi])
+            for lo, hi in spans:
+                inside = [(a, b) for a, b in done if lo <= a and b <= hi]
+                if inside and d.cuMemSetAccess(self.ptr + lo, hi - lo, ctypes.byref(access), 1) != 0:
+                    for a, b in inside:  # a driver that wants one update per allocation
+                        d.check(d.cuMemSetAccess(self.ptr + a, b - a, ctypes.byref(access), 1), "cuMemSetAccess")
+        except RuntimeError:
+            for lo, hi in done:
                 d.cuMemUnmap(self.ptr + lo, hi - lo)
-                raise
-        finally:
-            # The mapping holds the physical memory; dropping the handle now means cuMemUnmap frees it.
-            d.check(d.cuMemRelease(handle.value), "cuMemRelease")
+            raise
+        self.mapped.extend(done)
 
     def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
         if synchronize:  # kernels queued on any stream may still read or write the range
             torch.cuda.synchronize(self.device)
         self.driver.check(self.driver.cuMemUnmap(self.ptr + lo, hi - lo), "cuMemUnmap")
+        self.mapped.remove((lo, hi))
 
     def tensor(self) -> torch.Tensor:
         return torch.as_tensor(_CudaArray(self.ptr, self.nbytes, self), device=self.device)
 
     def close(self) -> None:
-        self.driver.check(self.driver.cuMemAddressFree(self.ptr, self.nbytes), "cuMemAddressFree")
+        self._free()
+
+
+def _cuda_release(driver: _CudaDriver, ptr: int, nbytes: int, mapped: list[tuple[int, int]]) -> None:
+    if mapped:  # only at garbage collection: nothing can have queued work on a range that no tensor views
+        torch.cuda.synchronize()
+    for lo, hi in mapped:
+        driver.cuMemUnmap(ptr + lo, hi - lo)
+    mapped.clear()
+    driver.check(driver.cuMemAddressFree(ptr, nbytes), "cuMemAddressFree")
 
 
 class _MmapBackend:
@@ -236,6 +277,10 @@ class _MmapBackend:
     def map(self, lo: int, hi: int) -> None:
         # Fault the pages in now (one byte per page) so that a mapped range is resident, as on the GPU.
         self.bytes[lo:hi:self.granularity].zero_()
+
+    def map_many(self, ranges: list[tuple[int, int]]) -> None:
+        for lo, hi in ranges:
+            self.map(lo, hi)
 
     def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
         self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
@@ -262,6 +307,9 @@ class _PlainBackend:
         self.bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
 
     def map(self, lo: int, hi: int) -> None:
+        pass
+
+    def map_many(self, ranges: list[tuple[int, int]]) -> None:
         pass
 
     def unmap(self, lo: int, hi: int, synchronize: bool = True) -> None:
@@ -420,11 +468,17 @@ class ReservedBuffer:
 
         Each unmapped hole in the range becomes one mapping. New memory holds undefined values (zeros on CPU).
         """
-        lo, hi = self._byte_range("map", start, end)
-        for h_lo, h_hi in subtract_ranges([(lo, hi)], self._mappings):
-            self._backend.map(h_lo, h_hi)
-            self._mappings.append((h_lo, h_hi))
-            self._mappings.sort()
+        self.map_many([(start, end)])
+
+    def map_many(self, ranges: list[tuple[int, int]]) -> None:
+        """:meth:`map` of several element ranges at once: every unmapped hole becomes a mapping of its own (each
+        can be unmapped on its own)."""
+        holes: list[tuple[int, int]] = []
+        for start, end in ranges:
+            lo, hi = self._byte_range("map", start, end)
+            holes.extend(subtract_ranges([(lo, hi)], sorted(self._mappings + holes)))
+        self._backend.map_many(holes)
+        self._mappings = sorted(self._mappings + holes)
 
     def unmap(self, start: int, end: int, *, synchronize: bool = True) -> None:
         """Give back the physical memory of every mapping inside ``[start, end)``; the address stays reserved.
@@ -484,13 +538,95 @@ class ReservedBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:  # interpreter shutdown: the driver or torch may already be gone
-                pass
+    # No __del__: the memory lives as long as the buffer or any tensor over it (a parameter viewing a slot keeps
+    # it alive), and goes back when the last of them is gone; close() gives it back at once.
 
     def __repr__(self) -> str:
         return (f"ReservedBuffer(numel={self.numel}, dtype={self.dtype}, device={self.device}, backend={self.backend}, "
                 f"mapped={self.mapped_ranges()})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host offload: tensors that are not needed while rolling out (optimizer states, fp32 main parameters, gradient
+# buffers) go to host memory and come back bit for bit, at the same tensor objects.
+
+
+class HostOffload:
+    """Tensors copied to host memory (pinned on GPU), their device storage released in place.
+
+    Views and pointers held elsewhere (DDP's ``main_grad`` views of its grad buffer, an optimizer's references to
+    its state) stay valid objects; their memory comes back in :meth:`reload`.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=t.is_cuda)
+            self._saved.append((t, host, t.untyped_storage().nbytes()))
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        for t, _, _ in self._saved:
+            if t.untyped_storage().resizable():
+                t.untyped_storage().resize_(0)  # keeps the storage object: views of it stay views
+            else:  # e.g. tensors from torch.load(weights_only=True): swap the data behind the same tensor object
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes given back by the offload."""
+        return sum(nbytes for t, _, nbytes in self._saved if t.device.type != "cpu")
+
+    def reload(self) -> None:
+        """Bring every tensor back (same objects, same values)."""
+        for t, host, nbytes in self._saved:
+            if t.numel() == 0 and host.numel() > 0:
+                t.data = host.to(t.device, non_blocking=t.is_cuda)
+                continue
+            t.untyped_storage().resize_(nbytes)
+            t.copy_(host, non_blocking=t.is_cuda)
+        self._saved = []
+
+
+def optimizer_tensors(optimizer: Any, *, keep: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The device tensors an optimizer owns: its states and, for Megatron's mixed-precision optimizers, the fp32
+    main parameters (and their gradients), each once.
+
+    ``optimizer`` is a torch optimizer or a megatron-core one (``ChainedOptimizer``, ``DistributedOptimizer``,
+    ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``). Tensors whose storage is that of a tensor in
+    ``keep`` (the model's parameters, which the rollout needs) are left out: an FP32 optimizer's parameters are
+    the model's own.
+    """
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+
+    def add(t: Optional[torch.Tensor]) -> None:
+        if t is None or not torch.is_tensor(t) or t.dim() == 0 or t.numel() == 0:
+            return  # 0-dim step counters stay
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in kept or ptr in seen:
+            return
+        seen.add(ptr)
+        out.append(t)
+
+    def visit(opt: Any) -> None:
+        for sub in getattr(opt, "chained_optimizers", None) or []:
+            visit(sub)
+        if getattr(opt, "chained_optimizers", None):
+            return
+        inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ValueError(f"offload_optimizer ({type(opt).__name__}) is neither a torch optimizer nor a "
+                             "megatron-core optimizer wrapping one")
+        for state in inner.state.values():
+            for v in state.values():
+                add(v)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in kept:  # an fp32 main parameter, not the model's own
+                    add(p)
+                    add(p.grad)
+
+    visit(optimizer)
+    return out

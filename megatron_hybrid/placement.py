@@ -1,10 +1,13 @@
-"""Per-dtype flat buffers that hold the training shards in place and the peers' slots only while rolling out.
+"""Where every tensor lives, and which ranges are backed: the training shards, the peers' slots, rollout-only memory.
 
-One ``RolloutBuffer`` per dtype spans the plan's regions (see :mod:`megatron_hybrid.plan`). The ranges that hold
-this rank's own training tensors are backed for the engine's lifetime; every other range this rank takes part
-in is backed at the switch to rollout and released at the switch back. Backing comes from
-:mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` + ``madvise`` on CPU): the address range is
-reserved once, so tensors viewing it keep their addresses across switches.
+Where the bytes live (the bytes move in :meth:`megatron_hybrid.engine.HybridEngine.switch_to_rollout`). One
+:class:`RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`). At construction each
+training tensor of this rank moves, once, into its own slot, and stays there: the own slots are backed for the
+engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the switch to
+rollout and released at the switch back. Rollout-only ranges (canonical tensors, a KV cache) are reserved the same
+way with no own part. Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` +
+``madvise`` on CPU): each address range is reserved once, so tensors viewing it keep their addresses across
+switches, and the memory lives as long as the buffer or any tensor viewing it.
 """
 
 from __future__ import annotations
@@ -14,10 +17,18 @@ from typing import Iterable, Optional
 
 import torch
 
-from .memory import subtract_ranges
+from .aliased import Blocks
+from .layout import ParallelLayout
+from .memory import ReservedBuffer, allocation_granularity, subtract_ranges
+from .plan import GroupPlan
+from .sharding import TPSpec
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
-def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint union of ``[lo, hi)`` ranges."""
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
         if out and lo <= out[-1][1]:
@@ -27,34 +38,40 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a process-wide memo on purpose
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 class RolloutBuffer:
-    """A reserved flat range of ``numel`` elements: ``own`` ranges always backed, ``peer`` ranges on demand."""
+    """A reserved flat range of ``numel`` elements: ``own`` ranges always backed, the rest of ``used`` (the peers'
+    part) backed only while rolling out."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, own: list[tuple[int, int]],
                  used: list[tuple[int, int]]) -> None:
         self.dtype, self.device, self.numel = dtype, device, numel
-        self._mem = _reserve(numel, dtype, device)
+        self.memory = ReservedBuffer(max(numel, 1), dtype, device=device)
+        if not self.memory.releases_memory:
+            warn_once(f"no releasable memory backend on {device}: peers' slots stay allocated while training")
         # Round the own ranges out to whole granules: they stay backed; the peers' part is what is left.
         own_pages = self._granules(own)
-        used_pages = self._granules(used)
         self.own_ranges = own_pages
-        self.peer_ranges = subtract_ranges(used_pages, own_pages)
+        self.peer_ranges = subtract_ranges(self._granules(used), own_pages)
         # Peers' elements that share a granule with the own slots, hence stay backed while training.
-        exact_own = _merge(own)
-        self.resident_peer_bytes = (sum(hi - lo for lo, hi in own_pages) - sum(hi - lo for lo, hi in exact_own)) \
-            * torch.empty((), dtype=dtype).element_size()
-        for lo, hi in self.own_ranges:
-            self._mem.map(lo, hi)
+        self.resident_peer_bytes = (sum(hi - lo for lo, hi in own_pages) - sum(hi - lo for lo, hi in merge_ranges(own))) \
+            * self.memory.element_size
+        self.memory.map_many(self.own_ranges)
         self.peers_mapped = False
         self._touched = False  # some peers' range is (partly) mapped
-        # The peers' ranges as pieces that are mapped and unmapped on their own: (lo, hi, transient). Transient
-        # pieces are needed only during the switch (see set_kept); by default nothing is.
+        # The peers' ranges as pieces that are unmapped on their own: (lo, hi, transient). Transient pieces are
+        # needed only during the switch (see set_kept); by default nothing is.
         self.pieces = [(lo, hi, False) for lo, hi in self.peer_ranges]
 
     def _granules(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` rounded out to whole granules (the last one may end at ``numel``), merged."""
-        g = self._mem.granularity  # elements per page/granule
-        return _merge((lo // g * g, min(-(-hi // g) * g, self._mem.numel)) for lo, hi in ranges)
+        g = self.memory.granularity_numel
+        return merge_ranges((lo // g * g, min(-(-hi // g) * g, self.memory.numel)) for lo, hi in ranges)
 
     def set_kept(self, ranges: list[tuple[int, int]]) -> None:
         """Mark every peers' element outside ``ranges`` as transient: :meth:`release_transient` gives it back
@@ -72,37 +89,27 @@ class RolloutBuffer:
 
     @property
     def transient_bytes(self) -> int:
-        return sum(hi - lo for lo, hi, t in self.pieces if t) * self.tensor.element_size()
+        return sum(hi - lo for lo, hi, t in self.pieces if t) * self.memory.element_size
 
     @property
     def tensor(self) -> torch.Tensor:
-        return self._mem.tensor()[: self.numel]
-
-    @property
-    def granularity(self) -> int:
-        return self._mem.granularity
+        return self.memory.tensor()[: self.numel]
 
     @property
     def peer_bytes(self) -> int:
-        return sum(hi - lo for lo, hi in self.peer_ranges) * self.tensor.element_size()
+        return sum(hi - lo for lo, hi in self.peer_ranges) * self.memory.element_size
 
-    def map_peers(self, start: int = 0, end: Optional[int] = None) -> None:
-        """Back the peers' ranges that overlap elements ``[start, end)`` (rounded out to granules); by default all
-        of them. Mapping region by region lets the host map the next region while the device gathers this one."""
-        if self.peers_mapped or (end is not None and end <= start):
+    def map_peers(self) -> None:
+        """Back the peers' ranges (each piece a mapping of its own, so that pieces are given back on their own)."""
+        if self.peers_mapped:
             return
-        ((lo, hi),) = self._granules([(start, self._mem.numel if end is None else end)])
-        for p_lo, p_hi, _ in self.pieces:  # each mapping stays inside one piece, so pieces unmap on their own
-            a, b = max(p_lo, lo), min(p_hi, hi)
-            if a < b:
-                self._mem.map(a, b)
-                self._touched = True
-        if end is None:
-            self.peers_mapped = True
+        self.memory.map_many([(lo, hi) for lo, hi, _ in self.pieces])
+        self.peers_mapped = True
+        self._touched = self._touched or bool(self.pieces)
 
     def _unmap(self, pieces: list[tuple[int, int, bool]], synchronize: bool) -> None:
         for i, (lo, hi, _) in enumerate(pieces):
-            self._mem.unmap(lo, hi, synchronize=synchronize and i == 0)  # one device sync covers them all
+            self.memory.unmap(lo, hi, synchronize=synchronize and i == 0)  # one device sync covers them all
 
     def release_transient(self, *, synchronize: bool = True) -> None:
         """Give back the transient pieces (after the switch has read them)."""
@@ -114,43 +121,150 @@ class RolloutBuffer:
     def unmap_peers(self, *, synchronize: bool = True) -> None:
         """``synchronize=False``: the caller has made sure that no queued kernel touches the peers' ranges."""
         if self.peers_mapped or self._touched:
-            self._unmap(self.pieces, synchronize)
+            self._unmap(self.pieces, synchronize)  # pieces already released are not mapped: nothing to do there
             self.peers_mapped = self._touched = False
 
-    def close(self) -> None:
-        self._mem.close()
-
-
-def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a process-wide memo on purpose
-    if message not in _seen:
-        _seen.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-class _Reservation:
-    """Adapts :class:`megatron_hybrid.memory.ReservedBuffer` (element ranges, page-aligned)."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        from .memory import ReservedBuffer
-
-        self._buf = ReservedBuffer(numel, dtype, device=device)
-        self.numel = numel
-        self.granularity = self._buf.granularity_numel
-        if not self._buf.releases_memory:
-            warn_once(f"no releasable memory backend on {device}: peers' slots stay allocated while training")
-
-    def tensor(self) -> torch.Tensor:
-        return self._buf.tensor()
-
-    def map(self, lo: int, hi: int) -> None:
-        self._buf.map(lo, hi)
-
-    def unmap(self, lo: int, hi: int, *, synchronize: bool = True) -> None:
-        self._buf.unmap(lo, hi, synchronize=synchronize)
+    def span(self) -> tuple[int, int]:
+        """The address range ``[start, end)`` reserved for this buffer."""
+        start = self.memory.data_ptr()
+        return start, start + self.memory.reserved_bytes
 
     def close(self) -> None:
-        self._buf.close()
+        self.memory.close()
 
 
-def _reserve(numel: int, dtype: torch.dtype, device: torch.device) -> _Reservation:
-    return _Reservation(max(numel, 1), dtype, device)
+class Placement:
+    """Where the training tensors, the peers' slots and the rollout-only memory of one rank live.
+
+    ``plan`` is the micro-DP group's reshard plan and ``member`` this rank's index in it; with t_g > t there is no
+    plan (``None``): every rollout tensor is a sub-block of the rank's own training shard.
+    """
+
+    def __init__(self, plan: Optional[GroupPlan], member: int, train_params: dict[str, torch.nn.Parameter],
+                 layout: ParallelLayout, *, rollout_tp_rank: int, device: torch.device) -> None:
+        self.plan, self.member, self.layout = plan, member, layout
+        self.train_params = train_params
+        self.rollout_tp_rank = rollout_tp_rank
+        self.device = device
+        self.buffers: dict[str, RolloutBuffer] = {}
+        self.rollout_only: list[RolloutBuffer] = []
+        self.placed: list[str] = []  # the training tensors that live in this rank's buffers
+        self.sources = plan.sources(member) if plan is not None else {}
+        if plan is not None:
+            self._place_training_tensors()
+
+    @staticmethod
+    def alignment(device: torch.device) -> dict[str, int]:
+        """Elements per granule for every dtype (``align_slots=True``)."""
+        granule = allocation_granularity(device)
+        return {name: max(1, granule // torch.empty((), dtype=dt).element_size()) for name, dt in DTYPES.items()}
+
+    def _place_training_tensors(self) -> None:
+        """Move each training tensor of this rank into its own slot (a one-time copy at construction)."""
+        j = self.member
+        for dtype, regions in self.plan.regions.items():
+            own, used = [], []
+            for reg in regions:
+                if j not in reg.members:
+                    continue
+                used.append((reg.offset, reg.offset + reg.numel))
+                if reg.kind != "broadcast" or reg.owner == j:
+                    lo = reg.slot_offset(j)
+                    own.append((lo, lo + reg.slot_numel))
+            buf = RolloutBuffer(self.plan.buffer_numel(dtype), DTYPES[dtype], self.device, own=own, used=used)
+            self.buffers[dtype] = buf
+            flat = buf.tensor
+            for reg in regions:
+                for sl in reg.slices:
+                    if sl.member != j:
+                        continue
+                    prm = self.train_params[sl.name]
+                    view = flat[sl.offset: sl.offset + sl.numel].view(sl.shape)
+                    with torch.no_grad():
+                        view.copy_(prm.data)
+                    prm.data = view  # the buffer's memory now lives as long as this parameter views it
+                    self.placed.append(sl.name)
+
+    # -- where tensors are -------------------------------------------------------------------------------------
+    def where(self, member: int, name: str) -> tuple[str, int]:
+        """(dtype, offset) of ``member``'s training tensor ``name`` in the buffers."""
+        return self.plan.where(member, name)
+
+    def slot_view(self, member: int, name: str) -> torch.Tensor:
+        """``member``'s training tensor ``name`` as it lies in this rank's buffers (its own, or a peer's slot)."""
+        dtype, off = self.plan.where(member, name)
+        info = self.plan.by_name[member][name]
+        return self.buffers[dtype].tensor[off: off + info.numel].view(info.shape)
+
+    def blocks(self, name: str) -> Blocks:
+        """The rollout parameter ``name`` as views of training tensors (own, or in peers' slots)."""
+        lay = self.layout
+        if self.plan is None:  # t_g > t: a sub-block of the own shard
+            prm = self.train_params[name]
+            spec = TPSpec.of(prm)
+            if not spec.sharded:
+                return Blocks([prm.data], 0, 1)
+            j = self.rollout_tp_rank % lay.m
+            pieces = prm.data.chunk(spec.stride * lay.m, dim=spec.dim)
+            return Blocks([pieces[s * lay.m + j] for s in range(spec.stride)], spec.dim, 1)
+        src = self.sources[name]
+        views = [self.train_params[b.name].data if b.member == self.member else self.slot_view(b.member, b.name)
+                 for b in src.blocks]
+        return Blocks(views, src.dim, src.stride if len(views) > 1 else 1)
+
+    def peer_range(self, name: str) -> Optional[tuple[str, int, int]]:
+        """(dtype, start, end) of the peer's slot that rollout parameter ``name`` is, if it is exactly one."""
+        if self.plan is None:
+            return None
+        blocks = self.sources[name].blocks
+        if len(blocks) != 1 or blocks[0].member == self.member:
+            return None
+        dtype, off = self.plan.where(blocks[0].member, blocks[0].name)
+        return dtype, off, off + self.plan.by_name[blocks[0].member][blocks[0].name].numel
+
+    def keep_only(self, viewed: dict[str, list[tuple[int, int]]]) -> None:
+        """Only the ``viewed`` peers' ranges are needed after the switch; the rest is released once read."""
+        for dtype, buf in self.buffers.items():
+            buf.set_kept(viewed.get(dtype, []))
+
+    def reserve_rollout(self, numel: int, dtype: torch.dtype) -> RolloutBuffer:
+        """A range of its own, backed only while rolling out (mapped now if the peers' slots are)."""
+        buf = RolloutBuffer(numel, dtype, self.device, own=[], used=[(0, numel)])
+        if any(b.peers_mapped for b in self.buffers.values()) or any(b.peers_mapped for b in self.rollout_only):
+            buf.map_peers()
+        self.rollout_only.append(buf)
+        return buf
+
+    # -- backing -------------------------------------------------------------------------------------------
+    def map_rollout(self) -> None:
+        """Back the peers' slots and every rollout-only range."""
+        for buf in list(self.buffers.values()) + self.rollout_only:
+            buf.map_peers()
+
+    def release_transient(self) -> None:
+        """Give back the peers' slots that no rollout tensor views (the caller has synchronised)."""
+        for buf in self.buffers.values():
+            buf.release_transient(synchronize=False)
+
+    def unmap_rollout(self) -> None:
+        """Release everything that only rolling out needs (the caller has synchronised)."""
+        for buf in list(self.buffers.values()) + self.rollout_only:
+            buf.unmap_peers(synchronize=False)
+
+    def close(self) -> None:
+        for buf in list(self.buffers.values()) + self.rollout_only:
+            buf.close()
+        self.buffers, self.rollout_only = {}, []
+
+    # -- accounting ----------------------------------------------------------------------------------------
+    def spans(self) -> list[tuple[int, int]]:
+        """Every reserved address range of this rank's engine (gather buffers and rollout-only ranges)."""
+        return [b.span() for b in list(self.buffers.values()) + self.rollout_only]
+
+    def report(self) -> dict[str, int]:
+        return {
+            "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()),
+            "transient_bytes_released": sum(b.transient_bytes for b in self.buffers.values()),
+            "canonical_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only if b.peers_mapped),
+            "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
+        }

@@ -117,6 +117,9 @@ class GroupPlan:
     at: dict[tuple[int, int], int]  # (tp offset a, stage offset b) -> member index
     k: int
     by_name: list[dict[str, ParamInfo]]
+    tied: Optional[tuple[str, str]] = None
+    """(output layer, embedding) when the last training stage's tied output layer serves the rollout embedding."""
+    q: int = 1
 
     def sources(self, member: int) -> dict[str, RolloutSource]:
         """The blocks of every rollout parameter as ``member`` reads them, in canonical order.
@@ -130,8 +133,13 @@ class GroupPlan:
         for name, b in self.stage_of.items():
             src = self.by_name[self.at[(0, b)]][name]
             if src.sharded:
-                out[name] = RolloutSource([Block(self.at[(a, b)], name) for a in range(self.k)], True, src.dim,
-                                          src.stride)
+                blocks = [Block(self.at[(a, b)], name) for a in range(self.k)]
+                if self.tied is not None and name == self.tied[1]:
+                    # Megatron keeps the last stage's tied output layer equal to the embedding: its own copy is
+                    # the block, not a peer's.
+                    blocks = [Block(member, self.tied[0]) if self.at[(a, self.q - 1)] == member else blk
+                              for a, blk in enumerate(blocks)]
+                out[name] = RolloutSource(blocks, True, src.dim, src.stride)
             else:
                 out[name] = RolloutSource([Block(self.at[(a_self, b)], name)], False, 0, 1)
         return out
@@ -165,7 +173,8 @@ class GroupPlan:
         return out
 
     def collectives(self, member: int) -> int:
-        return sum(1 for regs in self.regions.values() for reg in regs if member in reg.members)
+        return sum(1 for regs in self.regions.values() for reg in regs if member in reg.members
+                   and len(reg.members) > 1)
 
 
 def _pair_key(info: ParamInfo, layers_per_stage: int) -> tuple:
@@ -180,13 +189,17 @@ def _align(n: int, alignment: int) -> int:
 
 
 def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
-                     bucket_numel: Union[int, dict[str, int]], alignment: Optional[dict[str, int]] = None) -> GroupPlan:
+                     bucket_numel: Union[int, dict[str, int]], alignment: Optional[dict[str, int]] = None,
+                     tied: Optional[tuple[str, str]] = None) -> GroupPlan:
     """Plan the switch for one micro-DP group.
 
     ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
     training coordinates (tp, pp). ``needed`` lists the global names of the rollout parameters that the group's
     rollout shard consists of. ``k``, ``q`` as in :mod:`megatron_hybrid.layout`. ``alignment`` (elements per
     dtype) pads every slot, so that slots can be mapped and unmapped page by page; the padding then travels too.
+    ``tied`` = (output layer, embedding) names when the embedding is tied and every stage is gathered into one
+    (p_g = 1 < p): the last stage's output layer is a copy of the embedding, so its ranks receive no embedding;
+    each embedding shard is broadcast to the other members only (the layout's ``tied_embedding_groups``).
     """
     if len(members) != k * q:
         raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q}")
@@ -263,15 +276,29 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
                 add_region(dtype, "gather", everyone, per)
             else:
                 for j, ps in per.items():
-                    if ps:
-                        add_region(dtype, "broadcast", everyone, {j: ps}, owner=j)
+                    if not ps:
+                        continue
+                    group = everyone
+                    if tied is not None and any(p.name == tied[1] for p in ps):
+                        # Not to the last stage's rank of the same TP column: it holds this shard already.
+                        twin = at[(members[j].tp - tp0, q - 1)]
+                        group = [i for i in everyone if i != twin]
+                        if len(ps) > 1:
+                            raise AssertionError(f"tied embedding shares a broadcast with {[p.name for p in ps]}")
+                    add_region(dtype, "broadcast", group, {j: ps}, owner=j)
+            if tied is not None:
+                # The tied output layer, placed in its rank's own slot (no collective): it serves the embedding.
+                for j, m in enumerate(members):
+                    out = [p for p in m.params if p.name == tied[0] and p.dtype == dtype]
+                    if out:
+                        add_region(dtype, "broadcast", [j], {j: out}, owner=j)
         for j, m in enumerate(members):
             cross = [at[(m.tp - tp0, b)] for b in range(q)]
             for dtype in dtypes:
                 replicated = stage_only(j, False, dtype)
                 if replicated:
                     add_region(dtype, "broadcast", cross, {j: replicated}, owner=j)
-    return GroupPlan(members, regions, needed_stage, at, k, by_name)
+    return GroupPlan(members, regions, needed_stage, at, k, by_name, tied, q)
 
 
 def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[int, dict[str, int]], emit) -> None:

@@ -77,7 +77,7 @@ def rollout_full_weights(engine) -> dict:
         for name, p in chunk.named_parameters():
             if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
                 continue
-            blocks = getattr(p, "_mh_blocks", None)
+            blocks = engine.binding.table.get(p)
             if blocks is None:
                 t = p.detach().cpu().clone()
             else:
@@ -86,8 +86,7 @@ def rollout_full_weights(engine) -> dict:
                 t = torch.cat([c[j] for j in range(s) for c in chunks], dim=blocks.dim).cpu()
             assert tuple(t.shape) == tuple(p.shape), (name, t.shape, p.shape)
             local[global_name(name, off)] = (t, TPSpec.of(p))
-    parts = _objects(local, engine.groups["tp"])
-    parts = [parts[engine.rollout_tp_order.index(shard)] for shard in range(len(parts))]
+    parts = _objects(local, engine.groups["tp"])  # group rank j holds rollout TP shard j
     merged = {n: unshard([part[n][0] for part in parts], spec) for n, (_, spec) in local.items()}
     full = {}
     for stage in _objects(merged, engine.groups["pp"]):
@@ -97,12 +96,7 @@ def rollout_full_weights(engine) -> dict:
 
 def rollout_addresses(engine) -> dict:
     """Where every rollout parameter's memory is: its storage address, or its blocks' addresses (aliased)."""
-    out = {}
-    for chunk in engine.rollout_chunks:
-        for name, p in chunk.named_parameters():
-            blocks = getattr(p, "_mh_blocks", None)
-            out[name] = [v.data_ptr() for v in blocks.views] if blocks is not None else [p.data_ptr()]
-    return out
+    return engine.binding.addresses()
 
 
 def expected_missing_bytes(engine) -> int:
@@ -115,10 +109,18 @@ def expected_missing_bytes(engine) -> int:
         for name, p in chunk.named_parameters():
             rollout[global_name(name, off)] = p.numel() * p.element_size()
     own = 0
+    held = set()
     for chunk in engine.modules:
         off = layer_offset(chunk)
         for name, p in chunk.named_parameters():
-            if global_name(name, off) in rollout:
+            key = global_name(name, off)
+            if key == "output_layer.weight" and getattr(p, "shared_embedding", False) \
+                    and key not in rollout:
+                # A tied output layer is a copy of the embedding (Megatron keeps them equal): a rank holding it
+                # holds its share of the rollout embedding.
+                key = "embedding.word_embeddings.weight"
+            if key in rollout and key not in held:
+                held.add(key)
                 own += p.numel() * p.element_size()
     if engine.layout.widens:
         return 0
@@ -155,7 +157,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
         with torch.no_grad():
             logits = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
         if logits is not None:
-            logits = gather_vocab(logits, engine.groups["tp"], engine.rollout_tp_order).float()
+            logits = gather_vocab(logits, engine.groups["tp"]).float()
         weights = rollout_full_weights(engine)
         switches = engine.num_switches
         engine.switch_to_rollout()  # already rolling out: not a switch, moves nothing, keeps the report
@@ -254,8 +256,7 @@ def memory_case(mode: str):
 
     def buffers_rss() -> int:
         """Resident bytes of the engine's reserved ranges alone (gather buffers and canonical tensors)."""
-        spans = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.tensor.numel() * b.tensor.element_size())
-                 for b in list(engine.buffers.values()) + [b for b, _ in engine._canonical]]
+        spans = engine.placement.spans()
         total, current = 0, None
         with open("/proc/self/smaps") as f:
             for line in f:
@@ -397,3 +398,69 @@ def lifecycle_case():
         out["train_logits"] = model2(tok, pos, None)  # this rank's vocabulary shard
     out["tp_rank"] = ps.get_tensor_model_parallel_rank()
     return out
+
+
+def stall_case(stall_s: float, timeout_s: float, inherit: bool):
+    """Rank 1 stalls before a switch. The rollout groups' timeout (``timeout=`` or, with ``inherit``, the
+    training groups' own) must make rank 0 fail within it instead of waiting for the stalled rank."""
+    import datetime
+    import time
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    model = arch().build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    if inherit:
+        short = datetime.timedelta(seconds=timeout_s)
+        world = list(range(dist.get_world_size()))
+        tp = dist.new_group(world, timeout=short)
+        singles = [dist.new_group([r], timeout=short) for r in world]
+        one = singles[dist.get_rank()]
+        engine = HybridEngine(model, RolloutLayout(1, 1), tp_group=tp, pp_group=one, dp_group=one)
+    else:
+        engine = HybridEngine(model, RolloutLayout(1, 1), timeout=timeout_s)
+    if dist.get_rank() == 1:
+        time.sleep(stall_s)
+    start = time.monotonic()
+    try:
+        engine.switch_to_rollout()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"seconds": time.monotonic() - start, "error": error, "timeout": engine.timeout.total_seconds()}
+
+
+FIDELITY_SEQ = 2100  # past 2,048 positions, where a rope-scaling mismatch shows
+
+
+def fidelity_case(mode: str):
+    """Every non-default GPTModel argument the rollout model must keep: rope scaling (factor 32, not GPTModel's
+    default 8), rotary base and percent, a non-default head size, QK layernorm, QKV bias, tied embeddings.
+    Returns the largest logit difference rollout vs training at positions ≥ 2,048, and the same difference for a
+    rollout model whose rotary module was rebuilt from GPTModel's arguments (the bug this guards against)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.forward import gather_vocab
+
+    a = arch(num_layers=2, max_position_embeddings=4096, use_rope_scaling=True, rope_scaling_factor=32.0,
+             rotary_base=500000, rotary_percent=0.5, kv_channels=16, qk_layernorm=True, add_qkv_bias=True,
+             untie_embeddings_and_output_weights=False, init_method_std=0.2)
+    model = a.build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, 250, (1, FIDELITY_SEQ), generator=g)
+    pos = torch.arange(FIDELITY_SEQ).unsqueeze(0)
+    with torch.no_grad():
+        train = gather_vocab(model(tok, pos, None), ps.get_tensor_model_parallel_group()).float()[:, 2048:]
+    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=mode)
+    with engine.rollout() as rollout_model, torch.no_grad():
+        ours = rollout_model(tok, pos, None).float()[:, 2048:]
+        good = rollout_model.rotary_pos_emb
+        rollout_model.rotary_pos_emb = RotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_base=500000,
+                                                       rope_scaling=True)  # factor: GPTModel's default 8
+        rebuilt = rollout_model(tok, pos, None).float()[:, 2048:]
+        rollout_model.rotary_pos_emb = good
+    return {"diff": float((ours - train).abs().max()), "rebuilt_diff": float((rebuilt - train).abs().max()),
+            "scale": float(train.abs().max())}

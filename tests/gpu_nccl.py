@@ -119,7 +119,7 @@ def run_case(layout, mode: str, dtype: str) -> dict:
         with torch.no_grad():
             logits = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
         if logits is not None:
-            logits = gather_vocab(logits, engine.groups["tp"], engine.rollout_tp_order).float().cpu()
+            logits = gather_vocab(logits, engine.groups["tp"]).float().cpu()
             if phase == "first" and train_logits is not None:
                 try:
                     torch.testing.assert_close(logits, train_logits, **TOLERANCE[dtype])
@@ -132,7 +132,7 @@ def run_case(layout, mode: str, dtype: str) -> dict:
         grown = free_before - free_during
         mapped = report["peer_bytes_mapped"] + report["canonical_bytes_mapped"]
         granule = 2 * 2**20
-        ranges = sum(len(b.peer_ranges) for b in engine.buffers.values()) + len(engine._canonical)
+        ranges = sum(len(b.peer_ranges) for b in engine.placement.buffers.values()) + len(engine.placement.rollout_only)
         check(grown <= mapped + granule * (ranges + 1) + 8 * 2**20,
               f"{phase}: device memory grew {grown} while rolling out, mapped {mapped}")
         check(free_before - free_after <= 2 * 2**20,

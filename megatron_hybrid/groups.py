@@ -1,0 +1,98 @@
+"""The rollout process groups: created once, on every rank, from :mod:`megatron_hybrid.layout`'s rank lists.
+
+Where the rollout groups come from. The rank arithmetic is pure (``ParallelLayout``); this module only asks the
+training groups where every rank sits (one ``all_gather_object``) and calls ``new_group`` for every list, with
+the training groups' timeout, so that a stalled or dead rank fails the others within it instead of hanging them.
+
+Group ranks are in the order of the coordinate they stand for (rollout TP rank, rollout stage), not in global
+rank order: with t_g > t the rollout TP shard a rank can serve without communication is fixed by its training
+shard, and megatron-core assumes that group rank j holds vocabulary shard j (``ColumnParallelLinear`` with
+``parallel_output=False``, its inference engines). torch ≥ 2.13's ``new_group(sort_ranks=False)`` keeps that
+order; on an older torch such a layout is refused (see :func:`megatron_hybrid.compat.new_group`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from . import compat
+from .layout import Grid, ParallelLayout
+
+#: Group kinds, in creation order (every rank creates every group in the same order).
+KINDS = ("tp", "pp", "dp", "micro_dp", "cross_stage", "tied_embedding", "single")
+
+
+@dataclass
+class RolloutGroups:
+    """This rank's rollout groups and where it sits in them."""
+
+    grid: Grid
+    groups: dict[str, Any]
+    """This rank's group of each kind (``tied_embedding`` and ``single`` only where they exist)."""
+    ranks: dict[str, list[int]]
+    """The global ranks of each of those groups, in group-rank order."""
+    by_ranks: dict[tuple[int, ...], Any]
+    """Every group this rank is in, keyed by its ranks in group-rank order (the plan names groups so)."""
+    pg_collection: Any
+    """megatron-core's ``ProcessGroupCollection`` for the rollout model."""
+    tp_rank: int
+    pp_rank: int
+    replica: int
+    """Rollout TP rank, rollout stage and rollout replica of this rank."""
+    timeout: datetime.timedelta
+
+    def group_of(self, ranks: list[int]) -> Any:
+        return self.by_ranks[tuple(ranks)]
+
+
+def training_grid(tp_group, pp_group, dp_group) -> Grid:
+    """Where every training coordinate (tp, pp, dp) lives, as the training groups say (one world collective)."""
+    coords: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(coords, (dist.get_rank(tp_group), dist.get_rank(pp_group), dist.get_rank(dp_group)))
+    return Grid.from_coords({r: tuple(c) for r, c in enumerate(coords)})
+
+
+def create_rollout_groups(layout: ParallelLayout, grid: Grid, *, timeout: datetime.timedelta,
+                          cp_group: Optional[Any] = None, tied_embedding: bool = False) -> RolloutGroups:
+    """Create every rollout group on every rank (torch needs all ranks in every ``new_group`` call)."""
+    me = dist.get_rank()
+    lists = {
+        "tp": layout.rollout_tp_groups(grid),
+        "pp": layout.rollout_pp_groups(grid),
+        "dp": layout.rollout_dp_groups(grid),
+        "micro_dp": layout.micro_dp_groups(grid),
+        "cross_stage": layout.cross_stage_groups(grid),
+        "tied_embedding": layout.tied_embedding_groups(grid) if tied_embedding else [],
+        # The rollout model's context-parallel group when Megatron has none: one rank each.
+        "single": [[r] for r in range(dist.get_world_size())] if cp_group is None else [],
+    }
+    groups: dict[str, Any] = {}
+    ranks: dict[str, list[int]] = {}
+    by_ranks: dict[tuple[int, ...], Any] = {}
+    created: dict[tuple[int, ...], Any] = {}  # one group per distinct rank list (the lists are the same everywhere)
+    for kind in KINDS:
+        for members in lists[kind]:
+            key = tuple(members)
+            if key not in created:
+                created[key] = compat.new_group(members, timeout=timeout)
+            if me in members:
+                by_ranks[key] = created[key]
+                if kind != "tied_embedding":
+                    groups[kind], ranks[kind] = created[key], list(members)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection()
+    pgc.tp, pgc.pp, pgc.dp = groups["tp"], groups["pp"], groups["dp"]
+    pgc.cp = cp_group if cp_group is not None else groups["single"]
+    pgc.tp_cp = pgc.tp
+    pgc.dp_cp = pgc.dp
+    pgc.embd = None
+    pgc.pos_embd = None
+    coord = dict(grid.coords())[me]
+    tp_rank, pp_rank, replica = layout.rollout_coords(coord)
+    assert ranks["tp"].index(me) == tp_rank and ranks["pp"].index(me) == pp_rank, (ranks, coord)
+    return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout)

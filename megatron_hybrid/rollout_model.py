@@ -1,0 +1,118 @@
+"""The rollout model: one megatron-core model chunk per rollout stage on the rollout groups, built without weights.
+
+Its parameters are placeholders until :mod:`megatron_hybrid.binding` points them at the training tensors and the
+peers' slots. Everything that is not a parameter but decides the function (rotary frequencies, rope scaling) is
+taken from the training model itself, not rebuilt from arguments: GPTModel does not keep every constructor
+argument (``rope_scaling_factor``, ``seq_len_interpolation_factor`` live only inside its rotary module), so a
+rebuilt model could compute another function than the one being trained.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from . import compat
+from .aliased import make_aliased, placeholder, supports_blocks
+from .layout import ParallelLayout
+
+ModelProvider = Callable[..., torch.nn.Module]
+
+
+@contextmanager
+def weightless_parameters() -> Iterator[None]:
+    """Build modules whose parameters own no memory: every registered parameter becomes a placeholder.
+
+    Keeps the rollout model's construction from allocating a second copy of the weights (each parameter's
+    temporary allocation is dropped as soon as it is registered).
+    """
+    def hook(module, name, param):
+        return None if param is None else placeholder(param)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def rollout_config(config, layout: ParallelLayout):
+    """The training ``TransformerConfig`` with the rollout sizes."""
+    config = copy.copy(config)
+    config.tensor_model_parallel_size = layout.t_g
+    config.pipeline_model_parallel_size = layout.p_g
+    config.perform_initialization = False
+    return config
+
+
+def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelLayout, *, pg_collection,
+                         rollout_pp_rank: int, weight_mode: str, guard: Callable[[], None],
+                         model_provider: Optional[ModelProvider] = None) -> list[torch.nn.Module]:
+    """One rollout chunk per training chunk of this rank (virtual pipeline chunks stay chunks).
+
+    ``guard()`` runs before every forward and ``state_dict`` of the rollout model (the engine refuses them while
+    training, when the weights are not there).
+    """
+    config = rollout_config(train_modules[0].config, layout)
+    chunks = []
+    for vp, train in enumerate(train_modules):
+        vp_stage = vp if len(train_modules) > 1 else None
+        # With virtual pipeline chunks, only the first chunk of the first stage embeds and only the last chunk of
+        # the last stage has the output layer.
+        pre = rollout_pp_rank == 0 and vp == 0
+        post = rollout_pp_rank == layout.p_g - 1 and vp == len(train_modules) - 1
+        with weightless_parameters():
+            if model_provider is not None:
+                chunk = model_provider(config=config, pg_collection=pg_collection, pre_process=pre,
+                                       post_process=post)
+            else:
+                chunk = _rebuild_gpt(train, config, pre, post, vp_stage, pg_collection)
+        chunk.eval()
+        if weight_mode == "aliased":
+            for mod in chunk.modules():
+                if supports_blocks(mod):
+                    make_aliased(mod)
+        _share_non_parameter_state(train, chunk)
+        chunk.register_forward_pre_hook(lambda module, args: guard())
+        chunk.register_state_dict_pre_hook(lambda module, prefix, keep_vars: guard())
+        chunks.append(chunk)
+    return chunks
+
+
+def _rebuild_gpt(train: torch.nn.Module, config, pre: bool, post: bool, vp_stage: Optional[int], pg_collection):
+    from megatron.core.models.gpt import GPTModel
+
+    if not isinstance(train, GPTModel):
+        raise ValueError(f"model is a {type(train).__name__}; pass model_provider= to build its rollout stage")
+    if getattr(train, "mtp_process", False):
+        raise ValueError("multi-token prediction (mtp_block_spec) is not supported by the rollout layout")
+    kwargs = dict(config=config, transformer_layer_spec=train.transformer_layer_spec,
+                  vocab_size=train.vocab_size, max_sequence_length=train.max_sequence_length,
+                  pre_process=pre, post_process=post, fp16_lm_cross_entropy=train.fp16_lm_cross_entropy,
+                  parallel_output=train.parallel_output,
+                  share_embeddings_and_output_weights=train.share_embeddings_and_output_weights,
+                  position_embedding_type=train.position_embedding_type, rotary_percent=train.rotary_percent,
+                  rotary_base=train.rotary_base, rope_scaling=train.rotary_scaling,
+                  pg_collection=pg_collection)
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+    return compat.build_gpt_model(**kwargs)
+
+
+def _share_non_parameter_state(train: torch.nn.Module, chunk: torch.nn.Module) -> None:
+    """Positional state is layout-invariant: the rollout chunk uses the training chunk's own.
+
+    The rotary module (``inv_freq``, a plain attribute, with its scaling already applied) is shared outright;
+    registered buffers of the same name and shape are copied.
+    """
+    rotary = getattr(train, "rotary_pos_emb", None)
+    if rotary is not None and hasattr(chunk, "rotary_pos_emb"):
+        chunk.rotary_pos_emb = rotary
+    train_buffers = dict(train.named_buffers())
+    for name, buf in chunk.named_buffers():
+        src = train_buffers.get(name)
+        if src is not None and src.shape == buf.shape:
+            buf.copy_(src)
