@@ -97,11 +97,16 @@ def _extensions():
     ext.optional = not cuda_required
 
     class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
-        """torch's build_ext (parallel ninja builds when ninja is installed) that skips a failed optional build.
+        """torch's build_ext (parallel ninja builds when ninja is installed) that skips a failed optional build,
+        with a C++ compiler that links the shared libstdc++.
 
         setuptools skips optional extensions only on distutils' compile errors; torch's ninja path raises
         RuntimeError / CalledProcessError instead.
         """
+
+        def build_extensions(self):
+            _use_shared_libstdcxx(self.compiler)
+            super().build_extensions()
 
         def build_extension(self, ext):
             try:
@@ -113,6 +118,71 @@ def _extensions():
                       "reference ops", file=sys.stderr)
 
     return [ext], {"build_ext": BuildExt}
+
+
+def _links_shared_libstdcxx(cxx: str, link_args: list) -> bool:
+    """Whether ``cxx`` (with ``link_args``) links a C++ shared object against the shared libstdc++.
+
+    Unknown (no compiler answer) counts as yes: the real build then says what is wrong.
+    """
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, so = Path(tmp) / "probe.cpp", Path(tmp) / "probe.so"
+        src.write_text("#include <sstream>\n#include <string>\n"
+                       "std::string probe(unsigned long x) { std::ostringstream s; s << x; return s.str(); }\n")
+        try:
+            subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(so)] + link_args, check=True,
+                           capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return True
+        # DT_NEEDED names live in .dynstr; a statically linked libstdc++ leaves no such name behind.
+        return b"libstdc++.so" in so.read_bytes()
+
+
+#: Links the shared libstdc++ before anything the compiler adds: a later static copy then has nothing to supply.
+SHARED_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"]
+
+
+def _use_shared_libstdcxx(compiler) -> None:
+    """Make the extension use the process's shared libstdc++, not a private static copy.
+
+    Found on the H200 image (torch 2.11+cu130, Python 3.12): its CXX and CC, /opt/gcc/bin/g++ and gcc, wrappers
+    around Ubuntu's gcc 13.3, link libstdc++ statically into shared objects (the built extension had no NEEDED
+    libstdc++.so.6). The extension then carries a second libstdc++ (its own locale and facet registry) beside the
+    shared one that torch uses, and the first std::ostringstream it fills (the message of any TORCH_CHECK, in
+    c10::str) reads facets the other copy registered: SIGSEGV in std::ostream::_M_insert instead of a
+    RuntimeError. Any extension built with that compiler crashed the same way (a three-line TORCH_CHECK(false) op
+    did). Remedies, in order: link ``-lstdc++`` dynamically first; else build with ``c++`` / ``g++`` from PATH
+    (torch's ninja build reads ``CXX``, setuptools links with ``linker_so``).
+    """
+    if getattr(compiler, "compiler_type", "") != "unix":
+        return
+    # setuptools links C++ with compiler_cxx's program in place of linker_so's (distutils' link()).
+    linker = (getattr(compiler, "compiler_cxx", None) or compiler.linker_so)[0]
+    if _links_shared_libstdcxx(linker, []):
+        return
+    if _links_shared_libstdcxx(linker, SHARED_LIBSTDCXX):
+        print(f"megatron-hybrid: {linker} links libstdc++ statically; linking the native ops against the shared "
+              f"libstdc++ ({' '.join(SHARED_LIBSTDCXX)})", file=sys.stderr)
+        compiler.set_executable("linker_so", list(compiler.linker_so) + SHARED_LIBSTDCXX)
+        return
+    for name in ("c++", "g++"):
+        alternative = shutil.which(name)
+        if alternative and os.path.realpath(alternative) != os.path.realpath(linker) \
+                and _links_shared_libstdcxx(alternative, []):
+            print(f"megatron-hybrid: {linker} links libstdc++ statically; building the native ops with "
+                  f"{alternative}", file=sys.stderr)
+            os.environ["CXX"] = alternative  # torch's ninja compile rules
+            for attr in ("linker_so", "compiler_so", "compiler_cxx"):
+                cmd = list(getattr(compiler, attr, None) or [])
+                if cmd:
+                    compiler.set_executable(attr, [alternative] + cmd[1:])
+            return
+    raise RuntimeError(f"megatron-hybrid: {linker} links libstdc++ statically into shared objects, which makes "
+                       "exceptions from the native ops crash the process; set CXX and LDSHARED to a compiler "
+                       "that links the shared libstdc++ (the system g++)")
 
 
 ext_modules, cmdclass = _extensions()
