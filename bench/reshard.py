@@ -23,7 +23,8 @@ Timing: before every run, garbage collection, ``malloc_trim(0)`` (CUDA: ``torch.
 barrier; a run's time is the largest per-rank time of the call (CUDA: up to a ``torch.cuda.synchronize()``);
 reported: the median over ``--runs`` runs after ``--warmup`` warm-up runs. The runs of ours-aliased, bound, swap
 and naive-gather are interleaved (run i of each method, then run i + 1), so that a change of machine load hits
-all of them alike; ours-canonical needs its own engine and runs right after. On CPU the timed calls run with
+all of them alike; ours-canonical needs its own engine and runs right after, interleaved with swap again
+(``swap-beside-canonical``, the times canonical's `swap / this` compares against). On CPU the timed calls run with
 cpu_gloo()'s TorchFunctionMode suspended (a per-torch-call test shim absent on a GPU; ``--keep-cpu-shim`` keeps
 it).
 
@@ -98,6 +99,10 @@ from tests.engine_cases import expected_missing_bytes  # noqa: E402  (the tests'
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound", "bound-fresh")
+# swap_model_weights timed again in phase 2, interleaved with ours-canonical (which needs an engine of its own):
+# its times are what canonical's `swap / this` compares against, so that both see the same machine load.
+SWAP_BESIDE_CANONICAL = "swap-beside-canonical"
+ROW_METHODS = METHODS + (SWAP_BESIDE_CANONICAL,)
 Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
 
 SHAPES: dict[str, GPTArchitecture] = {
@@ -641,6 +646,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         engine = HybridEngine(model, RolloutLayout(t_g, p_g), weight_mode="aliased",
                               bucket_size_mb=args.reshard_bucket_size_mb)
         missing_max = int(max(_max_over_ranks([float(expected_missing_bytes(engine))])))
+        bucket_mb = engine.bucket_size_mb  # the engine's default when --reshard-bucket-size-mb is not given
         report_summary = None
         if not args.no_report:
             # One profiled switch (a collective at a time, timed each) for the communication report.
@@ -663,7 +669,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
                     title=f"Switch to rollout: {shape}, (t,p,d)=({t},{p},{d}) -> (t_g,p_g)=({t_g},{p_g}), "
                           f"d_g={lay.d_g}, aliased, {arch.params_dtype}, {backend}",
                     notes=[f"{dist.get_world_size()} ranks on {device.type} ({os.cpu_count()} cores), bucket "
-                           f"{args.reshard_bucket_size_mb} MB, profiled switch (per-collective timing)",
+                           f"{bucket_mb} MB, profiled switch (per-collective timing)",
                            f"step time: one training forward+backward of 1x{args.seq_length} tokens"
                            if args.step_seconds is None else "step time: given on the command line"])
         phase1: list[Method] = []
@@ -686,9 +692,14 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             phase1.append(naive_gather(sizes, device))
         run_interleaved(phase1, mem, device, warmup=args.warmup, runs=args.runs, keep_shim=args.keep_cpu_shim)
         swap_crcs = None
+        swap_again = None
         for m in phase1:
             if m.name == "swap":
                 swap_crcs = tensor_crcs(m.state["dst"])
+                if "ours-canonical" in methods:  # the same swap (plan cached, second copy kept), fresh timings
+                    swap_again = swap_method(m.state["src"], m.state["dst"], backend)
+                    swap_again.name, swap_again.info = SWAP_BESIDE_CANONICAL, dict(m.info)
+                    swap_again.setup_extra = m.setup_extra
             m.release()
             results[m.name] = m
         # The engine's buffers hold the training weights (the parameters are views of them): close() gives the
@@ -714,10 +725,12 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
                           flush=True)
             if "ours-canonical" in methods:
                 canonical = ours(engine, "ours-canonical", backend)
-                run_interleaved([canonical], mem, device, warmup=args.warmup, runs=args.runs,
+                phase2 = [canonical] + ([swap_again] if swap_again is not None else [])
+                run_interleaved(phase2, mem, device, warmup=args.warmup, runs=args.runs,
                                 keep_shim=args.keep_cpu_shim)
-                canonical.release()
-                results[canonical.name] = canonical
+                for m in phase2:
+                    m.release()
+                    results[m.name] = m
             engine.close()
             del engine
 
@@ -734,7 +747,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         return []
     lay_d_g = (t // t_g if t_g <= t else 1) * (p // p_g)
     rows = []
-    for name in [n for n in METHODS if n in everyone[0]]:
+    for name in [n for n in ROW_METHODS if n in everyone[0]]:
         per_rank = [e[name] for e in everyone]
         runs = [max(r["times"][i] for r in per_rank) for i in range(len(per_rank[0]["times"]))]
         row = {
@@ -751,7 +764,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             "extra_mem_accounted_bytes": max(r["info"]["accounted"] for r in per_rank),
             "training_shard_bytes": shard_bytes, "model_bytes": model_bytes,
             "bytes_formula": (lay_d_g - 1) * model_bytes / (t * p),
-            "bucket_size_mb": args.reshard_bucket_size_mb, "runs": args.runs, "warmup": args.warmup,
+            "bucket_size_mb": bucket_mb, "runs": args.runs, "warmup": args.warmup,
             "step_s": step, "cpu_shim_while_timing": bool(args.keep_cpu_shim), "torch": torch.__version__,
             "megatron_core": str(compat.MCORE_VERSION),
         }
@@ -780,8 +793,10 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             r["vs_bound"] = r["switch_s_median"] / by["bound"]["switch_s_median"]
         if "bound-fresh" in by:
             r["vs_bound_fresh"] = r["switch_s_median"] / by["bound-fresh"]["switch_s_median"]
-        if "swap" in by and r["method"].startswith("ours"):
-            r["swap_over_this"] = by["swap"]["switch_s_median"] / r["switch_s_median"]
+        swap = by.get(SWAP_BESIDE_CANONICAL) if r["method"] == "ours-canonical" else None
+        swap = swap or by.get("swap")
+        if swap is not None and r["method"].startswith("ours"):
+            r["swap_over_this"] = swap["switch_s_median"] / r["switch_s_median"]
     return rows
 
 
@@ -820,9 +835,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "", "## Summary", "",
              "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | bound-fresh ms "
              "(aliased x bound-fresh) | ours-aliased ms (x bound) | aliased map / coll / canon ms | ours-canonical ms (x bound) | canonical map / coll / "
-             "canon ms | swap ms (swap / aliased) | naive ms | aliased extra MB measured / accounted (missing + "
+             "canon ms | swap ms (swap / aliased) | swap beside canonical ms (swap / canonical) | naive ms | aliased extra MB measured / accounted (missing + "
              "bucket) | swap extra MB (its 2nd copy) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order_shapes = list(SHAPES)
     keys = sorted({(r["shape"], tuple(r["layout"])) for r in rows}, key=lambda k: (order_shapes.index(k[0]), k[1]))
     for shape, lay in keys:
@@ -843,6 +858,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                                                                "canonical_seconds")) if r else "-")
         cells.append(f"{_ms(s['switch_s_median'])}" + (f" ({s['switch_s_median'] / a['switch_s_median']:.1f})"
                                                          if a else "") if s else "-")
+        s2 = by.get(SWAP_BESIDE_CANONICAL)
+        cells.append(f"{_ms(s2['switch_s_median'])} ({c['swap_over_this']:.2f})" if s2 and c else "-")
         cells.append(_ms(n["switch_s_median"]) if n else "-")
         if a:
             limit = a["bytes_per_rank"] + a["bucket_size_mb"] * 2**20
@@ -859,7 +876,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "| shape | layout | method | ms | x bound | MB recv/rank | collectives/rank | extra MB measured | "
               "extra MB after back | extra MB accounted | map ms | collectives ms | canonical ms | offload ms | sync ms |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (order_shapes.index(r["shape"]), r["layout"], METHODS.index(r["method"]))):
+    for r in sorted(rows, key=lambda r: (order_shapes.index(r["shape"]), r["layout"], ROW_METHODS.index(r["method"]))):
         lines.append(f"| {r['shape']} | {','.join(map(str, r['layout']))} | {r['method']} | "
                      f"{_ms(r['switch_s_median'])} | {r.get('vs_bound', float('nan')):.2f} | "
                      f"{_mb(r['bytes_per_rank'])} | {r['num_collectives']} | {_mb(r['extra_mem_bytes'])} | "
@@ -928,7 +945,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--runs", type=int, default=5, help="timed runs per method (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per method first")
-    ap.add_argument("--reshard-bucket-size-mb", type=float, default=1024.0, help="HybridEngine bucket_size_mb")
+    ap.add_argument("--reshard-bucket-size-mb", type=float, default=None,
+                    help="HybridEngine bucket_size_mb (default: the engine's, 1024 on a GPU, 32 on a CPU)")
     ap.add_argument("--seq-length", type=int, default=128, help="tokens of the training forward+backward (step time)")
     ap.add_argument("--step-runs", type=int, default=2, help="timed training steps (median) after one warm-up")
     ap.add_argument("--step-seconds", type=float, default=None, help="use this step time instead of measuring")

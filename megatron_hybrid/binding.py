@@ -86,7 +86,7 @@ class Binding:
         for _, new, _ in items:
             offsets.append(total)
             total += -(-new.numel() // 16) * 16
-        flat = self.placement.reserve_rollout(total, dtype).tensor
+        flat = self.placement.reserve_rollout(total, dtype, canonical=True).tensor
         dsts = []
         for (_, new, _), off in zip(items, offsets):
             new.data = flat[off: off + new.numel()].view(new.shape)

@@ -258,9 +258,13 @@ def _cuda_release(driver: _CudaDriver, ptr: int, nbytes: int, mapped: list[tuple
     driver.check(driver.cuMemAddressFree(ptr, nbytes), "cuMemAddressFree")
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value; Python 3.11 does not name it
+
+
 class _MmapBackend:
     name = "mmap"
     releases_memory = True
+    _populate = True  # until the kernel refuses MADV_POPULATE_WRITE once
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.granularity = mmap.PAGESIZE
@@ -275,7 +279,15 @@ class _MmapBackend:
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
     def map(self, lo: int, hi: int) -> None:
-        # Fault the pages in now (one byte per page) so that a mapped range is resident, as on the GPU.
+        # Make the range resident now, as on the GPU: one MADV_POPULATE_WRITE (Linux >= 5.14) faults every page in
+        # one call (64 MiB: 38 ms against 53 ms for touching a byte per page, medians of 15, this 2-core machine);
+        # older kernels answer EINVAL and get the per-page touch.
+        if self._populate:
+            try:
+                self.mm.madvise(_MADV_POPULATE_WRITE, lo, hi - lo)
+                return
+            except OSError:
+                type(self)._populate = False
         self.bytes[lo:hi:self.granularity].zero_()
 
     def map_many(self, ranges: list[tuple[int, int]]) -> None:

@@ -149,6 +149,7 @@ class Placement:
         self.buffers: dict[str, RolloutBuffer] = {}
         self.rollout_only: list[RolloutBuffer] = []
         self.placed: list[str] = []  # the training tensors that live in this rank's buffers
+        self._canonical_ids: set[int] = set()
         self.sources = plan.sources(member) if plan is not None else {}
         if plan is not None:
             self._place_training_tensors()
@@ -227,12 +228,13 @@ class Placement:
         for dtype, buf in self.buffers.items():
             buf.set_kept(viewed.get(dtype, []))
 
-    def reserve_rollout(self, numel: int, dtype: torch.dtype) -> RolloutBuffer:
-        """A range of its own, backed only while rolling out (mapped now if the peers' slots are)."""
+    def reserve_rollout(self, numel: int, dtype: torch.dtype, *, canonical: bool = False) -> RolloutBuffer:
+        """A range of its own, backed only while rolling out (by :meth:`map_rollout`; not mapped yet).
+        ``canonical``: it holds canonical rollout tensors (reported apart from other rollout memory)."""
         buf = RolloutBuffer(numel, dtype, self.device, own=[], used=[(0, numel)])
-        if any(b.peers_mapped for b in self.buffers.values()) or any(b.peers_mapped for b in self.rollout_only):
-            buf.map_peers()
         self.rollout_only.append(buf)
+        if canonical:
+            self._canonical_ids.add(id(buf))
         return buf
 
     # -- backing -------------------------------------------------------------------------------------------
@@ -254,7 +256,7 @@ class Placement:
     def close(self) -> None:
         for buf in list(self.buffers.values()) + self.rollout_only:
             buf.close()
-        self.buffers, self.rollout_only = {}, []
+        self.buffers, self.rollout_only, self._canonical_ids = {}, [], set()
 
     # -- accounting ----------------------------------------------------------------------------------------
     def spans(self) -> list[tuple[int, int]]:
@@ -265,6 +267,9 @@ class Placement:
         return {
             "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()),
             "transient_bytes_released": sum(b.transient_bytes for b in self.buffers.values()),
-            "canonical_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only if b.peers_mapped),
+            "canonical_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only
+                                          if b.peers_mapped and id(b) in self._canonical_ids),
+            "rollout_memory_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only
+                                               if b.peers_mapped and id(b) not in self._canonical_ids),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
         }

@@ -464,3 +464,27 @@ def fidelity_case(mode: str):
         rollout_model.rotary_pos_emb = good
     return {"diff": float((ours - train).abs().max()), "rebuilt_diff": float((rebuilt - train).abs().max()),
             "scale": float(train.abs().max())}
+
+
+def rollout_memory_case():
+    """``reserve_rollout_memory``: one fixed address range, backed exactly while rolling out."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    model = arch().build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    buf = engine.reserve_rollout_memory(3 * 2**16, torch.float32)
+    ptr, seen = buf.data_ptr(), []
+    for _ in range(2):
+        seen.append(("training", buf.mapped_bytes, buf.data_ptr() == ptr))
+        engine.switch_to_rollout()
+        buf.tensor().fill_(1.5)
+        seen.append(("rollout", buf.mapped_bytes, buf.data_ptr() == ptr,
+                     engine.communication_report()["rollout_memory_bytes_mapped"]))
+        engine.switch_to_training()
+    late = engine.reserve_rollout_memory(10, torch.bfloat16)  # reserved while training: backed from the next switch
+    engine.switch_to_rollout()
+    late_mapped = late.is_mapped(0, late.numel)
+    engine.switch_to_training()
+    return {"seen": seen, "late_mapped": late_mapped, "nbytes": buf.numel * 4}

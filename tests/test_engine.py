@@ -192,3 +192,13 @@ def test_rollout_model_keeps_every_gpt_argument(mode):
         # rebuilt with rope_scaling_factor 8 instead of 32) moves logits by a sizeable fraction of their scale.
         assert r["diff"] <= 1e-4 * max(1.0, r["scale"]), r
         assert r["rebuilt_diff"] > 100 * max(r["diff"], 1e-6), r
+
+
+def test_rollout_memory_is_backed_only_while_rolling_out():
+    for r in run_distributed(cases.rollout_memory_case, 2, tensor_model_parallel_size=2):
+        for entry in r["seen"]:
+            if entry[0] == "training":
+                assert entry[1] == 0 and entry[2], r
+            else:
+                assert entry[1] >= r["nbytes"] and entry[2] and entry[3] >= r["nbytes"], r
+        assert r["late_mapped"]
