@@ -90,7 +90,28 @@ def static_inference_engine(model, *, pg_collection, tokenizer, max_batch_size: 
     controller = TextGenerationController(wrapped, tokenizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
+        engine = StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
+    return _scoped_inference_mode(engine)
+
+
+def _scoped_inference_mode(engine):
+    """megatron-core ≥ 0.19: the static engine sets a process-wide ``InferenceMode`` flag in its constructor and
+    never clears it, and with the flag set every later GPTModel forward that does not ask for gathered logits
+    asserts ("Inference must always gather TP logits"): our own generation and the training log-prob passes.
+    Keep the flag to the engine's own ``generate`` calls."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:  # 0.16 - 0.18: no such flag
+        return engine
+    InferenceMode.unset_active()
+    generate = engine.generate
+
+    def scoped_generate(*args, **kwargs):
+        with InferenceMode.active():
+            return generate(*args, **kwargs)
+
+    engine.generate = scoped_generate
+    return engine
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from .rollout_model import ModelProvider, build_rollout_chunks
 from .sharding import TPSpec
 
 WEIGHT_MODES = tuple(BINDINGS)
+DEFAULT_BUCKET_MB_GPU = 1024.0
+DEFAULT_BUCKET_MB_CPU = 32.0  # see HybridEngine's bucket_size_mb
 _TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
 
 
@@ -77,8 +79,12 @@ class HybridEngine:
             as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
             buffers into a range backed only while rolling out; the gathered peers' slots that nothing views are
             released once read, so generation runs with the own shard plus the rebuilt rollout shard).
-        bucket_size_mb: the size of one gather bucket (default 1 GiB: on 2 H200s a 7B model switched in 1.23× the
-            time of one raw all-gather with 1 GiB buckets, 1.38× with 256 MiB ones).
+        bucket_size_mb: the size of one gather bucket per dtype. Default: 1 GiB for a model on a GPU (on 2 H200s
+            a 7B model switched in 1.23× the time of one raw all-gather with 1 GiB buckets, 1.38× with 256 MiB
+            ones), 32 MiB on a CPU: gloo stages a CPU all-gather through a temporary of the whole output, and
+            glibc serves a temporary above its mmap threshold (at most 32 MiB) with fresh pages that fault in at
+            every switch, while smaller ones reuse the heap's pages (8 gloo ranks, few-large at (4,1,2)→(2,1):
+            canonical 1.76 s with 24 MiB buckets, 2.04 s with 1 GiB ones, side by side).
         align_slots: pad every slot to the memory backend's granule (2 MiB with CUDA virtual memory). Then no
             page is shared between the own slot and a peer's, so nothing of the peers' stays resident while
             training; the padding travels with the gathers (at most one granule per slot). Without it, the
@@ -92,7 +98,7 @@ class HybridEngine:
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
-                 weight_mode: str = "aliased", bucket_size_mb: float = 1024.0, align_slots: bool = False,
+                 weight_mode: str = "aliased", bucket_size_mb: Optional[float] = None, align_slots: bool = False,
                  tp_group=None, pp_group=None, dp_group=None, timeout: Any = None,
                  model_provider: Optional[ModelProvider] = None) -> None:
         # ---- validation: everything below this block may run collectives ----
@@ -119,7 +125,8 @@ class HybridEngine:
             timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
         self.timeout = _as_timeout(timeout)
         self.weight_mode = weight_mode
-        self.bucket_size_mb = bucket_size_mb
+        self.bucket_size_mb = bucket_size_mb if bucket_size_mb is not None else (
+            DEFAULT_BUCKET_MB_GPU if next(self.modules[0].parameters()).is_cuda else DEFAULT_BUCKET_MB_CPU)
         self.align_slots = align_slots
         self.tp_rank, self.pp_rank = dist.get_rank(tp_group), dist.get_rank(pp_group)
         self.dp_rank = dist.get_rank(dp_group)
@@ -148,6 +155,7 @@ class HybridEngine:
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offload: Optional[HostOffload] = None
+        self._generator: Any = None  # the RolloutGenerator, made at the first generate()
         self.num_switches = 0  # switches to rollout that ran (a call while rolling out is not one)
         self._train_ptrs = [p.data_ptr() for p in self._train_params.values()]
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
@@ -159,8 +167,8 @@ class HybridEngine:
     def _check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout) -> None:
         if weight_mode not in WEIGHT_MODES:
             raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
-                or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0:
+        if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (
+                int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0):
             raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a positive number of MiB")
         if not isinstance(align_slots, bool):
             raise ValueError(f"align_slots ({align_slots!r}) must be True or False")
@@ -411,6 +419,9 @@ class HybridEngine:
         if self.mode == "closed":
             return
         self.switch_to_training()
+        if self._generator is not None:
+            self._generator.close()
+            self._generator = None
         with torch.no_grad():
             for name in self.placement.placed:
                 prm = self._train_params[name]
@@ -421,41 +432,28 @@ class HybridEngine:
 
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
-                 stop_token_ids: Sequence[int] = (), seed: int = 0) -> list:
+                 stop_token_ids: Sequence[int] = (), seed: int = 0, config: Any = None) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
-        Called on every rank of the training layout (switches to rollout first if needed). The prompts of a
-        training DP replica are split across its d_g rollout replicas and the results all-gathered back (micro-DP
-        data flow); with t_g > t a rollout replica serves several training replicas whole. ``vocab_size``: the
-        real vocabulary, whose padded rows are never sampled. Returns ``GenerationResult``s with
-        ``.generated_tokens`` and ``.generated_log_probs``.
+        Called on every rank of the training layout (switches to rollout first if needed). A thin call into
+        :class:`megatron_hybrid.inference.RolloutGenerator` (KV cache at fixed addresses backed only while rolling
+        out, continuous batching, on-device sampling, CUDA graphs kept across switches), made at the first call
+        and kept; ``config`` (a :class:`~megatron_hybrid.inference.GenerationConfig`) replaces it with one of
+        those settings. The micro-DP data flow: a training DP replica's prompts are split across its d_g rollout
+        replicas and the results all-gathered back. ``vocab_size``: the real vocabulary, whose padded rows are
+        never sampled. Returns ``GenerationResult``s with ``.generated_tokens`` and ``.generated_log_probs``
+        (untempered, over the real vocabulary).
         """
-        from .rollout import generate_tokens, split_evenly
+        from .inference import RolloutGenerator
 
-        self.switch_to_rollout()
-        lay = self.layout
-        chunk = self.rollout_chunks[0]
-        kwargs = dict(tp_group=self.groups["tp"], pp_group=self.groups["pp"], params=sampling_params,
-                      vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                      seed=seed + 1_000_003 * self.rollout_replica)
-        prompts = [list(map(int, p)) for p in prompts]
-        if lay.widens:
-            # This rollout replica spans m training replicas: generate for all of their prompts at once.
-            mine = [None] * self.groups["tp"].size()
-            dist.all_gather_object(mine, (self.dp_rank, prompts), group=self.groups["tp"])
-            by_dp = dict(sorted(mine))
-            batch = [p for dp in by_dp for p in by_dp[dp]]
-            results = generate_tokens(chunk, prompts=batch, **kwargs)
-            start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
-            return results[start: start + len(prompts)]
-        replica = self.rollout_replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
-        lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
-        results = generate_tokens(chunk, prompts=prompts[lo:hi], **kwargs)
-        if lay.d_g == 1:
-            return results
-        gathered = [None] * lay.d_g
-        dist.all_gather_object(gathered, (replica, results), group=self.groups["micro_dp"])
-        return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+        if self.mode == "closed":
+            raise RuntimeError("the engine was closed")
+        if self._generator is None or (config is not None and config != self._generator.config):
+            if self._generator is not None:
+                self._generator.close()
+            self._generator = RolloutGenerator(self, config)
+        return self._generator.generate(prompts, sampling_params, vocab_size=vocab_size,
+                                        stop_token_ids=stop_token_ids, seed=seed)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
@@ -475,8 +473,12 @@ class HybridEngine:
         }
 
     def communication_report(self) -> dict[str, Any]:
-        """What the last switch to rollout moved: ``total_bytes`` is what this rank received."""
-        return dict(self._last_report)
+        """What the last switch to rollout moved: ``total_bytes`` is what this rank received; ``generation``:
+        the generator's counters (CUDA graph captures and replays, decode steps, KV-cache bytes), once it exists."""
+        report = dict(self._last_report)
+        if self._generator is not None:
+            report["generation"] = self._generator.report()
+        return report
 
     def set_profiling(self, enabled: bool) -> None:
         """Time each collective separately (synchronising after each) or only the whole switch (default).

@@ -1,0 +1,24 @@
+"""Fast generation on the rollout layout: KV cache, on-device sampling, continuous batching, CUDA graphs.
+
+Pieces, one module each:
+
+- :mod:`.attention`: megatron-core's ``SelfAttention`` with a per-slot KV cache (swapped in by class; ragged
+  prompts, per-token positions); :mod:`.kv_cache`: the cache, one reserved range at a fixed address;
+- :mod:`.scheduler`: continuous batching over decode slots; :mod:`.sampling`: greedy / temperature / top-k /
+  top-p on the device; :mod:`.graphs`: decode steps captured once per bucket, replayed across rollouts;
+- :mod:`.replica`: the prefill/decode loop of one model replica (tensor and pipeline groups);
+  :mod:`.generator`: the HybridEngine's micro-DP data flow around it; :mod:`.validation`: argument checks that
+  every rank agrees on before any generation collective.
+
+Why our own attention path rather than megatron-core's: its static ``inference_context`` keeps one offset for the
+whole batch (no ragged prompts, no slot reuse), its dynamic engine needs flash-attn for dynamic batching, and its
+engines read Megatron's global pipeline groups. Here the model stays megatron-core's GPTModel on the engine's
+weights; only the attention core between ``linear_qkv`` and ``linear_proj`` changes while a step runs.
+"""
+
+from .config import GenerationConfig
+from .generator import RolloutGenerator, generate_with_model, split_evenly
+from .replica import GenerationResult, ReplicaGenerator
+
+__all__ = ["GenerationConfig", "GenerationResult", "ReplicaGenerator", "RolloutGenerator", "generate_with_model",
+           "split_evenly"]

@@ -1,0 +1,164 @@
+"""Self-attention over a per-slot KV cache, swapped into a megatron-core model by class.
+
+megatron-core's own KV path (a ``StaticInferenceContext`` as ``inference_context``) keeps one scalar offset for
+the whole batch, so every sequence of a batch must sit at the same position: no ragged prompts, no slot reuse.
+:class:`KVCacheSelfAttention` keeps megatron-core's ``SelfAttention`` (its ``linear_qkv``, q/k layernorms and
+``linear_proj``, aliased or not) and replaces only what happens between the projections while a :class:`KVStep`
+is set on it: rotary embeddings at each token's own position, a write of K/V into the token's cache slot, and
+attention (``scaled_dot_product_attention``) over that slot's filled positions. Without a step the module is
+megatron-core's ``SelfAttention``, unchanged, so the model stays a drop-in megatron-core model.
+
+Tokens always travel packed along the sequence dimension, ``[T, 1, H]`` (T tokens, batch 1): a prefill packs the
+prompts one after another, a decode step packs one token per slot, each with its own position.
+
+Rotary embeddings are megatron-core's unfused formula (``rope_utils._apply_rotary_pos_emb_bshd``, so the same bits
+as a training forward without rope fusion), with the cosines and sines computed once per step for all layers
+rather than in every layer: a decode step is launch-bound, and this saves four kernels per layer. A model trained
+with TE's fused rotary kernel differs from it by rounding only.
+
+Legend: T packed tokens, P prompts, S their length, B decode slots, N slots of the cache, G key/value heads and R
+query heads per key/value head on this tensor-parallel rank, L cached positions per slot, D head dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
+
+
+@dataclass
+class KVStep:
+    """What one forward of the packed tokens needs to know, shared by every attention layer of a stage."""
+
+    keys: list[torch.Tensor]
+    """Per layer of the stage, the key cache ``[N, G, L, D]``."""
+    values: list[torch.Tensor]
+    """Per layer, the value cache ``[N, G, L, D]``."""
+    slots_T: torch.Tensor
+    """The cache slot of every packed token."""
+    positions_T: torch.Tensor
+    """The position of every packed token in its sequence."""
+    rotary_T11D: Optional[tuple[torch.Tensor, torch.Tensor]]
+    """Cosines and sines of the rotary angles at each token's position, or None without rotary embeddings."""
+    decode: bool
+    """One token per slot ``0 .. B-1`` (T = B); otherwise a prefill of whole prompts from position 0."""
+    attended: int = 0
+    """Decode: cached positions read per slot (at least every slot's position + 1)."""
+    mask_B11L: Optional[torch.Tensor] = None
+    """Decode: which of the ``attended`` positions each slot may read."""
+    prompts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """Prefill: ``(length, token indices)`` per prompt length: the packed tokens of all prompts of that length,
+    prompt after prompt (one attention call per length, so repeated prompts cost one call)."""
+
+
+class KVCacheSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` that attends over a per-slot KV cache while ``kv_step`` is set."""
+
+    kv_step: Optional[KVStep] = None
+    kv_layer: int = 0  # index of this layer among the stage's attention layers (its cache)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        step = self.kv_step
+        if step is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        return self._cached_forward(hidden_states, step)
+
+    def _cached_forward(self, hidden_T1H: torch.Tensor, step: KVStep):
+        # q [T, 1, G*R, D], k/v [T, 1, G, D]; query heads are group-major (head g*R + r uses key head g).
+        query, key, value = self.get_query_key_value_tensors(hidden_T1H, None)
+        no_rope_freq = getattr(self.config, "no_rope_freq", None)  # per-layer "skip rotary" (mirrors forward())
+        no_rope = no_rope_freq[self.layer_number - 1] if no_rope_freq else False
+        if step.rotary_T11D is not None and not no_rope:
+            query, key = self._rotate(query, *step.rotary_T11D), self._rotate(key, *step.rotary_T11D)
+        keys, values = step.keys[self.kv_layer], step.values[self.kv_layer]
+        # Advanced indices around a slice: cache[slot_t, :, pos_t] is [T, G, D], one row per token.
+        keys[step.slots_T, :, step.positions_T] = key[:, 0]
+        values[step.slots_T, :, step.positions_T] = value[:, 0]
+        groups, head_dim = key.shape[2], key.shape[3]
+        ratio = query.shape[2] // groups
+        scale = self.config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        if step.decode:
+            B, L = query.shape[0], step.attended
+            # One query token per slot: the R query heads of a group act as R query rows over the group's keys,
+            # so keys are read once per group (no repeat) and the mask is the slot's, for every row.
+            q_BGRD = query[:, 0].reshape(B, groups, ratio, head_dim)
+            out = F.scaled_dot_product_attention(q_BGRD, keys[:B, :, :L], values[:B, :, :L],
+                                                 attn_mask=step.mask_B11L, scale=scale)
+            context = out.reshape(B, 1, groups * ratio * head_dim)
+        else:
+            context = query.new_empty(query.shape[0], 1, query.shape[2] * head_dim)
+            for length, index in step.prompts:
+                # [P prompts, S = length, heads, D] -> [P, heads, S, D]; keys repeated per query head (prefill is
+                # compute-bound, the copy is cheap next to the projections).
+                q_PHSD = query[index, 0].unflatten(0, (-1, length)).transpose(1, 2)
+                k_PHSD = key[index, 0].unflatten(0, (-1, length)).transpose(1, 2).repeat_interleave(ratio, dim=1)
+                v_PHSD = value[index, 0].unflatten(0, (-1, length)).transpose(1, 2).repeat_interleave(ratio, dim=1)
+                out = F.scaled_dot_product_attention(q_PHSD, k_PHSD, v_PHSD, is_causal=True, scale=scale)
+                context[index, 0] = out.transpose(1, 2).flatten(0, 1).flatten(-2)
+        return self.linear_proj(context)
+
+    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """megatron-core's unfused rotary embedding of ``t`` [T, 1, heads, D], given the angles' cos and sin."""
+        cos, sin = cos.to(t.dtype), sin.to(t.dtype)  # no-ops: the step casts them to the model's dtype once
+        dim = cos.shape[-1]
+        x, rest = t[..., :dim], t[..., dim:]  # rotary_percent < 1 leaves the tail as it is
+        if self.config.rotary_interleaved:
+            rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).view(x.shape)
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+            rotated = torch.cat((-x2, x1), dim=-1)
+        return torch.cat((x * cos + rotated * sin, rest), dim=-1)
+
+
+def _unsupported(config) -> Optional[str]:
+    """Why the cached attention cannot serve ``config`` (None when it can)."""
+    checks = [
+        (getattr(config, "attention_output_gate", False), "attention_output_gate=True"),
+        (getattr(config, "multi_latent_attention", False), "multi_latent_attention=True"),
+        (getattr(config, "window_size", None) is not None, f"window_size={getattr(config, 'window_size', None)}"),
+        (getattr(config, "softmax_type", "vanilla") != "vanilla",
+         f"softmax_type={getattr(config, 'softmax_type', None)!r}"),
+        ((getattr(config, "context_parallel_size", 1) or 1) > 1,
+         f"context_parallel_size={getattr(config, 'context_parallel_size', None)}"),
+        (getattr(config, "sequence_parallel", False), "sequence_parallel=True"),
+        (getattr(config, "mtp_num_layers", None), f"mtp_num_layers={getattr(config, 'mtp_num_layers', None)}"),
+    ]
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+def install_kv_attention(chunk: torch.nn.Module) -> list[KVCacheSelfAttention]:
+    """Swap the class of every layer's ``self_attention`` in ``chunk`` (a GPTModel stage) for
+    :class:`KVCacheSelfAttention`; returns them in layer order. Idempotent.
+
+    The modules keep their parameters, submodules and attributes; outside a generation step they compute exactly
+    what megatron-core's ``SelfAttention`` computes.
+    """
+    decoder = getattr(chunk, "decoder", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise ValueError(f"{type(chunk).__name__} has no decoder.layers: KV-cache generation needs a megatron-core "
+                         "GPTModel stage")
+    why = _unsupported(chunk.config)
+    if why is not None:
+        raise ValueError(f"KV-cache generation does not support {why}")
+    out = []
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attention
+        if not isinstance(attn, SelfAttention):
+            raise ValueError(f"layer {i}'s self_attention is a {type(attn).__name__}, not megatron-core's "
+                             "SelfAttention: KV-cache generation cannot run it")
+        if type(attn) is SelfAttention:
+            attn.__class__ = KVCacheSelfAttention
+        elif not isinstance(attn, KVCacheSelfAttention):
+            raise ValueError(f"layer {i}'s self_attention is a {type(attn).__name__} (a SelfAttention subclass): "
+                             "KV-cache generation would drop what it overrides")
+        attn.kv_layer = i
+        out.append(attn)
+    return out

@@ -1,0 +1,57 @@
+"""Settings of KV-cache generation (the sampling settings are megatron-core's ``SamplingParams``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class GenerationConfig:
+    """How a generator lays out its KV cache and runs its decode steps."""
+
+    max_batch_size: int = 64
+    """Decode slots: sequences generated at once (fewer when the cache size below allows fewer)."""
+    max_sequence_length: Optional[int] = None
+    """Positions one sequence may take (prompt plus generated tokens); default: the model's
+    ``max_sequence_length``. A prompt that cannot fit with ``num_tokens_to_generate`` is a ``ValueError``."""
+    cache_tokens: Optional[int] = None
+    """KV-cache size in positions over all slots; slots = min(max_batch_size, cache_tokens // max_sequence_length).
+    Default: ``max_batch_size × max_sequence_length``."""
+    cache_gib: Optional[float] = None
+    """KV-cache size in GiB on this rank, instead of ``cache_tokens``."""
+    prefill_tokens: int = 8192
+    """At most this many prompt tokens per prefill forward (a longer prompt goes alone), bounding its activations."""
+    cuda_graphs: Optional[bool] = None
+    """Replay decode steps from CUDA graphs (one per batch and length bucket); default: on for a model on a GPU."""
+    graph_batch_sizes: Optional[tuple[int, ...]] = None
+    """Batch buckets of the decode graphs; default: powers of two below the slot count, and the slot count."""
+    graph_length_granule: int = 256
+    """Decode graphs attend over the filled positions rounded up to a multiple of this (eager steps: exactly)."""
+    graph_pool_gib: float = 4.0
+    """Address space reserved for the decode graphs' memory, backed only during generate calls as the graphs need
+    it (0: a private CUDA-graph pool, which stays allocated while training)."""
+    release_memory: bool = True
+    """On a GPU, return the caching allocator's free blocks (prefill and sampling scratch) after each call."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "prefill_tokens", "graph_length_granule"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GenerationConfig.{name} ({value!r}) must be a positive integer")
+        if self.max_sequence_length is not None and (not isinstance(self.max_sequence_length, int)
+                                                     or self.max_sequence_length < 2):
+            raise ValueError(f"GenerationConfig.max_sequence_length ({self.max_sequence_length!r}) must be an "
+                             "integer >= 2 (a prompt token and a generated one)")
+        if self.cache_tokens is not None and self.cache_gib is not None:
+            raise ValueError(f"give cache_tokens ({self.cache_tokens}) or cache_gib ({self.cache_gib}), not both")
+        if self.cache_tokens is not None and (not isinstance(self.cache_tokens, int) or self.cache_tokens < 1):
+            raise ValueError(f"GenerationConfig.cache_tokens ({self.cache_tokens!r}) must be a positive integer")
+        if not self.graph_pool_gib >= 0:
+            raise ValueError(f"GenerationConfig.graph_pool_gib ({self.graph_pool_gib!r}) must be >= 0")
+        if self.cache_gib is not None and not self.cache_gib > 0:
+            raise ValueError(f"GenerationConfig.cache_gib ({self.cache_gib!r}) must be positive")
+        if self.graph_batch_sizes is not None and (not self.graph_batch_sizes or any(
+                not isinstance(b, int) or b < 1 for b in self.graph_batch_sizes)):
+            raise ValueError(f"GenerationConfig.graph_batch_sizes ({self.graph_batch_sizes!r}) must be positive "
+                             "integers")

@@ -1,0 +1,126 @@
+"""Generation on a HybridEngine's rollout layout, and the micro-DP data flow around it (HybridFlow §5.2).
+
+Each training DP rank holds its prompts. Its d_g rollout replicas (one per micro-DP group member) each generate a
+contiguous chunk of them; the results are all-gathered over the micro-DP group, so every training rank gets
+exactly its own prompts' results, in order. With t_g > t one rollout replica spans m training replicas and
+generates for all of their prompts at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import GenerationConfig
+from .replica import GenerationResult, ReplicaGenerator
+from .validation import Limits, check_generate_call
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) chunks of n items over ``parts`` takers, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for j in range(parts):
+        end = start + base + (1 if j < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+class RolloutGenerator:
+    """KV-cache generation with a :class:`~megatron_hybrid.engine.HybridEngine`'s rollout model.
+
+    Made once per engine and kept: its KV cache and CUDA graphs live (at fixed addresses) as long as it does, and
+    serve every later rollout. ``generate`` is called on every rank of the training layout.
+
+    Args:
+        engine: the HybridEngine (its rollout model, groups and layout).
+        config: cache and decode settings (default :class:`GenerationConfig()`).
+    """
+
+    def __init__(self, engine: Any, config: Optional[GenerationConfig] = None) -> None:
+        if len(engine.rollout_chunks) > 1:
+            raise ValueError(f"generation with virtual pipeline chunks ({len(engine.rollout_chunks)} rollout model "
+                             "chunks) is not supported")
+        self.engine = engine
+        self.config = config if config is not None else GenerationConfig()
+        self.replica = ReplicaGenerator(engine.rollout_chunks[0], tp_group=engine.groups["tp"],
+                                        pp_group=engine.groups["pp"], config=self.config, engine=engine)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
+                 stop_token_ids: Sequence[int] = (), seed: int = 0) -> list[GenerationResult]:
+        """Generate for this training rank's prompts on the rollout layout; results in prompt order.
+
+        Args:
+            prompts: token-id lists, each non-empty.
+            sampling_params: megatron-core ``SamplingParams`` (temperature, top_k, top_p, num_tokens_to_generate,
+                termination_id).
+            vocab_size: the real vocabulary; the output layer's padded rows are never sampled (default: all rows).
+            stop_token_ids: tokens that end a sequence (kept in its output), besides ``termination_id``.
+            seed: sampling seed; each rollout replica draws from its own stream derived from it.
+
+        Every argument is checked on every rank before any generation collective; a bad one raises the same
+        ``ValueError`` on every rank. Switches the engine to rollout if it is not there yet.
+        """
+        engine = self.engine
+        prompts, vocab = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
+                                             stop_token_ids=stop_token_ids, limits=self.replica.limits)
+        engine.switch_to_rollout()
+        lay = engine.layout
+        kwargs = dict(vocab_size=vocab, stop_token_ids=list(stop_token_ids),
+                      seed=seed + 1_000_003 * engine.rollout_replica)
+        if lay.widens:
+            # This rollout replica spans m training replicas: generate for all of their prompts at once.
+            tp = engine.groups["tp"]
+            mine: list[Any] = [None] * tp.size()
+            dist.all_gather_object(mine, (engine.dp_rank, prompts), group=tp)
+            by_dp = dict(sorted(mine))
+            batch = [p for dp in by_dp for p in by_dp[dp]]
+            results = self.replica.generate(batch, sampling_params, **kwargs)
+            start = sum(len(by_dp[dp]) for dp in by_dp if dp < engine.dp_rank)
+            return results[start: start + len(prompts)]
+        replica = engine.rollout_replica - engine.dp_rank * lay.d_g  # index among this training replica's d_g
+        lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
+        results = self.replica.generate(prompts[lo:hi], sampling_params, **kwargs)
+        if lay.d_g == 1:
+            return results
+        gathered: list[Any] = [None] * lay.d_g
+        dist.all_gather_object(gathered, (replica, results), group=engine.groups["micro_dp"])
+        return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+
+    def report(self) -> dict[str, Any]:
+        """Counters (CUDA graph captures and replays, decode steps, idle slot steps, KV-cache size and address)."""
+        return self.replica.report()
+
+    def close(self) -> None:
+        self.replica.close()
+
+
+def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]], sampling_params, *, tp_group,
+                        pp_group, config: Optional[GenerationConfig] = None, vocab_size: Optional[int] = None,
+                        stop_token_ids: Sequence[int] = (), seed: int = 0) -> list[GenerationResult]:
+    """One-shot KV-cache generation with any GPTModel stage on its own groups (e.g. the training-layout model).
+
+    Called on every rank (the checks agree over the world); the ranks of one model replica pass the same prompts.
+    Without ``config`` the cache is sized to this call and decode steps run eagerly (graphs captured for one call
+    would cost more than they save). The cache and graphs are dropped at the end: keep a :class:`ReplicaGenerator`
+    to reuse them.
+    """
+    limit = config.max_sequence_length if config is not None and config.max_sequence_length else None
+    limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=limit or int(chunk.max_sequence_length))
+    prompts, vocab = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
+                                         stop_token_ids=stop_token_ids, limits=limits)
+    if not prompts:
+        return []
+    if config is None:
+        config = GenerationConfig(max_batch_size=min(64, len(prompts)), cuda_graphs=False,
+                                  max_sequence_length=max(2, max(len(p) for p in prompts)
+                                                          + int(sampling_params.num_tokens_to_generate)))
+    replica = ReplicaGenerator(chunk, tp_group=tp_group, pp_group=pp_group, config=config)
+    try:
+        return replica.generate(prompts, sampling_params, vocab_size=vocab, stop_token_ids=list(stop_token_ids),
+                                seed=seed)
+    finally:
+        replica.close()

@@ -1,0 +1,168 @@
+"""CUDA graphs of decode steps, captured once per bucket and replayed for the generator's whole life.
+
+A decode step's inputs (each slot's token and position, and the hidden states from the previous pipeline stage),
+the KV cache, the rotary frequencies and the weights all sit at fixed addresses; between rollouts the engine
+unmaps and maps the weights' peers' slots and the cache again at the same addresses, and optimizer steps write
+training weights in place. So a graph captured in one rollout replays correctly in every later one and is never
+captured again: what peers get wrong when their inference engine reallocates (stale graphs or re-capture).
+
+A graph bakes in the batch (slots ``0 .. B-1``) and how many cached positions attention reads, so a step is run by
+the graph of its bucket: the batch rounded up to a batch size of the list, the filled length rounded up to the
+length granule. megatron-core needs its inference RNG tracker for capture
+(``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the default tracker's ``fork()`` fails
+inside a capture.
+
+All graphs share one memory pool (they never run concurrently). Its memory would otherwise stay allocated as long
+as the graphs live, training included; :class:`ReservedGraphPool` instead serves the pool's segments from one
+:class:`~megatron_hybrid.memory.ReservedBuffer` (a ``torch.cuda.MemPool`` over a custom allocator), so they keep
+their addresses but are backed only while generating.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import warnings
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+
+import torch
+
+from ..memory import ReservedBuffer
+
+# torch's pluggable-allocator callbacks (c10/cuda/CUDAPluggableAllocator): alloc(size, device, stream) -> ptr and
+# free(ptr, size, device, stream).
+_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+
+class ReservedGraphPool:
+    """A ``torch.cuda.MemPool`` whose segments are carved, in order, out of one reserved address range.
+
+    The caching allocator asks for a segment only when a capture needs more memory; the segment is mapped then and
+    handed out for the pool's life (the pool reuses its blocks itself; nothing is given back before the pool goes).
+    :meth:`backed` maps every segment handed out so far for the duration of a generate call and unmaps them after,
+    at the same addresses, which the graphs captured over them keep.
+
+    Args:
+        device: the GPU.
+        reserve_bytes: address space to reserve (physical memory follows the segments actually handed out).
+    """
+
+    def __init__(self, device: torch.device, reserve_bytes: int) -> None:
+        self.buffer = ReservedBuffer(reserve_bytes, torch.uint8, device=device, backend="cuda_vmm")
+        self.base = self.buffer.data_ptr()  # read here: the callback runs inside the caching allocator's lock
+        self.top = 0  # bytes handed out
+        # The callbacks must outlive the allocator that calls them. torch._C._cuda_customAllocator is what
+        # torch.cuda.memory.CUDAPluggableAllocator calls with a shared library's function pointers (torch >= 2.0);
+        # a MemPool over such an allocator serves CUDA-graph captures from torch 2.6 (checked up to 2.13).
+        self._alloc_cb, self._free_cb = _ALLOC(self._alloc), _FREE(self._free)
+        allocator = torch._C._cuda_customAllocator(ctypes.cast(self._alloc_cb, ctypes.c_void_p).value,
+                                                   ctypes.cast(self._free_cb, ctypes.c_void_p).value)
+        self.pool = torch.cuda.MemPool(allocator)
+        self.id = self.pool.id
+
+    def _alloc(self, size: int, device: int, stream: Any) -> Optional[int]:
+        granule = self.buffer.granularity
+        size = -(-size // granule) * granule
+        if self.top + size > self.buffer.numel:
+            return None  # the caching allocator turns a null pointer into its out-of-memory error
+        lo, self.top = self.top, self.top + size
+        self.buffer.map(lo, self.top)
+        return self.base + lo
+
+    def _free(self, ptr: Any, size: int, device: int, stream: Any) -> None:
+        """Segments are only freed when the pool goes; the reservation goes with :meth:`close`."""
+
+    @contextmanager
+    def backed(self) -> Iterator[None]:
+        """Every segment handed out is backed for the body (new ones are mapped as they are handed out)."""
+        if self.top:
+            self.buffer.map(0, self.top)
+        try:
+            yield
+        finally:
+            if self.top:
+                self.buffer.unmap(0, self.top)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.buffer.mapped_bytes
+
+    def close(self) -> None:
+        self.pool = None
+        self.buffer.close()
+
+
+class DecodeGraphs:
+    """Graphs of one stage's decode step, keyed by ``(batch, attended)`` bucket.
+
+    Args:
+        batch_sizes: the batch buckets (sorted, the largest is the slot count).
+        length_granule: attended lengths are rounded up to a multiple of this.
+        max_length: positions per slot (the largest attended length).
+        device: the GPU.
+        pool_bytes: address space for a :class:`ReservedGraphPool` (0: a private pool that stays allocated).
+    """
+
+    def __init__(self, batch_sizes: Sequence[int], *, length_granule: int, max_length: int, device: torch.device,
+                 pool_bytes: int) -> None:
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.length_granule = length_granule
+        self.max_length = max_length
+        self.reserved: Optional[ReservedGraphPool] = None
+        if pool_bytes > 0:
+            try:
+                self.reserved = ReservedGraphPool(device, pool_bytes)
+            except (AttributeError, RuntimeError, OSError) as exc:  # no VMM, or a torch without custom MemPools
+                warnings.warn(f"decode graphs: no reserved memory pool ({exc}); their memory stays allocated "
+                              "between generate calls", RuntimeWarning, stacklevel=2)
+        self.pool = self.reserved.id if self.reserved is not None else torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures = 0
+        self.replays = 0
+
+    def bucket(self, batch: int, attended: int) -> tuple[int, int]:
+        """The graph that runs a step over ``batch`` slots whose longest sequence has ``attended`` positions."""
+        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)]
+        length = min(-(-attended // self.length_granule) * self.length_granule, self.max_length)
+        return b, length
+
+    def run(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Replay the graph of ``key`` (capturing ``step`` first if it has none) and return its output.
+
+        ``step`` must read only fixed-address tensors. The output is overwritten by the next replay of any graph.
+        """
+        entry = self._graphs.get(key)
+        if entry is None:
+            # Warm up outside the capture (cuBLAS handles, NCCL communicators and the like initialise lazily). It
+            # computes this very step, so the K/V it writes are the ones the replay below writes again. On the
+            # current stream, not a side stream: a new stream's cuBLAS workspace would stay allocated for good.
+            step()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local, as megatron-core's own graphs: the NCCL watchdog thread queries events meanwhile.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = step()
+            entry = self._graphs[key] = (graph, out)
+            self.captures += 1
+        graph, out = entry
+        graph.replay()
+        self.replays += 1
+        return out
+
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    def backed(self) -> ContextManager[None]:
+        """The graphs' memory is there for the body (always, without a reserved pool)."""
+        return self.reserved.backed() if self.reserved is not None else nullcontext()
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of reserved pool memory handed out to the graphs (0 without a reserved pool)."""
+        return self.reserved.top if self.reserved is not None else 0
+
+    def close(self) -> None:
+        self._graphs.clear()
+        if self.reserved is not None:
+            self.reserved.close()

@@ -1,0 +1,182 @@
+"""CUDA graphs and memory of KV-cache generation on one GPU, one rank (not collected by pytest: needs a GPU).
+
+    python3 tests/gpu_inference.py                      # both graph-pool variants, each in its own process
+    python3 tests/gpu_inference.py --graph-pool reserved --output /tmp/gpu_inference.json
+
+A HybridEngine (one rank: NCCL world of 1, training and rollout layout TP=1) and a RolloutGenerator with CUDA graphs
+go through 4 rollouts: the first captures the decode graphs (4 batch buckets: calls with 16, 5, 2 and 1 prompts),
+and each later one follows switch_to_training() → an in-place SGD step on the training parameters →
+switch_to_rollout(). Checked, per rollout:
+
+- graphs: for every captured bucket, the replayed graph's logits equal an eager forward's (same inputs, same cache)
+  bit for bit, after each step changed the weights (a stale graph would differ); captures == buckets >= 3 after
+  the first rollout and never grow;
+- memory: after switch_to_training(), the device memory that inference still holds (``torch.cuda.mem_get_info``
+  against a baseline taken before the first rollout, both after ``empty_cache``) is at most one granule per buffer
+  (KV cache, graph pool, decode state); the KV cache's address is the same in every rollout.
+
+The ``reserved`` variant keeps the graphs' memory in a reserved range (``GenerationConfig.graph_pool_gib > 0``);
+``private`` uses a plain CUDA-graph pool, whose memory stays allocated (its memory check is expected to fail: it
+shows what the reserved pool saves). Prints one JSON summary; exits 1 when a check of the reserved variant fails.
+Multi-rank capture (NCCL collectives inside the graphs, TP > 1) is written but not exercised here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VOCAB = 32000
+BUCKET_PROMPTS = (16, 5, 2, 1)  # prompts per generate call: batch buckets 16, 8, 2 and 1
+NEW_TOKENS = 32
+
+
+def _free_bytes() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _check_buckets(generator, cycle: int) -> dict:
+    """Every captured bucket: replayed logits vs an eager forward of the same step, bit for bit."""
+    replica = generator.replica
+    out = {}
+    with torch.no_grad(), replica.cache.backed(), replica.graphs.backed():
+        for batch, attended in replica.graphs.keys():
+            g = torch.Generator(device="cuda").manual_seed(1000 + batch)  # the same inputs in every rollout
+            replica.slot_tokens[:batch] = torch.randint(0, VOCAB, (batch,), generator=g, device="cuda")
+            replica.slot_positions[:batch] = torch.randint(0, attended, (batch,), generator=g, device="cuda")
+            replica.slot_running[:batch] = 1
+            captures = replica.graphs.captures
+            replayed = replica.graphs.run((batch, attended), lambda: replica._decode_forward(batch, attended)).clone()
+            eager = replica._decode_forward(batch, attended)
+            assert replica.graphs.captures == captures, "the check must replay an existing graph"
+            out[f"{batch}x{attended}"] = {"bit_exact": bool(torch.equal(replayed, eager)),
+                                         "max_abs_diff": float((replayed.float() - eager.float()).abs().max())}
+        replica.slot_running.zero_()
+        replica.slot_positions.zero_()
+    return out
+
+
+def run_variant(graph_pool: str) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+    from megatron_hybrid.memory import allocation_granularity
+    from megatron_hybrid.models import GPTArchitecture
+
+    torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    # megatron-core's default RNG tracker cannot be captured (its fork() reseeds); the inference one can.
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    arch = GPTArchitecture(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8,
+                           ffn_hidden_size=2816, vocab_size=VOCAB, params_dtype="bfloat16",
+                           max_position_embeddings=4096)
+    model = arch.build().cuda()
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    # Gradients from a real backward: cuBLAS, autograd and the optimizer's lazy state all exist before the baseline.
+    tokens = torch.randint(0, VOCAB, (2, 64), device="cuda")
+    model(tokens, torch.arange(64, device="cuda").expand(2, -1), None).float().square().mean().backward()
+    dist.all_reduce(torch.zeros(1, device="cuda"))  # NCCL's own buffers come with the first collective
+    config = GenerationConfig(max_batch_size=16, max_sequence_length=256,
+                              graph_pool_gib=4.0 if graph_pool == "reserved" else 0.0)
+    generator = RolloutGenerator(engine, config)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(16, 160, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(max(BUCKET_PROMPTS))]
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
+    granule = allocation_granularity(torch.device("cuda", 0))
+    base = _free_bytes()
+    base_reserved, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    cycles = []
+    for cycle in range(4):
+        if cycle:
+            engine.switch_to_training()
+            with torch.no_grad():
+                opt.step()  # in place: the rollout weights (and the graphs) keep their addresses
+        engine.switch_to_rollout()
+        tokens_out = [[r.generated_tokens for r in generator.generate(prompts[:n], greedy, vocab_size=VOCAB)]
+                      for n in BUCKET_PROMPTS]
+        buckets = _check_buckets(generator, cycle)
+        report = generator.report()
+        engine.switch_to_training()
+        held = base - _free_bytes()
+        cycles.append({"captures": report["cuda_graph_captures"], "replays": report["cuda_graph_replays"],
+                       "weight_checksum": float(next(model.parameters()).float().sum()),
+                       "reserved_graph_pool": generator.replica.graphs.reserved is not None,
+                       "buckets": buckets, "held_bytes_while_training": held,
+                       # Where the held bytes are: the caching allocator's blocks (reserved, of which allocated are
+                       # live tensors), or outside it (driver objects such as instantiated graphs).
+                       "allocator_reserved_growth": torch.cuda.memory_reserved() - base_reserved,
+                       "allocator_allocated_growth": torch.cuda.memory_allocated() - base_allocated,
+                       "kv_cache_address": report["kv_cache_address"], "kv_cache_bytes": report["kv_cache_bytes"],
+                       "graph_pool_bytes": report["cuda_graph_pool_bytes"],
+                       "kv_cache_mapped_while_training": generator.report()["kv_cache_mapped_bytes"],
+                       "first_tokens": tokens_out[0][0][:8]})
+    num_buffers = 3  # KV cache, graph pool, decode-state tensors
+    first = cycles[0]
+    checks = {
+        "bit_exact": all(b["bit_exact"] for c in cycles for b in c["buckets"].values()),
+        "buckets_at_least_3": len(first["buckets"]) >= 3,
+        "captures_equal_buckets": all(c["captures"] == len(first["buckets"]) for c in cycles),
+        "weights_changed_each_cycle": len({c["weight_checksum"] for c in cycles}) == len(cycles),
+        "kv_cache_address_fixed": len({c["kv_cache_address"] for c in cycles}) == 1,
+        "memory_held_within_granules": all(c["held_bytes_while_training"] <= num_buffers * granule for c in cycles),
+    }
+    generator.close()
+    engine.close()
+    dist.destroy_process_group()
+    return {"graph_pool": graph_pool, "checks": checks, "ok": all(checks.values()), "granule": granule,
+            "held_bound_bytes": num_buffers * granule, "cycles": cycles, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--graph-pool", choices=["reserved", "private"], default=None,
+                    help="run one variant in this process (default: both, each in a subprocess)")
+    ap.add_argument("--output", default=None, help="also write the JSON summary here")
+    args = ap.parse_args()
+    if args.graph_pool is not None:
+        try:
+            summary = run_variant(args.graph_pool)
+        except Exception:  # report the failure as JSON too, so the parent's summary keeps it
+            summary = {"graph_pool": args.graph_pool, "ok": False, "error": traceback.format_exc()}
+    else:
+        variants = []
+        for variant in ("reserved", "private"):
+            proc = subprocess.run([sys.executable, __file__, "--graph-pool", variant], capture_output=True,
+                                  text=True, env=dict(os.environ))
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            variants.append(json.loads(lines[-1]) if lines else
+                            {"graph_pool": variant, "ok": False, "returncode": proc.returncode,
+                             "stderr_tail": proc.stderr[-4000:]})
+        summary = {"ok": variants[0]["ok"], "variants": variants}
+    text = json.dumps(summary)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+    sys.exit(0 if summary["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Rank bodies for the KV-cache generation tests (module-level, so the harness can send them to its ranks).
+
+The reference is deliberately naive and independent of megatron_hybrid.inference: the training-layout model's
+full forward over every whole sequence at every step (no cache), greedy argmax over the real vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.engine_cases import arch
+
+VOCAB = 250  # tiny_llama's real vocabulary; its output layer has 256 rows at every TP size
+NEW_TOKENS = 64
+MAX_LEN = 128  # positions per sequence: the longest prompt (60) plus 64 new tokens fit
+
+
+def prompts_for(dp_rank: int, count: int) -> list[list[int]]:
+    """``count`` prompts of lengths drawn from 1..60 (seeded by the training DP rank)."""
+    g = torch.Generator().manual_seed(500 + dp_rank)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 61, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def _training_model(state: dict):
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid.sharding import load_full_state_dict
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    model = arch().build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    return model
+
+
+def _full_logits(model, seqs: list[list[int]]):
+    """Training-layout logits ``[B, S, VOCAB]`` (fp32) of right-padded ``seqs`` on the last stage, else None."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid.forward import gather_vocab, pipeline_forward
+
+    width = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        tokens[row, : len(s)] = torch.tensor(s)
+    positions = torch.arange(width).expand(len(seqs), -1)
+    with torch.no_grad():
+        logits = pipeline_forward(model, ps.get_pipeline_model_parallel_group(), tokens, positions)
+    if logits is None:
+        return None
+    return gather_vocab(logits, ps.get_tensor_model_parallel_group()).float()[..., :VOCAB]
+
+
+def recompute_greedy(model, prompts: list[list[int]], stops: set[int], new_tokens: int) -> list[list[int]]:
+    """Greedy decoding by a full forward over every whole sequence at each step (right padding is harmless:
+    attention is causal and each row's logits are read at its last real token)."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_group()
+    last = dist.get_process_group_ranks(pp)[-1]
+    out: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    for _ in range(new_tokens):
+        if not active:
+            break
+        seqs = [prompts[i] + out[i] for i in active]
+        logits = _full_logits(model, seqs)
+        picked = torch.zeros(len(active), dtype=torch.long)
+        if logits is not None:
+            picked = logits[torch.arange(len(active)), torch.tensor([len(s) - 1 for s in seqs])].argmax(-1)
+        if pp.size() > 1:
+            dist.broadcast(picked, src=last, group=pp)
+        for i, tok in zip(active, picked.tolist()):
+            out[i].append(tok)
+        active = [i for i in active if out[i][-1] not in stops and len(out[i]) < new_tokens]
+    return out
+
+
+def teacher_forced_log_probs(model, prompts: list[list[int]], generated: list[list[int]]):
+    """log p(generated token) under one training-layout forward over each whole sequence (last stage; else None)."""
+    seqs = [p + g for p, g in zip(prompts, generated)]
+    logits = _full_logits(model, seqs)
+    if logits is None:
+        return None
+    out = []
+    for row, (p, g) in enumerate(zip(prompts, generated)):
+        logp = logits[row, len(p) - 1: len(p) + len(g) - 1].log_softmax(-1)
+        out.append(logp.gather(-1, torch.tensor(g).unsqueeze(-1)).squeeze(-1).tolist())
+    return out
+
+
+def stop_probe(state: dict, dp_ranks: list[int], count: int) -> list[list[int]]:
+    """World of one: greedy continuations (no stop tokens) of the prompts of ``dp_ranks``, to pick stop tokens."""
+    model = _training_model(state)
+    prompts = [p for dp in dp_ranks for p in prompts_for(dp, count)]
+    return recompute_greedy(model, prompts, set(), NEW_TOKENS)
+
+
+def layout_case(rollout_tp: int, rollout_pp: int, mode: str, state: dict, stops: list[int], count: int,
+                slots: int) -> dict:
+    """Greedy KV-cache generation on the rollout layout against the training layout's recompute."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode)
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN))
+    prompts = prompts_for(ps.get_data_parallel_rank(), count)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, return_log_probs=True)
+    results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)
+    report = generator.report()
+    engine.switch_to_training()
+    generated = [r.generated_tokens for r in results]
+    return {"prompts": prompts, "result_prompts": [r.prompt_tokens for r in results], "generated": generated,
+            "log_probs": [r.generated_log_probs for r in results],
+            "reference": recompute_greedy(model, prompts, set(stops), NEW_TOKENS),
+            "teacher_forced": teacher_forced_log_probs(model, prompts, generated), "report": report,
+            "dp": ps.get_data_parallel_rank()}
+
+
+def sampling_case(rollout_tp: int, state: dict, num_samples: int) -> dict:
+    """Seeded sampling: reproducible, identical on the ranks of a replica, distributed as the model's softmax."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(rollout_tp, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=256, max_sequence_length=MAX_LEN))
+    prompts = prompts_for(0, 6)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, num_tokens_to_generate=24)
+    runs = [[r.generated_tokens for r in generator.generate(prompts, params, vocab_size=VOCAB, seed=seed)]
+            for seed in (7, 7, 8)]
+    # The next-token distribution over a vocabulary of 8: one prompt, many independent one-token samples.
+    prompt, small = [1, 4, 2, 7, 3], 8  # ids below the small vocabulary
+    settings = {"plain": SamplingParams(temperature=1.0, num_tokens_to_generate=1),
+                "cut": SamplingParams(temperature=0.7, top_k=5, top_p=0.8, num_tokens_to_generate=1)}
+    counts = {}
+    for name, sp in settings.items():
+        out = generator.generate([prompt] * num_samples, sp, vocab_size=small, seed=3)
+        counts[name] = torch.bincount(torch.tensor([r.generated_tokens[0] for r in out]), minlength=small).tolist()
+    engine.switch_to_training()
+    logits = _full_logits(model, [prompt])
+    return {"runs": runs, "counts": counts,
+            "logits": logits[0, -1, :small].tolist() if logits is not None else None,
+            "settings": {k: (v.temperature, v.top_k, v.top_p) for k, v in settings.items()}}
+
+
+def bad_input_case(state: dict) -> dict:
+    """Each bad call raises a ValueError on every rank (one rank holds the bad prompt); a good call still works."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=4, max_sequence_length=MAX_LEN))
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=8)
+    culprit = dist.get_rank() == dist.get_world_size() - 1
+    good = [[1, 2, 3], [4, 5]]
+    calls = {
+        "empty": (good + [[]] if culprit else good, {}),
+        "too_large": ([[1, 2], [3, VOCAB]] if culprit else good, {"vocab_size": VOCAB}),
+        "negative": ([[1, -1]] if culprit else good, {}),
+        "vocab_zero": (good, {"vocab_size": 0}),
+        "vocab_above_padded": (good, {"vocab_size": 300}),
+        "too_long": ([[5] * (MAX_LEN - 4)] if culprit else good, {}),
+    }
+    messages = {}
+    for name, (prompts, kwargs) in calls.items():
+        try:
+            generator.generate(prompts, sp, **kwargs)
+            messages[name] = None
+        except ValueError as exc:
+            messages[name] = str(exc)
+    results = generator.generate(good, sp, vocab_size=VOCAB)
+    engine.switch_to_training()
+    return {"messages": messages, "ok": [len(r.generated_tokens) for r in results], "dp": ps.get_data_parallel_rank()}
+
+
+def memory_case(state: dict) -> dict:
+    """The KV cache keeps its address across rollouts and holds no memory while training."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=3, max_sequence_length=MAX_LEN))
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=12)
+    prompts = prompts_for(0, 7)
+    seen = []
+    for _ in range(2):
+        out = generator.generate(prompts, sp, vocab_size=VOCAB)
+        during = generator.report()
+        engine.switch_to_training()
+        after = generator.report()
+        seen.append({"tokens": [r.generated_tokens for r in out], "address": during["kv_cache_address"],
+                     "bytes": during["kv_cache_bytes"], "mapped_after": after["kv_cache_mapped_bytes"]})
+    return {"runs": seen, "buffer_api": hasattr(engine, "reserve_rollout_memory")}
+
+
+def rotary_case() -> bool:
+    """World of one: the cached path's rotary embedding equals megatron-core's, bit for bit, at positions up to
+    4095 of a Llama-3-scaled rope (factor 32)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from megatron_hybrid.inference import GenerationConfig, ReplicaGenerator
+
+    model = arch(use_rope_scaling=True, rope_scaling_factor=32.0, max_position_embeddings=4096).build()
+    replica = ReplicaGenerator(model, tp_group=ps.get_tensor_model_parallel_group(),
+                               pp_group=ps.get_pipeline_model_parallel_group(),
+                               config=GenerationConfig(max_batch_size=1, max_sequence_length=4096))
+    replica._ensure_state()
+    positions = torch.tensor([0, 1, 17, 2047, 2048, 3000, 4095])
+    q = torch.randn(len(positions), 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    ours = replica.attention[0]._rotate(q, *replica._rotary(positions))
+    reference = apply_rotary_pos_emb(q, model.rotary_pos_emb(4096)[positions], config=model.config,
+                                     cp_group=ps.get_context_parallel_group())
+    replica.close()
+    return bool(torch.equal(ours, reference))
+
+
+def bucketed_case(state: dict, stops: list[int]) -> dict:
+    """The CUDA-graph step path on the CPU: decode steps padded to batch buckets and to a length granule (the
+    graphs' bucketing), run eagerly by a stand-in for DecodeGraphs, against the training layout's recompute."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+    from megatron_hybrid.inference.graphs import DecodeGraphs
+
+    class EagerBuckets(DecodeGraphs):
+        def __init__(self, batch_sizes, *, length_granule, max_length):  # no CUDA pool
+            self.batch_sizes, self.length_granule, self.max_length = sorted(batch_sizes), length_granule, max_length
+            self.reserved, self.seen = None, set()
+
+        def run(self, key, step):
+            self.seen.add(key)
+            return step()
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, ps.get_pipeline_model_parallel_world_size()))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=5, max_sequence_length=MAX_LEN))
+    replica = generator.replica
+    engine.switch_to_rollout()
+    replica._ensure_state()
+    replica.graphs = EagerBuckets([2, 5], length_granule=16, max_length=MAX_LEN)
+    prompts = prompts_for(0, 13)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=40)
+    results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)
+    seen = sorted(replica.graphs.seen)
+    replica.graphs = None
+    engine.switch_to_training()
+    generated = [r.generated_tokens for r in results]
+    return {"generated": generated, "reference": recompute_greedy(model, prompts, set(stops), 40),
+            "log_probs": [r.generated_log_probs for r in results],
+            "teacher_forced": teacher_forced_log_probs(model, prompts, generated), "buckets": seen}

@@ -1,0 +1,186 @@
+"""KV-cache generation (megatron_hybrid.inference) on CPU/gloo, against the training-layout model.
+
+Greedy tokens must equal a full-recompute greedy decoding of the training-layout model (independent code in
+tests/inference_cases.py); log-probs must equal a teacher-forced training-layout forward over the generated
+sequences. Sampling is checked for reproducibility, for agreement between the ranks of a replica and, with a
+chi-square goodness-of-fit test, for following the model's softmax.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import engine_cases, inference_cases as cases
+from tests.harness import run_distributed
+
+# fp32 log-probs: the cached path (SDPA, per-token rotary) and the training forward (megatron-core's core attention,
+# other TP splits) sum in different orders; differences seen are <= 1e-6, so 1e-5 still catches any real error.
+LOGP_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def state() -> dict:
+    return run_distributed(engine_cases.reference, 1, {})[0][0]
+
+
+@pytest.fixture(scope="module")
+def stops(state) -> list[int]:
+    """Stop tokens that greedy decoding reaches mid-sequence: in each probe continuation, the first token at step
+    16 or later that it had not produced before (first three such)."""
+    probe = run_distributed(cases.stop_probe, 1, state, [0, 1], 6)[0]
+    found = []
+    for seq in probe:
+        late = [tok for tok in seq[16:] if tok not in seq[:16]]
+        if late and late[0] not in found:
+            found.append(late[0])
+    assert len(found) >= 2, probe
+    return found[:3]
+
+
+# (t, p, d) -> (t_g, p_g), weight mode, prompts per training rank, decode slots: every rollout replica gets 3x as
+# many prompts as it has slots.
+LAYOUTS = [
+    ((2, 1, 2), (1, 1), "aliased", 12, 2),     # t_g < t, micro-DP of 2
+    ((2, 2, 1), (1, 2), "canonical", 12, 2),   # p_g > 1, t_g < t
+    ((2, 2, 1), (1, 1), "aliased", 24, 2),     # p_g < p, micro-DP of 4
+    ((2, 1, 2), (4, 1), "aliased", 6, 4),      # t_g > t: one rollout replica serves both training replicas
+    ((2, 1, 2), (4, 1), "canonical", 6, 4),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS,
+                         ids=lambda v: f"t{v[0][0]}p{v[0][1]}d{v[0][2]}-tg{v[1][0]}pg{v[1][1]}-{v[2]}")
+def test_greedy_matches_training_layout(layout, state, stops):
+    (t, p, d), (t_g, p_g), mode, count, slots = layout
+    runs = run_distributed(cases.layout_case, t * p * d, t_g, p_g, mode, state, stops, count, slots,
+                           tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+    lengths = []
+    for r in runs:
+        # Every training rank gets its own prompts' results, in order, with the training layout's tokens.
+        assert r["result_prompts"] == r["prompts"] == cases.prompts_for(r["dp"], count)
+        assert r["generated"] == r["reference"]
+        for gen, logp in zip(r["generated"], r["log_probs"]):
+            assert len(logp) == len(gen)
+            assert all(tok not in stops for tok in gen[:-1])
+            assert len(gen) == cases.NEW_TOKENS or gen[-1] in stops
+        if r["teacher_forced"] is not None:
+            for logp, ref in zip(r["log_probs"], r["teacher_forced"]):
+                torch.testing.assert_close(torch.tensor(logp), torch.tensor(ref), rtol=0, atol=LOGP_ATOL)
+        # Continuous batching: more prompts than slots, and no decode step ran with a free slot while one waited.
+        rep = r["report"]
+        assert rep["idle_slot_steps"] == 0 and rep["max_active_slots"] == slots == rep["kv_cache_slots"]
+        lengths += [len(g) for g in r["generated"]]
+    # Stop tokens ended some sequences mid-batch while others ran to num_tokens_to_generate.
+    assert min(lengths) < cases.NEW_TOKENS == max(lengths)
+    assert max(len(x) for r in runs for x in r["prompts"]) - min(len(x) for r in runs for x in r["prompts"]) >= 40
+
+
+def _chi_square_p_value(counts: list[int], probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit over the tokens of positive probability; the p-value is the
+    regularised upper incomplete gamma function Q(df / 2, X² / 2)."""
+    counts_t = torch.tensor(counts, dtype=torch.float64)
+    support = probs > 0
+    expected = probs[support] * counts_t.sum()
+    assert expected.min() >= 5, expected  # the chi-square approximation needs >= 5 expected per cell
+    stat = ((counts_t[support] - expected) ** 2 / expected).sum()
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def _expected(logits: list[float], temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The sampling distribution, written out independently: temperature, top-k, then the smallest set of the
+    most likely tokens whose mass reaches top_p."""
+    x = torch.tensor(logits, dtype=torch.float64) / temperature
+    order = sorted(range(len(logits)), key=lambda i: -x[i])
+    keep = order[:top_k] if top_k > 0 else order
+    if 0 < top_p < 1:
+        p = torch.softmax(x[keep], 0)
+        mass, cut = 0.0, []
+        for i, pi in zip(keep, p.tolist()):
+            if mass >= top_p:
+                break
+            cut.append(i)
+            mass += pi
+        keep = cut
+    out = torch.zeros(len(logits), dtype=torch.float64)
+    out[keep] = torch.softmax(x[keep], 0)
+    return out
+
+
+def test_sampling_is_seeded_shared_and_follows_the_softmax(state):
+    num_samples = 4000
+    runs = run_distributed(cases.sampling_case, 2, 2, state, num_samples, tensor_model_parallel_size=2)
+    a, b = runs
+    # Fixed seed: the same samples on every run; another seed: others. Both TP ranks of the replica agree.
+    assert a["runs"][0] == a["runs"][1] != a["runs"][2]
+    assert a["runs"] == b["runs"] and a["counts"] == b["counts"]
+    logits = a["logits"] if a["logits"] is not None else b["logits"]
+    for name, (temperature, top_k, top_p) in a["settings"].items():
+        probs = _expected(logits, temperature, top_k, top_p)
+        counts = a["counts"][name]
+        assert sum(counts) == num_samples
+        assert all(c == 0 for c, q in zip(counts, probs) if q == 0), (name, counts, probs)  # cut tokens never drawn
+        # Threshold: p-value 1e-6, so a correct sampler fails each check with probability 1e-6 (both: 2e-6),
+        # while a sampler off by 0.05 in one token's probability gives X² in the hundreds (p ~ 0) at 4000 draws.
+        p_value = _chi_square_p_value(counts, probs)
+        assert p_value > 1e-6, (name, counts, (probs * num_samples).tolist(), p_value)
+
+
+def test_bad_input_raises_on_every_rank(state):
+    runs = run_distributed(cases.bad_input_case, 4, state, tensor_model_parallel_size=2)
+    expected = {
+        "empty": "prompt 2 (rank 3) is empty",
+        "too_large": f"prompt 1 (rank 3): token 1 is {cases.VOCAB}, outside the vocabulary [0, {cases.VOCAB})",
+        "negative": "prompt 0 (rank 3): token 1 is -1, outside the vocabulary [0, 256)",
+        "vocab_zero": "vocab_size (0) must be between 1 and the output layer's padded vocabulary (256)",
+        "vocab_above_padded": "vocab_size (300) must be between 1 and the output layer's padded vocabulary (256)",
+        "too_long": (f"prompt 0 (rank 3) has {cases.MAX_LEN - 4} tokens; with num_tokens_to_generate=8 it needs "
+                     f"{cases.MAX_LEN + 4} positions, more than a sequence may take in the KV cache "
+                     f"(max_sequence_length={cases.MAX_LEN})"),
+    }
+    for r in runs:
+        for name, text in expected.items():
+            assert r["messages"][name] is not None and text in r["messages"][name], (name, r["messages"][name])
+        assert r["ok"] == [8, 8]  # the engine still generates after the refused calls
+
+
+def test_kv_cache_keeps_its_address_and_leaves_no_memory_while_training(state):
+    r = run_distributed(cases.memory_case, 1, state)[0]
+    first, second = r["runs"]
+    assert first["address"] == second["address"] != 0
+    assert first["mapped_after"] == second["mapped_after"] == 0 < first["bytes"]
+    assert first["tokens"] == second["tokens"]
+
+
+def test_scheduler_fills_free_slots_before_each_step():
+    from megatron_hybrid.inference.scheduler import SlotScheduler
+
+    sched = SlotScheduler(5, 2)
+    assert sched.admit() == [(0, 0), (1, 1)] and sched.decode_batch() == 2
+    sched.finish(0)
+    assert sched.admit() == [(2, 0)]
+    sched.finish(1)
+    sched.finish(2)
+    assert sched.admit() == [(3, 0), (4, 1)]
+    sched.finish(3)
+    assert sched.admit() == [] and sched.decode_batch() == 2 and sched.active() == [(1, 4)]
+    sched.finish(4)
+    assert sched.done and sched.idle_slot_steps == 0 and sched.decode_steps == 2
+
+
+def test_rotary_embedding_is_megatrons_bit_for_bit():
+    assert run_distributed(cases.rotary_case, 1)[0]
+
+
+def test_graph_bucketing_pads_batch_and_length(state, stops):
+    """Decode steps as the CUDA graphs run them (batch and attended length rounded up to buckets), on two
+    pipeline stages; here eager, on the CPU."""
+    runs = run_distributed(cases.bucketed_case, 2, state, stops, pipeline_model_parallel_size=2)
+    for r in runs:
+        assert r["generated"] == r["reference"]
+        # Steps ran padded up to a bucket (the last, single-slot ones as 2); lengths are whole granules of 16.
+        assert {b for b, _ in r["buckets"]} == {2, 5} and all(length % 16 == 0 for _, length in r["buckets"])
+        if r["teacher_forced"] is not None:
+            for logp, ref in zip(r["log_probs"], r["teacher_forced"]):
+                torch.testing.assert_close(torch.tensor(logp), torch.tensor(ref), rtol=0, atol=LOGP_ATOL)
