@@ -564,45 +564,61 @@ class ReservedBuffer:
 
 
 class HostOffload:
-    """Tensors copied to host memory (pinned on GPU), their device storage released in place.
+    """Tensors' storages copied to host memory (pinned on GPU) and released in place, whole.
 
-    Views and pointers held elsewhere (DDP's ``main_grad`` views of its grad buffer, an optimizer's references to
-    its state) stay valid objects; their memory comes back in :meth:`reload`.
+    Whole storages, not tensor extents: a tensor may be one view of a larger storage (an fp32 main parameter's
+    gradient is a view of DDP's gradient buffer), and releasing the storage releases every view of it. Views and
+    pointers held elsewhere (DDP's ``main_grad`` views, an optimizer's references to its state) stay valid objects;
+    their memory and values come back in :meth:`reload`.
     """
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._saved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        for t in tensors:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-            host.copy_(t, non_blocking=t.is_cuda)
-            self._saved.append((t, host, t.untyped_storage().nbytes()))
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()
-        for t, _, _ in self._saved:
-            if t.untyped_storage().resizable():
-                t.untyped_storage().resize_(0)  # keeps the storage object: views of it stay views
-            else:  # e.g. tensors from torch.load(weights_only=True): swap the data behind the same tensor object
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (whole storage as bytes, host copy)
+        self._swapped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, host copy): non-resizable storages
+        seen: set[int] = set()
+        with torch.no_grad():
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                if storage.resizable():
+                    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                    host = torch.empty(whole.shape, dtype=torch.uint8, pin_memory=t.is_cuda)
+                    host.copy_(whole, non_blocking=t.is_cuda)
+                    self._saved.append((whole, host))
+                else:  # e.g. tensors from torch.load(weights_only=True): swap the data behind the same tensor
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                    host.copy_(t, non_blocking=t.is_cuda)
+                    self._swapped.append((t, host))
+            if any(t.is_cuda for t in tensors):
+                torch.cuda.synchronize()
+            for whole, _ in self._saved:
+                whole.untyped_storage().resize_(0)  # keeps the storage object: every view of it stays a view
+            for t, _ in self._swapped:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
     @property
     def device_bytes(self) -> int:
         """Device bytes given back by the offload."""
-        return sum(nbytes for t, _, nbytes in self._saved if t.device.type != "cpu")
+        return sum(host.numel() for whole, host in self._saved if whole.device.type != "cpu") + \
+            sum(host.numel() * host.element_size() for t, host in self._swapped if t.device.type != "cpu")
 
     def reload(self) -> None:
-        """Bring every tensor back (same objects, same values)."""
-        for t, host, nbytes in self._saved:
-            if t.numel() == 0 and host.numel() > 0:
+        """Bring every storage back (same objects, same values)."""
+        with torch.no_grad():
+            for whole, host in self._saved:
+                whole.untyped_storage().resize_(host.numel())
+                whole.set_(whole.untyped_storage())
+                whole.copy_(host, non_blocking=whole.is_cuda)
+            for t, host in self._swapped:
                 t.data = host.to(t.device, non_blocking=t.is_cuda)
-                continue
-            t.untyped_storage().resize_(nbytes)
-            t.copy_(host, non_blocking=t.is_cuda)
-        self._saved = []
+        self._saved, self._swapped = [], []
 
 
 def optimizer_tensors(optimizer: Any, *, keep: list[torch.Tensor]) -> list[torch.Tensor]:
     """The device tensors an optimizer owns: its states and, for Megatron's mixed-precision optimizers, the fp32
-    main parameters (and their gradients), each once.
+    main parameters, each storage once.
 
     ``optimizer`` is a torch optimizer or a megatron-core one (``ChainedOptimizer``, ``DistributedOptimizer``,
     ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``). Tensors whose storage is that of a tensor in
@@ -636,9 +652,10 @@ def optimizer_tensors(optimizer: Any, *, keep: list[torch.Tensor]) -> list[torch
                 add(v)
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.untyped_storage().data_ptr() not in kept:  # an fp32 main parameter, not the model's own
+                # An fp32 main parameter, not the model's own. Its gradient is left out: it is a view of DDP's
+                # gradient buffer (offload_grads moves those), or it is dropped by the next zero_grad.
+                if p.untyped_storage().data_ptr() not in kept:
                     add(p)
-                    add(p.grad)
 
     visit(optimizer)
     return out
