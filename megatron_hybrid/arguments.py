@@ -42,13 +42,25 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="timeout of every collective, on every process group (fractions allowed); raise it above "
                    "the longest generation phase and checkpoint write, not only the switch")
     g = parser.add_argument_group("training (Megatron-LM names)")
-    g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all DP replicas")
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
+    g = parser.add_argument_group("optimizer and learning-rate schedule (Megatron-LM names: megatron-core's Adam "
+                                  "and OptimizerParamScheduler)")
+    g.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate (the actor's)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the rate the decay ends at")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup from 0")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="after warmup (Megatron-LM's default is linear; RL keeps the rate constant as a rule)")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="iterations from 0 to the end of the decay "
+                   "(default: --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled (AdamW); none on biases and norms")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
-    g.add_argument("--weight-decay", type=float, default=0.0)
     g = parser.add_argument_group("checkpoints (Megatron-LM names)")
     g.add_argument("--load", default=None, help="resume from this directory (its latest iteration)")
     g.add_argument("--save", default=None, help="write checkpoints here")
@@ -68,7 +80,9 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
-    g.add_argument("--reshard-bucket-size-mb", type=float, default=1024.0)
+    g.add_argument("--reshard-bucket-size-mb", type=float, default=None,
+                   help="HybridEngine gather bucket, MiB per dtype (default: the engine's, 1024 on a GPU, 32 on a "
+                        "CPU)")
     g.add_argument("--no-hybrid-rollout", action="store_true",
                    help="generate with the training-layout model on Megatron's groups (no resharding); for "
                    "comparisons")
@@ -129,19 +143,20 @@ def load_callable(spec: str) -> Callable:
 
 
 def check_number(flag: str, value: float, *, ge: Optional[float] = None, gt: Optional[float] = None,
-                 le: Optional[float] = None, hint: str = "") -> None:
+                 le: Optional[float] = None, lt: Optional[float] = None, hint: str = "") -> None:
     """``ValueError`` naming ``flag`` and ``value`` unless ``value`` is finite and within the given bounds.
 
     Every bound is tested as "inside", so NaN (which compares false with everything) never passes.
     """
     if (math.isfinite(value) and (ge is None or value >= ge) and (gt is None or value > gt)
-            and (le is None or value <= le)):
+            and (le is None or value <= le) and (lt is None or value < lt)):
         return
     low = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
-    if low is not None and le is not None:
-        want = f"in {low}, {le:g}]"
+    high = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
+    if low is not None and high is not None:
+        want = f"in {low}, {high}"
     else:
-        bounds = [f"{op} {b:g}" for op, b in (("≥", ge), (">", gt), ("≤", le)) if b is not None]
+        bounds = [f"{op} {b:g}" for op, b in (("≥", ge), (">", gt), ("≤", le), ("<", lt)) if b is not None]
         # ints are finite; for floats "finite" says why nan or inf fails a one-sided bound
         want = " ".join(["a finite number"] * isinstance(value, float) + bounds)
     raise ValueError(f"{flag} ({value}) must be {want}" + (f" ({hint})" if hint else ""))
@@ -158,12 +173,14 @@ _RANGES: dict[str, dict] = {
                      "global_batch_size", "train_iters", "save_interval", "num_layers", "hidden_size",
                      "num_attention_heads", "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
                      "make_vocab_size_divisible_by", "vocab_size", "prompt_length", "num_samples_per_prompt",
-                     "max_new_tokens", "ppo_epochs"), {"ge": 1}),
-    **dict.fromkeys(("lr", "critic_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef", "kl_loss_coef",
-                     "entropy_coef", "value_loss_coef", "target_token"), {"ge": 0}),
+                     "max_new_tokens", "ppo_epochs", "lr_decay_iters"), {"ge": 1}),
+    **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
+                     "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters"),
+                    {"ge": 0}),
     **dict.fromkeys(("clip_ratio", "clip_ratio_high", "kl_target", "kl_horizon", "reshard_bucket_size_mb",
-                     "distributed_timeout_minutes"), {"gt": 0}),
+                     "distributed_timeout_minutes", "adam_eps"), {"gt": 0}),
     **dict.fromkeys(("gamma", "lam"), {"ge": 0, "le": 1}),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), {"ge": 0, "lt": 1}),
     "temperature": {"gt": 0, "hint": "use --top-k 1 for greedy"},
     "top_k": {"ge": 0, "hint": "0: off"},
     "top_p": {"ge": 0, "le": 1, "hint": "0 or 1: off"},
@@ -176,6 +193,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for name, bounds in _RANGES.items():
         if getattr(args, name) is not None:
             check_number(_flag(name), getattr(args, name), **bounds)
+    # Megatron's OptimizerParamScheduler asserts these; a usage error names them instead.
+    for flag, peak in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
+        if peak is not None and args.min_lr > peak:
+            raise ValueError(f"--min-lr ({args.min_lr:g}) must be at most {flag} ({peak:g})")
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    if args.lr_warmup_iters >= decay_iters:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be less than --lr-decay-iters "
+                         f"({decay_iters}{', from --train-iters' if args.lr_decay_iters is None else ''})")
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
     if args.tokenizer_type == "NullTokenizer":  # the only vocabulary whose size is known before loading

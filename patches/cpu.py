@@ -8,7 +8,13 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
 - factory calls and ``.cuda()`` / ``.to("cuda")`` with an explicit CUDA device;
 - the CUDA RNG tracker (``torch.cuda.get_rng_state`` / ``manual_seed``);
 - ``torch.cuda.Event``, ``Stream``, ``current_stream``, ``synchronize`` and ``empty_cache`` in the
-  schedules, DDP and the inference engine.
+  schedules, DDP and the inference engine;
+- CUDA tensor type names in the optimizer (0.16.1 – 0.19.x): ``Float16OptimizerWithFloat16Params``, the
+  ``DistributedOptimizer`` and ``clip_grad_by_total_norm_fp32`` tell parameter and gradient dtypes apart by
+  ``tensor.type() == 'torch.cuda.BFloat16Tensor'`` (and ``…FloatTensor``, ``…HalfTensor``); a CPU tensor says
+  ``'torch.BFloat16Tensor'``, so the optimizer refuses every parameter. Inside the block a CPU tensor's
+  ``type()`` reports the CUDA name. (Its multi-tensor fallbacks, ``local_multi_tensor_l2_norm`` and
+  ``local_multi_tensor_scale``, are plain torch and only need the device rewrite below.)
 
 :func:`cpu_gloo` redirects those, for the duration of a ``with`` block, to the CPU: a
 ``TorchFunctionMode`` rewrites CUDA devices to ``cpu`` in every torch call, and the ``torch.cuda`` entry points
@@ -23,9 +29,12 @@ import threading
 from typing import Any, Iterator
 
 import torch
+from packaging.version import Version
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
+#: The megatron-core versions whose optimizer compares CUDA type names (checked on 0.16.1 and 0.19.2).
+_CUDA_TYPE_NAME_VERSIONS = (Version("0.16.1"), Version("0.20"))
 _state = threading.local()
 
 
@@ -44,13 +53,21 @@ def _is_cuda(device: Any) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments to CPU in every torch function and tensor method."""
+    """Rewrites CUDA device arguments to CPU in every torch function and tensor method; with
+    ``cuda_type_names``, a CPU tensor's ``type()`` (no arguments) is its CUDA type name."""
+
+    def __init__(self, *, cuda_type_names: bool) -> None:
+        super().__init__()
+        self._cuda_type_names = cuda_type_names
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
         name = getattr(func, "__name__", "")
+        if name == "type" and self._cuda_type_names and len(args) == 1 and not kwargs \
+                and args[0].device.type == "cpu":  # Tensor.type(): 'torch.BFloat16Tensor' → 'torch.cuda.…'
+            return "torch.cuda." + func(*args).removeprefix("torch.")
         if name == "cuda":  # Tensor.cuda(...)
             return args[0]
         if name == "to" and args:
@@ -153,12 +170,19 @@ def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
     return out
 
 
+def _optimizer_compares_cuda_type_names() -> bool:
+    from megatron.core import __version__
+
+    low, high = _CUDA_TYPE_NAME_VERSIONS
+    return low <= Version(__version__) < high
+
+
 @contextlib.contextmanager
 def cpu_gloo() -> Iterator[None]:
     """Redirect megatron-core's hard-coded CUDA calls to the CPU inside the block.
 
-    Use around model construction, forward/backward, the pipeline schedules, DDP and the inference engine when
-    running on CPU with gloo. Raises ``RuntimeError`` when CUDA is available: on a GPU, run the real thing.
+    Use around model construction, forward/backward, the pipeline schedules, DDP, the optimizer and the inference
+    engine when running on CPU with gloo. Raises ``RuntimeError`` when CUDA is available: on a GPU, run the real thing.
     """
     if torch.cuda.is_available():
         raise RuntimeError("cpu_gloo() is for CPU-only runs; CUDA is available here, so use it instead")
@@ -179,7 +203,7 @@ def cpu_gloo() -> Iterator[None]:
             saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, fn)
         _state.depth = 1
-        with _CudaToCpu():
+        with _CudaToCpu(cuda_type_names=_optimizer_compares_cuda_type_names()):
             yield
     finally:
         _state.depth = 0

@@ -1,28 +1,42 @@
-"""Rank bodies for the PPO/GRPO recipe tests (run by tests.harness.run_distributed)."""
+"""Rank bodies for the PPO/GRPO recipe tests (run by tests.harness.run_distributed).
+
+The recipe is run as a script, the way torchrun runs it (``__main__``, its command line), on the rank's process
+groups; its per-step metrics are read back from ``--log-dir``'s ``metrics.jsonl``. Nothing inside it is imported.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import runpy
 import sys
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-_RECIPE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "ppo", "train_ppo.py")
+from tests.rl_cases import recipe_args
 
-
-def recipe():
-    """examples/ppo/train_ppo.py as a module (examples/ is no package)."""
-    if "train_ppo" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("train_ppo", os.path.abspath(_RECIPE))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["train_ppo"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["train_ppo"]
+RECIPE = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, "examples", "ppo", "train_ppo.py"))
 
 
-def run_main(argv: list[str]) -> list[dict]:
-    return recipe().main(argv + ["--no-progress"])
+def run_recipe(argv: list[str]) -> None:
+    """``train_ppo.py argv`` in this process (argument errors exit with ``SystemExit``)."""
+    saved = sys.argv
+    sys.argv = [RECIPE, *argv]
+    try:
+        runpy.run_path(RECIPE, run_name="__main__")
+    finally:
+        sys.argv = saved
+
+
+def run_main(argv: list[str], log_dir: str) -> Optional[list[dict]]:
+    """Run the recipe with ``--log-dir log_dir``; rank 0 returns the metrics it logged (one dict per step)."""
+    run_recipe(argv + ["--no-progress", "--log-dir", log_dir])
+    if dist.get_rank() != 0:
+        return None
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def vocab_parallel_case(vocab_size: int):
@@ -52,14 +66,15 @@ def save_constant_reward_model(directory: str, bias: float) -> None:
     """A reward model whose head reads nothing (zero weight) and adds ``bias``: it scores every sequence ``bias``."""
     from megatron.core import parallel_state as ps
 
-    train_ppo = recipe()
-    args = train_ppo.parse_args([])
-    arch = train_ppo.architecture(args, args.vocab_size)
-    model = train_ppo.build_stage(arch, value_head=True, device=torch.device("cpu"))
+    from megatron_hybrid import rl
+
+    args = recipe_args()
+    arch = rl.architecture_from_args(args, args.vocab_size)
+    model = rl.build_stage(arch, value_head=True, device=torch.device("cpu"))
     if ps.is_pipeline_last_stage():
         with torch.no_grad():
             model.output_layer.bias.fill_(bias)
-    train_ppo.save_value_model(model, directory, arch)
+    rl.save_value_model(model, directory, arch)
 
 
 def write_sentencepiece_model(directory: str) -> str:

@@ -55,6 +55,17 @@ def _validate(*argv: str, world_size: int = 4) -> None:
     (["--save-interval", "0"], "--save-interval (0) must be ≥ 1"),
     (["--top-k", "17"], "--top-k (17) must be at most --vocab-size (16)"),
     (["--ffn-hidden-size", "99"], "--tensor-model-parallel-size (2) must divide --ffn-hidden-size (99)"),
+    # Megatron's optimizer and schedule: asserts in megatron-core, usage errors here.
+    (["--adam-beta2", "1"], "--adam-beta2 (1.0) must be in [0, 1)"),
+    (["--adam-beta1", "nan"], "--adam-beta1 (nan) must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps (0.0) must be a finite number > 0"),
+    (["--min-lr", "-1"], "--min-lr (-1.0) must be a finite number ≥ 0"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters (0) must be ≥ 1"),
+    (["--min-lr", "0.01"], "--min-lr (0.01) must be at most --lr (0.003)"),
+    (["--min-lr", "1e-3", "--critic-lr", "1e-4"], "--min-lr (0.001) must be at most --critic-lr (0.0001)"),
+    (["--lr-warmup-iters", "30"], "--lr-warmup-iters (30) must be less than --lr-decay-iters (30, from --train-iters)"),
+    (["--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
+     "--lr-warmup-iters (5) must be less than --lr-decay-iters (5)"),
 ])
 def test_bad_numbers_are_named(argv, message):
     with pytest.raises(ValueError) as e:
@@ -81,6 +92,9 @@ def test_check_number_bounds():
         check_number("--x", 2, le=1)
     with pytest.raises(ValueError, match=r"^--x \(nan\) must be a finite number$"):
         check_number("--x", float("nan"))
+    check_number("--x", 0.999, ge=0, lt=1)
+    with pytest.raises(ValueError, match=r"^--x \(1\.0\) must be a finite number < 1$"):
+        check_number("--x", 1.0, lt=1)
 
 
 def test_recipe_exits_with_the_message():

@@ -1,6 +1,6 @@
-"""PPO/GRPO: the algorithm pieces against hand-computed values, and the recipe (examples/ppo/train_ppo.py) on 4
-gloo ranks (training TP=2 × DP=2, rollout TP=1): the reward rises, resuming reproduces the uninterrupted run,
-hybrid resharding changes no loss, and bad arguments fail at start-up."""
+"""PPO/GRPO: the algorithm pieces against hand-computed values, and the recipe (examples/ppo/train_ppo.py, run as a
+script) on 4 gloo ranks (training TP=2 × DP=2, rollout TP=1): the reward rises, resuming reproduces the
+uninterrupted run, hybrid resharding changes no loss, and bad arguments fail at start-up."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from megatron_hybrid import ppo
+from megatron_hybrid import ppo, rl
 from tests import ppo_cases
 from tests.harness import run_distributed
+from tests.rl_cases import recipe_args
 
 T = torch.tensor
 
@@ -148,9 +149,9 @@ def test_bad_arguments_fail_at_start_up(argv, message, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     import torch.distributed as dist
 
-    # main() itself, in this process: it must exit before initialising any process group.
+    # The recipe in this process: it must exit before initialising any process group.
     with pytest.raises(SystemExit) as e:
-        ppo_cases.recipe().main(argv)
+        ppo_cases.run_recipe(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not dist.is_initialized()
@@ -158,16 +159,20 @@ def test_bad_arguments_fail_at_start_up(argv, message, monkeypatch, capsys):
 
 def test_help_lists_megatron_names(capsys):
     with pytest.raises(SystemExit):
-        ppo_cases.recipe().main(["--help"])
+        ppo_cases.run_recipe(["--help"])
     out = capsys.readouterr().out
     for flag in ("--tensor-model-parallel-size", "--rollout-tensor-model-parallel-size", "--hybrid-weight-mode",
-                 "--kl-ctl-type", "--num-samples-per-prompt", "torchrun --nproc_per_node 4"):
+                 "--kl-ctl-type", "--num-samples-per-prompt", "--bf16", "--lr-decay-style", "--adam-beta2",
+                 "torchrun --nproc_per_node 4"):
         assert flag in out
 
 
 # ---- the recipe on 4 ranks -------------------------------------------------------------------------------------
-def _run(argv):
-    return run_distributed(ppo_cases.run_main, 4, argv, tensor_model_parallel_size=2)
+def _run(argv, log_dir, *, tensor_model_parallel_size=2, pipeline_model_parallel_size=1):
+    """The recipe on 4 ranks; its metrics (one dict per step) as rank 0 logged them to ``log_dir``."""
+    return run_distributed(ppo_cases.run_main, 4, argv, str(log_dir),
+                           tensor_model_parallel_size=tensor_model_parallel_size,
+                           pipeline_model_parallel_size=pipeline_model_parallel_size)[0]
 
 
 def _rise(history, k=3):
@@ -176,8 +181,8 @@ def _rise(history, k=3):
     return first, last
 
 
-def test_ppo_reward_rises():
-    history = _run(["--train-iters", "12"])[0]
+def test_ppo_reward_rises(tmp_path):
+    history = _run(["--train-iters", "12"], tmp_path)
     first, last = _rise(history)
     # The untrained policy emits the target token at ~1/16; measured (this machine): 0.09 → 0.83 over 12 steps.
     assert last - first >= 0.4, (first, last)
@@ -185,8 +190,8 @@ def test_ppo_reward_rises():
     assert {"step", "reward_mean", "kl", "entropy", "switch_seconds", "switch_bytes"} <= history[0].keys()
 
 
-def test_grpo_reward_rises():
-    history = _run(["--algorithm", "grpo", "--num-samples-per-prompt", "4", "--train-iters", "12"])[0]
+def test_grpo_reward_rises(tmp_path):
+    history = _run(["--algorithm", "grpo", "--num-samples-per-prompt", "4", "--train-iters", "12"], tmp_path)
     first, last = _rise(history)
     assert last - first >= 0.4, (first, last)
 
@@ -199,26 +204,29 @@ def _same(a, b):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
-    common = ["--offload-reference", "--kl-ctl-type", "adaptive", "--kl-target", "0.01", "--kl-horizon", "100"]
-    full = _run(common + ["--train-iters", "4"])[0]
-    first = _run(common + ["--train-iters", "2", "--save", str(tmp_path)])[0]
-    assert (tmp_path / "iter_0000002").is_dir() and not list(tmp_path.glob(".*tmp"))
-    resumed = _run(common + ["--train-iters", "4", "--load", str(tmp_path), "--save", str(tmp_path),
-                             "--log-dir", str(tmp_path / "logs")])[0]
-    assert [m["step"] for m in resumed] == [3, 4]
+    # bf16 with fp32 main parameters and a warmup + cosine schedule: the checkpoint must carry both exactly.
+    common = ["--offload-reference", "--kl-ctl-type", "adaptive", "--kl-target", "0.01", "--kl-horizon", "100",
+              "--bf16", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
+    ckpt = tmp_path / "ckpt"
+    full = _run(common + ["--train-iters", "4"], tmp_path / "full")
+    # Stopped after 2 of 4 iterations (the schedule of the whole run), resumed with the whole run's flags.
+    first = _run(common + ["--train-iters", "2", "--lr-decay-iters", "4", "--save", str(ckpt)], tmp_path / "first")
+    assert (ckpt / "iter_0000002").is_dir() and not list(ckpt.glob(".*tmp"))
+    resumed = _run(common + ["--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt)], tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == [3, 4]  # the resumed run's log holds its own steps only
+    # Iteration k runs at the rate of sample (k − 1) · 32: warmup from 0 over the first, then cosine to 0 at 4.
+    assert [m["lr"] for m in full] == pytest.approx([0.0, 3e-3, 2.25e-3, 0.75e-3])
     assert all(_same(a, b) for a, b in zip(first, full[:2]))
     for a, b in zip(resumed, full[2:]):
         assert _same(a, b), (a, b)
-    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 2
 
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2xdp2", "tp2xpp2"])
-def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp):
+def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp, tmp_path):
     # Rollout TP=1 (× PP=1): from TP=2 × DP=2 a micro-DP gather; from TP=2 × PP=2 also the cross-stage path.
     argv = ["--train-iters", "2", "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "4"]
-    hybrid, plain = (run_distributed(ppo_cases.run_main, 4, argv + extra, tensor_model_parallel_size=2,
-                                     pipeline_model_parallel_size=pp)[-1] for extra in ([], ["--no-hybrid-rollout"]))
+    hybrid, plain = (_run(argv + extra, tmp_path / name, pipeline_model_parallel_size=pp)
+                     for name, extra in (("hybrid", []), ("plain", ["--no-hybrid-rollout"])))
     # Same seeds, same samples: the losses are computed in the training layout either way, so they are identical
     # (exact comparison), and only the switch costs differ.
     for h, p in zip(hybrid, plain):
@@ -228,23 +236,22 @@ def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp):
 
 
 def test_reward_function_and_reward_model(tmp_path):
-    history = _run(["--train-iters", "1", "--reward-fn", "tests.ppo_cases:constant_reward"])[0]
+    history = _run(["--train-iters", "1", "--reward-fn", "tests.ppo_cases:constant_reward"], tmp_path / "fn")
     assert history[0]["reward_mean"] == 0.5
-    run_distributed(ppo_cases.save_constant_reward_model, 4, str(tmp_path), 0.25, tensor_model_parallel_size=2)
+    model = tmp_path / "reward_model"
+    run_distributed(ppo_cases.save_constant_reward_model, 4, str(model), 0.25, tensor_model_parallel_size=2)
     # Loaded at another layout than it was saved from (full tensors in the file).
-    history = run_distributed(ppo_cases.run_main, 4, ["--train-iters", "1", "--reward-model-load", str(tmp_path),
-                                                      "--tensor-model-parallel-size", "1",
-                                                      "--micro-batch-size", "4"])[0]
+    history = _run(["--train-iters", "1", "--reward-model-load", str(model), "--tensor-model-parallel-size", "1",
+                    "--micro-batch-size", "4"], tmp_path / "rm", tensor_model_parallel_size=1)
     assert history[0]["reward_mean"] == 0.25
 
 
 def test_tokenizers(tmp_path):
-    train_ppo = ppo_cases.recipe()
     model = ppo_cases.write_sentencepiece_model(str(tmp_path))
     (tmp_path / "prompts.txt").write_text("the cat sat\nthe dog ran to\n")
     argv = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model, "--prompt-file",
             str(tmp_path / "prompts.txt"), "--max-new-tokens", "4", "--train-iters", "1"]
-    history = _run(argv)[0]
+    history = _run(argv, tmp_path / "logs")
     assert 0 < history[0]["response_length"] <= 4
     # Hugging Face: a word-level tokenizer directory, built here.
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -254,9 +261,8 @@ def test_tokenizers(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]").save_pretrained(
         tmp_path / "hf")
-    hf = train_ppo.build_tokenizer(train_ppo.parse_args(["--tokenizer-type", "HuggingFaceTokenizer",
-                                                         "--tokenizer-model", str(tmp_path / "hf"),
-                                                         "--tensor-model-parallel-size", "1"]))
+    hf = rl.build_tokenizer(recipe_args("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                        str(tmp_path / "hf"), "--tensor-model-parallel-size", "1"))
     assert (hf.vocab_size, hf.eod, hf.tokenize("the cat")) == (4, 1, [2, 3])
-    null = train_ppo.build_tokenizer(train_ppo.parse_args(["--tensor-model-parallel-size", "1"]))
+    null = rl.build_tokenizer(recipe_args("--tensor-model-parallel-size", "1"))
     assert null.tokenize(null.detokenize([3, 1, 4])) == [3, 1, 4]

@@ -1,0 +1,31 @@
+"""Reinforcement learning on the HybridEngine: the library half of ``examples/ppo/train_ppo.py``.
+
+One module per piece, over megatron-core (the algorithm maths are in :mod:`megatron_hybrid.ppo`):
+
+- :mod:`.models`: actor, frozen reference, critic (the GPTModel trunk with a scalar :class:`ValueHead`) and
+  reward-model I/O on Megatron's training layout;
+- :mod:`.passes`: rollout batches and the log-prob/entropy, value and score passes through Megatron's 1F1B
+  schedule;
+- :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
+- :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout);
+- :mod:`.checkpoint`: resumable per-rank checkpoints; :mod:`.metrics`: gathering and logging metrics;
+- :mod:`.initialize`: process groups and seeds; :mod:`.tokenizers`: ``--tokenizer-type``.
+"""
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .initialize import initialize
+from .metrics import MetricsLogger, aggregate_metrics, summary
+from .models import (ValueHead, architecture_from_args, build_critic, build_reference, build_stage, copy_weights,
+                     load_parameters, load_value_model, parameters_state, save_value_model, wrap_ddp)
+from .optimizer import (TrainedModel, UpdateResult, build_scheduler, optimizer_config, setup_model_and_optimizer,
+                        update)
+from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, response_values
+from .rollout import generate_in_training_layout, generate_on_engine
+from .tokenizers import build_tokenizer
+
+__all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "TrainedModel", "TrainingPasses", "UpdateResult",
+           "ValueHead", "aggregate_metrics", "architecture_from_args", "build_critic", "build_reference",
+           "build_scheduler", "build_stage", "build_tokenizer", "copy_weights", "generate_in_training_layout",
+           "generate_on_engine", "initialize", "load_checkpoint", "load_parameters", "load_value_model",
+           "make_batch", "optimizer_config", "parameters_state", "response_values", "save_checkpoint",
+           "save_value_model", "setup_model_and_optimizer", "summary", "update", "wrap_ddp"]

@@ -1,0 +1,60 @@
+"""Start-up of an RL run (what Megatron-LM's ``initialize_megatron`` does for pretraining): the process group,
+Megatron's training groups, the CPU patches when there is no GPU, and the seeds."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import random
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def initialize(args: argparse.Namespace) -> Iterator[None]:
+    """The process group (from torchrun's environment unless one exists; gloo on CPU, NCCL on GPU), megatron-core's
+    CPU patches when there is no GPU, and Megatron's training groups (unless set up already, with the same sizes),
+    all with ``--distributed-timeout-minutes``; seeds from ``--seed``. What this block set up it tears down.
+
+    ``ValueError`` when Megatron's groups exist with other (tensor, pipeline) sizes than the arguments'.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from ..patches import cpu_gloo
+
+    use_cuda = torch.cuda.is_available()
+    own_pg = not dist.is_initialized()
+    if own_pg:
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    try:
+        with contextlib.nullcontext() if use_cuda else cpu_gloo():
+            own_mp = not ps.model_parallel_is_initialized()
+            t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+            if own_mp:
+                # megatron-core (0.16.1) annotates the minutes as int but only computes timedelta(minutes=...)
+                # from them, so fractional minutes reach its groups unchanged.
+                ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                             distributed_timeout_minutes=args.distributed_timeout_minutes)
+            elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (t, p):
+                raise ValueError(f"Megatron's parallel state is set up for (tensor, pipeline) = "
+                                 f"({ps.get_tensor_model_parallel_world_size()}, "
+                                 f"{ps.get_pipeline_model_parallel_world_size()}), the arguments ask for ({t}, {p})")
+            model_parallel_cuda_manual_seed(args.seed)
+            torch.manual_seed(args.seed)
+            random.seed(args.seed)
+            try:
+                yield
+            finally:
+                if own_mp:
+                    ps.destroy_model_parallel()
+    finally:
+        if own_pg:
+            dist.destroy_process_group()

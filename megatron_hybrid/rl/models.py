@@ -1,0 +1,166 @@
+"""The RL models on Megatron's training layout: actor, frozen reference, critic (a value model) and reward model.
+
+Every model is this rank's stage of a megatron-core GPTModel built from one :class:`GPTArchitecture`. A value model
+(the PPO critic, a reward model) is the same trunk with :class:`ValueHead` in place of the output layer. Stages
+are built on Megatron's global training groups (``initialize_model_parallel``), as Megatron-LM's
+``model_provider`` builds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..models import GPTArchitecture
+
+VALUE_MODEL_CONFIG = "value_model.json"
+VALUE_MODEL_WEIGHTS = "model.safetensors"
+
+
+class ValueHead(torch.nn.Module):
+    """A scalar head on the final hidden state, in place of GPTModel's output layer (same call signature).
+
+    Replicated over tensor-parallel ranks: the hidden state it reads is replicated there, so its gradient is too.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden_SBH: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_SBH, self.weight, self.bias), None
+
+
+def architecture_from_args(args: argparse.Namespace, vocab_size: int) -> GPTArchitecture:
+    """The GPT architecture of Megatron-LM's model flags (``--num-layers``, ``--hidden-size``, …, ``--bf16``)."""
+    return GPTArchitecture(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, swiglu=args.swiglu,
+        normalization=args.normalization, position_embedding_type=args.position_embedding_type,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        params_dtype="bfloat16" if args.bf16 else "float32")
+
+
+def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torch.device) -> torch.nn.Module:
+    """This rank's stage of a GPTModel on Megatron's training groups, every parameter in ``arch.dtype``; with a
+    :class:`ValueHead` if asked.
+
+    The config carries megatron-core's ``finalize_model_grads`` (DP all-reduce, and the tied embedding's gradient
+    summed over the first and last stages), as Megatron-LM's training loop sets it.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    if value_head:  # the value head replaces the output layer, so nothing may be tied to it
+        arch = dataclasses.replace(arch, untie_embeddings_and_output_weights=True)
+    config = arch.transformer_config(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                                     pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size())
+    config.finalize_model_grads_func = finalize_model_grads
+    model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    if value_head and ps.is_pipeline_last_stage():
+        model.output_layer = ValueHead(arch.hidden_size, arch.dtype)
+    # The local spec's torch norms ignore params_dtype (fp32 in a bf16 model); Megatron-LM's Float16Module casts
+    # the whole module, and so do we: every parameter in the architecture's dtype.
+    return model.to(device=device, dtype=arch.dtype)
+
+
+def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Megatron DDP without the distributed optimizer (the HybridEngine needs the parameters where they are);
+    gradients reduced in fp32 (bf16 parameters keep fp32 main gradients for the optimizer's fp32 main params)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+
+
+def copy_weights(dst: torch.nn.Module, src: torch.nn.Module, *, skip_missing: bool = False) -> None:
+    """Copy ``src``'s parameters into ``dst``'s of the same name and shape, in place.
+
+    ``skip_missing``: leave ``dst``'s parameters that ``src`` lacks (a critic's value head) as they are; otherwise
+    such a parameter is a ``ValueError``.
+    """
+    src_params = dict(src.named_parameters())
+    with torch.no_grad():
+        for name, p in dst.named_parameters():
+            if name in src_params and src_params[name].shape == p.shape:
+                p.copy_(src_params[name])
+            elif not skip_missing:
+                raise ValueError(f"no parameter {name} of shape {tuple(p.shape)} to copy")
+
+
+def parameters_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of ``model``'s parameters (plain or wrapped), by name: for checkpoints."""
+    from ..compat import unwrap_model
+
+    return {n: p.detach().cpu().clone() for n, p in unwrap_model(model).named_parameters()}
+
+
+def load_parameters(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy :func:`parameters_state`'s values back in place (views of the parameters, e.g. the HybridEngine's,
+    stay valid)."""
+    from ..compat import unwrap_model
+
+    with torch.no_grad():
+        for n, p in unwrap_model(model).named_parameters():
+            p.copy_(state[n])
+
+
+def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device) -> torch.nn.Module:
+    """A frozen copy of the actor's stage (``actor`` plain or DDP-wrapped): the KL reference policy."""
+    from ..compat import unwrap_model
+
+    reference = build_stage(arch, device=device).requires_grad_(False).eval()
+    copy_weights(reference, unwrap_model(actor))
+    return reference
+
+
+def build_critic(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device) -> torch.nn.Module:
+    """A value model started from the actor's trunk (its value head from zero), not yet wrapped."""
+    from ..compat import unwrap_model
+
+    critic = build_stage(arch, value_head=True, device=device)
+    copy_weights(critic, unwrap_model(actor), skip_missing=True)
+    return critic
+
+
+def save_value_model(model: torch.nn.Module, directory: str, arch: GPTArchitecture) -> None:
+    """Write a value model (critic or reward model) for ``--reward-model-load``: full tensors, any layout.
+
+    Called on every rank; rank 0 writes ``model.safetensors`` and ``value_model.json`` (the architecture).
+    """
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    from ..sharding import full_state_dict
+
+    full = full_state_dict([model], tp_group=ps.get_tensor_model_parallel_group(),
+                           pp_group=ps.get_pipeline_model_parallel_group())
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(directory, VALUE_MODEL_WEIGHTS))
+        with open(os.path.join(directory, VALUE_MODEL_CONFIG), "w") as f:
+            json.dump({"architecture": arch.to_dict()}, f, indent=2)
+    dist.barrier()
+
+
+def load_value_model(directory: str, *, device: torch.device) -> torch.nn.Module:
+    """A value model written by :func:`save_value_model`, as this rank's frozen stage (any TP/PP)."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from ..sharding import load_full_state_dict
+
+    with open(os.path.join(directory, VALUE_MODEL_CONFIG)) as f:
+        arch = GPTArchitecture.from_dict(json.load(f)["architecture"])
+    model = build_stage(arch, value_head=True, device=device)
+    load_full_state_dict([model], load_file(os.path.join(directory, VALUE_MODEL_WEIGHTS)),
+                         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size())
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,119 @@
+"""Training an RL model (actor, critic) with megatron-core's optimizer and learning-rate schedule.
+
+As Megatron-LM's training loop does: the model is wrapped in Megatron DDP, ``get_megatron_optimizer`` builds Adam
+(AdamW: decoupled weight decay, none on biases and norms) and, for bf16 parameters, keeps fp32 main parameters
+(``Float16OptimizerWithFloat16Params``); ``OptimizerParamScheduler`` sets the learning rate, counting samples
+(iterations × global batch size) as Megatron-LM does. One update is ``zero_grad_buffer`` + ``zero_grad``, the
+forward/backward schedule, ``optimizer.step()``: Megatron's step computes the gradient norm over the
+model-parallel group (tensor-parallel duplicates and the tied output layer of the last pipeline stage counted once),
+clips and steps. The scheduler is stepped once per RL iteration, after its updates (all PPO epochs of an
+iteration use one learning rate, as in verl).
+
+The HybridEngine takes these optimizers as they are: ``switch_to_rollout(offload_optimizer=trained.optimizer)``
+moves their states and fp32 main parameters to host memory while generating.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .models import load_parameters, parameters_state, wrap_ddp
+from .passes import Batch, LossFn, TrainingPasses
+
+
+def optimizer_config(args: argparse.Namespace, *, lr: float):
+    """megatron-core's ``OptimizerConfig`` for Adam from Megatron-LM's flags, at peak learning rate ``lr``.
+
+    No distributed optimizer: the HybridEngine needs the parameters in the model, not in DDP's buffers.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                           clip_grad=args.clip_grad, bf16=args.bf16,
+                           params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                           use_distributed_optimizer=False)
+
+
+def build_scheduler(optimizer: Any, args: argparse.Namespace, *, lr: float):
+    """Megatron's ``OptimizerParamScheduler`` as Megatron-LM's ``get_optimizer_param_scheduler`` builds it from
+    ``--lr-warmup-iters``, ``--lr-decay-iters`` (default ``--train-iters``), ``--lr-decay-style``, ``--min-lr``
+    and ``--weight-decay`` (constant), in samples: step it with ``increment=args.global_batch_size``.
+
+    On resume the command line's schedule applies from the checkpoint's position (Megatron-LM's
+    ``--override-opt_param-scheduler``), so a run resumed with a larger ``--train-iters`` decays over the new
+    length instead of failing Megatron's equality asserts.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    samples = args.global_batch_size
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=decay_iters * samples, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * samples, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+
+
+@dataclass
+class TrainedModel:
+    """A model under training: Megatron DDP, its megatron-core optimizer and its learning-rate scheduler (what
+    Megatron-LM's ``setup_model_and_optimizer`` returns)."""
+
+    model: torch.nn.Module
+    """The stage wrapped in Megatron DDP."""
+    optimizer: Any
+    """megatron-core's optimizer (a ``ChainedOptimizer``)."""
+    scheduler: Any
+    """megatron-core's ``OptimizerParamScheduler``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters (detached copies on the CPU), optimizer (states and fp32 main parameters) and scheduler."""
+        return {"model": parameters_state(self.model), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values; parameters are copied in place (the HybridEngine's views of
+        them stay valid)."""
+        load_parameters(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def setup_model_and_optimizer(stage: torch.nn.Module, args: argparse.Namespace, *,
+                              lr: Optional[float] = None) -> TrainedModel:
+    """Wrap ``stage`` in Megatron DDP and give it Adam and a schedule from the flags (peak rate ``lr``, default
+    ``--lr``)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    lr = args.lr if lr is None else lr
+    model = wrap_ddp(stage)
+    optimizer = get_megatron_optimizer(optimizer_config(args, lr=lr), [model])
+    return TrainedModel(model, optimizer, build_scheduler(optimizer, args, lr=lr))
+
+
+@dataclass
+class UpdateResult:
+    """What one optimizer update reports."""
+
+    stats: list[dict[str, torch.Tensor]]
+    """``loss_fn``'s stats per micro-batch (last pipeline stage; empty elsewhere)."""
+    grad_norm: float
+    """The global gradient norm before clipping, as Megatron's optimizer computed it (the same on every rank)."""
+
+
+def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: TrainingPasses) -> UpdateResult:
+    """One optimizer update of ``trained`` on ``batch`` (Megatron-LM's ``train_step``): gradients of the mean of
+    ``loss_fn`` over the micro-batches and DP replicas, clipped to ``--clip-grad`` by their global norm, then Adam
+    at the scheduler's current learning rate."""
+    trained.model.zero_grad_buffer()
+    trained.optimizer.zero_grad()
+    stats = passes.run(trained.model, batch, loss_fn, forward_only=False)
+    successful, grad_norm, _ = trained.optimizer.step()
+    # Only a loss scaler (fp16) or megatron-core ≥ 0.19's grad_norm_skip_threshold (left at inf) skip a step.
+    assert successful, "megatron-core's optimizer skipped a step"
+    return UpdateResult(stats, float(grad_norm))

@@ -1,0 +1,169 @@
+"""Passes over a rollout batch on Megatron's training layout, through its forward/backward schedule (1F1B).
+
+A :class:`Batch` is one rank's sequences (prompt + response); the passes compute, on the last pipeline stage, the
+policy's log-probabilities and entropies of the response tokens, a value model's values of them, or a reward
+model's score at each sequence's last token. The same schedule runs the training passes of
+:func:`megatron_hybrid.rl.optimizer.update`.
+
+Legend: B sequences, S sequence length, N response tokens (``max_new_tokens``, right-padded), V_t this rank's
+tensor-parallel shard of the (padded) vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import ppo
+from ..compat import megatron_groups
+
+#: ``loss_fn(output, micro_batch) -> (loss, stats)``: Megatron's loss function of one micro-batch. ``output`` is
+#: the last stage's output (``[B, S, V_t]`` logits, or ``[B, S, 1]`` values); ``stats`` are detached tensors.
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class Batch:
+    """One rank's rollout batch. Response-aligned tensors are [B, N]; ``index_BN`` is where the logits that
+    predict response token j of sequence b sit in the sequence (position len(prompt_b) − 1 + j)."""
+
+    tokens_BS: torch.Tensor
+    """Prompt + response, zero-padded to the sequence length."""
+    index_BN: torch.Tensor
+    """Positions of the outputs that predict the response tokens."""
+    mask_BN: torch.Tensor
+    """1 on real response tokens."""
+    scores_B: torch.Tensor
+    """The sequence rewards."""
+    data: dict[str, torch.Tensor]
+    """Further per-sequence tensors the losses read (``end``: each sequence's last position; old log-probs, …)."""
+
+    def micro_batches(self, size: int) -> list[dict[str, torch.Tensor]]:
+        """Consecutive slices of ``size`` sequences, as dicts (``tokens``, ``index``, ``mask`` and ``data``)."""
+        out = []
+        for lo in range(0, self.tokens_BS.shape[0], size):
+            mb = {"tokens": self.tokens_BS[lo: lo + size], "index": self.index_BN[lo: lo + size],
+                  "mask": self.mask_BN[lo: lo + size]}
+            mb.update({k: v[lo: lo + size] for k, v in self.data.items()})
+            out.append(mb)
+        return out
+
+
+def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_tokens: int, seq_length: int,
+               device: torch.device) -> Batch:
+    """The batch of ``prompts[b] + responses[b]``; scores are zero until the reward is known."""
+    B, N = len(prompts), max_new_tokens
+    tokens = torch.zeros(B, seq_length, dtype=torch.long)
+    index = torch.zeros(B, N, dtype=torch.long)
+    mask = torch.zeros(B, N)
+    end = torch.zeros(B, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        seq = list(p) + list(r)
+        tokens[b, : len(seq)] = torch.tensor(seq)
+        # Padding positions past a short response point inside the sequence; the mask drops them.
+        index[b] = (len(p) - 1 + torch.arange(N)).clamp(max=seq_length - 2)
+        mask[b, : len(r)] = 1.0
+        end[b] = len(seq) - 1
+    return Batch(tokens.to(device), index.to(device), mask.to(device), torch.zeros(B), {"end": end.to(device)})
+
+
+def _positions_like(tokens_BS: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens_BS.shape[1], device=tokens_BS.device).unsqueeze(0).expand_as(tokens_BS)
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """What every pass over a rollout batch needs."""
+
+    seq_length: int
+    """Tokens per sequence (longest prompt + ``max_new_tokens``)."""
+    micro_batch_size: int
+    """Sequences per micro-batch (``--micro-batch-size``)."""
+    vocab_size: int
+    """The tokenizer's vocabulary; the padded rows above it get no probability."""
+    temperature: float = 1.0
+    """The sampling temperature: log-probabilities are of softmax(logits / temperature)."""
+
+
+class TrainingPasses:
+    """Forward(-backward) passes over batches on Megatron's training groups (read once, here).
+
+    Results live on the last pipeline stage; the other stages get ``None`` (except :meth:`scores`).
+    """
+
+    def __init__(self, config: PassConfig) -> None:
+        self.config = config
+        self.tp_group, self.pp_group, _, _ = megatron_groups()
+        self.last_stage = self.pp_group.rank() == self.pp_group.size() - 1
+
+    def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool) -> list[dict]:
+        """Megatron's forward/backward schedule over ``batch``'s micro-batches; returns the per-micro-batch
+        ``stats`` of ``loss_fn`` (last stage; ``[]`` elsewhere). Gradients, when not ``forward_only``, accumulate
+        in DDP's buffers: of the loss averaged over the micro-batches (the schedule) and the DP replicas (DDP)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
+            return out, lambda output: loss_fn(output, mb)
+
+        micro_batches = batch.micro_batches(self.config.micro_batch_size)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+            num_microbatches=len(micro_batches), seq_length=self.config.seq_length,
+            micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+
+    def token_stats(self, logits_BSVt: torch.Tensor, micro_batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens, ``[b, N]`` (differentiable), from vocabulary-parallel
+        logits at the sampling temperature."""
+        labels = torch.roll(micro_batch["tokens"], -1, dims=1)
+        V_t = logits_BSVt.shape[-1]
+        logp, ent = ppo.vocab_parallel_logprobs_entropy(
+            logits_BSVt, labels, tp_group=self.tp_group, vocab_start=self.tp_group.rank() * V_t,
+            vocab_size=self.config.vocab_size, temperature=self.config.temperature)
+        return logp.gather(1, micro_batch["index"]), ent.gather(1, micro_batch["index"])
+
+    def _forward(self, model: torch.nn.Module, batch: Batch, stats_fn) -> list[dict]:
+        def loss_fn(output, mb):
+            stats = stats_fn(output, mb)
+            return torch.zeros((), device=output.device), {k: v.detach() for k, v in stats.items()}
+
+        with torch.no_grad():
+            return self.run(model, batch, loss_fn, forward_only=True)
+
+    def log_probs(self, model: torch.nn.Module, batch: Batch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The policy's ``(log_probs_BN, entropy_BN)`` of the response tokens; ``None`` off the last stage."""
+        def stats(output, mb):
+            logp, ent = self.token_stats(output, mb)
+            return {"logp": logp, "entropy": ent}
+
+        out = self._forward(model, batch, stats)
+        if not self.last_stage:
+            return None
+        return torch.cat([o["logp"] for o in out]), torch.cat([o["entropy"] for o in out])
+
+    def values(self, model: torch.nn.Module, batch: Batch) -> Optional[torch.Tensor]:
+        """A value model's values at the response tokens, ``[B, N]`` fp32; ``None`` off the last stage."""
+        out = self._forward(model, batch, lambda output, mb: {"values": response_values(output, mb)})
+        return torch.cat([o["values"] for o in out]) if self.last_stage else None
+
+    def scores(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """A reward model's score of each sequence (its value at the last real token), ``[B]`` fp32 on the CPU,
+        on every rank (the last stage broadcasts it over the pipeline)."""
+        def stats(output, mb):
+            return {"score": output[..., 0].float().gather(1, mb["end"].unsqueeze(1)).squeeze(1)}
+
+        out = self._forward(model, batch, stats)
+        scores = torch.cat([o["score"] for o in out]) if self.last_stage else \
+            torch.zeros(batch.tokens_BS.shape[0], device=batch.tokens_BS.device)
+        if self.pp_group.size() > 1:
+            dist.broadcast(scores, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
+        return scores.cpu()
+
+
+def response_values(output_BS1: torch.Tensor, micro_batch: dict) -> torch.Tensor:
+    """A value model's output at the response tokens, ``[b, N]`` fp32 (differentiable: the critic's loss)."""
+    return output_BS1[..., 0].float().gather(1, micro_batch["index"])

@@ -1,0 +1,68 @@
+"""The recipe's tokenizers, chosen by Megatron-LM's ``--tokenizer-type`` / ``--tokenizer-model``.
+
+Each has ``vocab_size``, ``eod`` (the end-of-document token, or ``None``), ``tokenize(text) -> list[int]`` and
+``detokenize(ids) -> str``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence, Union
+
+
+class NullTokenizer:
+    """A synthetic vocabulary of ``vocab_size`` ids; text is the ids separated by spaces. No end token."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.eod = vocab_size, None
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer directory (``AutoTokenizer``); no special tokens added when tokenising."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+        self.vocab_size, self.eod = len(self._tok), self._tok.eos_token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece ``.model`` file."""
+
+    def __init__(self, path: str) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+Tokenizer = Union[NullTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer]
+
+
+def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
+    """The tokenizer of ``--tokenizer-type`` (``NullTokenizer``: ``--vocab-size`` ids)."""
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(args.tokenizer_model)
+    if args.tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(args.tokenizer_model)
+    return NullTokenizer(args.vocab_size)

@@ -1,0 +1,147 @@
+"""Rank bodies for the megatron_hybrid.rl tests (module-level so the harness can send them to its ranks)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+VOCAB, PROMPT, NEW = 16, 4, 8
+
+
+def recipe_args(*argv: str) -> argparse.Namespace:
+    """The recipe's flags (Megatron-LM names and ours), parsed and validated for this world."""
+    from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(list(argv))
+    validate_args(args, dist.get_world_size() if dist.is_initialized() else 1)
+    return args
+
+
+def _batch(seed: int, num: int):
+    from megatron_hybrid import rl
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, VOCAB, (num, PROMPT), generator=g).tolist()
+    responses = torch.randint(0, VOCAB, (num, NEW), generator=g).tolist()
+    return rl.make_batch(prompts, responses, max_new_tokens=NEW, seq_length=PROMPT + NEW, device=torch.device("cpu"))
+
+
+def _nll(passes):
+    """A loss through the recipe's log-prob path: the mean negative log-likelihood of the response tokens."""
+    from megatron_hybrid import ppo
+
+    def loss_fn(output, mb):
+        logp, _ = passes.token_stats(output, mb)
+        loss = -ppo.masked_mean(logp, mb["mask"])
+        return loss, {"nll": loss.detach()}
+    return loss_fn
+
+
+def _objects(obj, group) -> list:
+    out = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _full(model, select) -> dict[str, torch.Tensor]:
+    """``select(param)`` of every parameter as a full tensor by global name, gathered over TP and PP. The last
+    stage's copy of a tied embedding is reported as ``tied:output_layer.weight``."""
+    from megatron_hybrid.compat import megatron_groups, unwrap_model
+    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, unshard
+
+    tp, pp, _, _ = megatron_groups()
+    module = unwrap_model(model)
+    offset = layer_offset(module)
+    local = {}
+    for name, p in module.named_parameters():
+        key = global_name(name, offset)
+        if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
+            key = "tied:" + key
+        local[key] = (select(p).detach().cpu().clone(), TPSpec.of(p))
+    parts = _objects(local, tp)
+    merged = {k: unshard([part[k][0] for part in parts], spec) for k, (_, spec) in local.items()}
+    full: dict[str, torch.Tensor] = {}
+    for stage in _objects(merged, pp):
+        full.update(stage)
+    return full
+
+
+#: Acceptance 2's run: bf16, a warmup of 4 iterations then cosine decay to --min-lr at iteration 10, AdamW with
+#: weight decay, and a clip that bites (the NLL's gradient norm here is ~1).
+OPTIMIZER_FLAGS = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--bf16",
+                   "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "4", "--lr-decay-style", "cosine",
+                   "--train-iters", "10", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--adam-eps", "1e-6",
+                   "--clip-grad", "0.3", "--global-batch-size", "8", "--micro-batch-size", "2")
+
+
+def optimizer_step_case() -> list[dict]:
+    """Two updates through :func:`megatron_hybrid.rl.update`, the first one iteration into the warmup, the second
+    at the end of the decay; per update the full fp32 main gradients and main parameters before it (read just
+    before ``optimizer.step()``), the full fp32 main and bf16 parameters after it, and the reported norm."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+
+    args = recipe_args(*OPTIMIZER_FLAGS)
+    arch = rl.architecture_from_args(args, VOCAB)
+    trained = rl.setup_model_and_optimizer(rl.build_stage(arch, device=torch.device("cpu")), args)
+    passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, args.micro_batch_size, VOCAB))
+    dp = megatron_groups()[2].rank()
+    samples = args.global_batch_size
+    before: dict = {}
+    step = trained.optimizer.step
+
+    def spying_step():
+        before["grads"] = _full(trained.model, lambda p: p.main_grad)
+        before["main"] = _full(trained.model, lambda p: p.main_param)
+        return step()
+
+    trained.optimizer.step = spying_step
+    out = []
+    decay_iters = args.train_iters
+    for increment, seed in ((1 * samples, 1), ((decay_iters - 1) * samples, 2)):
+        trained.scheduler.step(increment=increment)
+        result = rl.update(trained, _batch(100 * seed + dp, samples // 2), _nll(passes), passes=passes)
+        out.append({"grad_norm": result.grad_norm, "lr": trained.optimizer.param_groups[0]["lr"], **before,
+                    "main_after": _full(trained.model, lambda p: p.main_param),
+                    "bf16_after": _full(trained.model, lambda p: p)})
+    return out
+
+
+def offload_case() -> dict:
+    """Megatron's optimizers leave the device while rolling out and come back bit for bit: the recipe's actor
+    optimizer (a ChainedOptimizer around one Float16OptimizerWithFloat16Params, bf16 parameters) and a
+    ChainedOptimizer of two (actor and critic)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    from megatron_hybrid import HybridEngine, RolloutLayout, rl
+
+    args = recipe_args("--bf16", "--global-batch-size", "4", "--micro-batch-size", "2")
+    arch = rl.architecture_from_args(args, VOCAB)
+    actor_stage = rl.build_stage(arch, device=torch.device("cpu"))
+    actor = rl.setup_model_and_optimizer(actor_stage, args)
+    critic = rl.setup_model_and_optimizer(rl.build_critic(actor_stage, arch, device=torch.device("cpu")), args)
+    passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, 2, VOCAB))
+    batch = _batch(dist.get_rank() // 2, 4)
+    rl.update(actor, batch, _nll(passes), passes=passes)
+    rl.update(critic, batch, lambda out, mb: (rl.response_values(out, mb).square().mean(), {}), passes=passes)
+    engine = HybridEngine(actor.model, RolloutLayout(1, 1))
+    inner = actor.optimizer.chained_optimizers + critic.optimizer.chained_optimizers
+
+    report = {}
+    for name, optimizer, covered in (("actor", actor.optimizer, inner[:1]),
+                                     ("chained", ChainedOptimizer(inner), inner)):
+        states = [v for opt in covered for s in opt.optimizer.state.values() for v in s.values() if v.dim() > 0]
+        mains = [p for opt in covered for group in opt.fp32_from_float16_groups for p in group]
+        saved = [t.clone() for t in states + mains]
+        params = [p.clone() for p in actor.model.parameters()]
+        engine.switch_to_rollout(offload_optimizer=optimizer)
+        resident = sum(t.untyped_storage().nbytes() for t in states + mains)
+        params_there = all(torch.equal(p, q) for p, q in zip(actor.model.parameters(), params))
+        engine.switch_to_training()
+        report[name] = {"num_states": len(states), "num_mains": len(mains), "resident": resident,
+                        "params_there": params_there,
+                        "same": all(torch.equal(t, s) for t, s in zip(states + mains, saved))}
+    engine.close()
+    return report

@@ -1,0 +1,99 @@
+"""megatron_hybrid.rl: one update through Megatron's optimizer equals an fp64 AdamW step (TP=2 × PP=2 × DP=2, tied
+embeddings, bf16 parameters with fp32 main parameters), its states leave the device and come back bit for bit, and
+the CPU patch that lets its optimizer run on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests import rl_cases
+from tests.harness import run_distributed
+
+TIED = "embedding.word_embeddings.weight"
+# fp32 Adam against the fp64 reference, per update: the parameter rounds to fp32 once or twice (2^-22 relative;
+# for the norms' weights near 1 that is most of the difference, measured ≤ 1.1e-7 after two updates), and the fp32
+# update (≤ lr = 0.01, its moments, square root and clip coefficient each ~1e-7 relative) adds ≤ 1e-8 (measured
+# 2.5e-9). A wrong learning rate, clip or decay moves parameters by ~1e-4.
+MAIN_RTOL, MAIN_ATOL = 2.0 ** -22, 1e-8
+
+
+def test_cpu_gloo_reports_cuda_type_names():
+    from megatron_hybrid.patches import cpu_gloo
+
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    with cpu_gloo():
+        assert t.type() == "torch.cuda.BFloat16Tensor" and t.float().type() == "torch.cuda.FloatTensor"
+        assert t.type(torch.float32).dtype == torch.float32  # a conversion stays a conversion
+    assert t.type() == "torch.BFloat16Tensor"
+
+
+def _flag(name: str) -> str:
+    flags = rl_cases.OPTIMIZER_FLAGS
+    return flags[flags.index(name) + 1]
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
+
+
+def test_update_equals_fp64_adamw_step():
+    runs = run_distributed(rl_cases.optimizer_step_case, 8, tensor_model_parallel_size=2,
+                           pipeline_model_parallel_size=2)
+    lr, min_lr = float(_flag("--lr")), float(_flag("--min-lr"))
+    warmup, clip, wd = int(_flag("--lr-warmup-iters")), float(_flag("--clip-grad")), float(_flag("--weight-decay"))
+    beta1, beta2, eps = 0.9, float(_flag("--adam-beta2")), float(_flag("--adam-eps"))
+    # The schedule's rate one iteration into the warmup (linear from 0), then at the end of the cosine decay.
+    expected_lrs = [lr * 1 / warmup, min_lr]
+    updates = runs[0]
+    for r in runs[1:]:  # every rank of every DP replica gathered the same full tensors
+        for mine, theirs in zip(r, updates):
+            assert all(torch.equal(mine[k][n], theirs[k][n]) for k in ("grads", "main", "main_after", "bf16_after")
+                       for n in theirs[k])
+    names = [n for n in updates[0]["grads"] if not n.startswith("tied:")]
+    assert TIED in names and "output_layer.weight" not in names  # tied: the last stage holds a copy
+    params = {n: updates[0]["main"][n].double() for n in names}
+    m = {n: torch.zeros_like(p) for n, p in params.items()}
+    v = {n: torch.zeros_like(p) for n, p in params.items()}
+    for t, (u, rate) in enumerate(zip(updates, expected_lrs), start=1):
+        assert u["lr"] == rate
+        # The last stage's copy of the tied embedding got the same (summed) gradient and stays equal.
+        for k in ("grads", "main", "main_after", "bf16_after"):
+            assert torch.equal(u[k]["tied:output_layer.weight"], u[k][TIED]), k
+        grads = {n: u["grads"][n].double() for n in names}
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        twice = math.sqrt(norm ** 2 + float(grads[TIED].square().sum()))
+        # fp32 sums of ~10^5 squares in another order: ~1e-6 relative; counting the tied weight twice is off by
+        # more than 10 % here.
+        assert math.isclose(u["grad_norm"], norm, rel_tol=1e-5), (u["grad_norm"], norm, twice)
+        assert not math.isclose(u["grad_norm"], twice, rel_tol=1e-2)
+        assert norm > clip  # the clip bites
+        coeff = min(1.0, clip / (norm + 1e-6))
+        for n in names:
+            g = grads[n] * coeff
+            decay = wd if params[n].dim() > 1 and not n.endswith(".bias") else 0.0  # Megatron: none on biases, norms
+            m[n] = beta1 * m[n] + (1 - beta1) * g
+            v[n] = beta2 * v[n] + (1 - beta2) * g * g
+            step = (m[n] / (1 - beta1 ** t)) / ((v[n] / (1 - beta2 ** t)).sqrt() + eps)
+            params[n] = params[n] * (1 - rate * decay) - rate * step
+        for n in names:
+            main, bf16, ref = u["main_after"][n], u["bf16_after"][n], params[n]
+            # fp32 main parameters: Adam in fp32 against fp64 (see MAIN_RTOL, MAIN_ATOL).
+            torch.testing.assert_close(main.double(), ref, rtol=MAIN_RTOL, atol=MAIN_ATOL, msg=n)
+            # bf16 parameters: Megatron's round-to-nearest copy of the fp32 main parameters, hence within one bf16
+            # ulp of the fp64 reference (plus the fp32 difference above, for values near a rounding boundary).
+            assert torch.equal(bf16, main.to(torch.bfloat16)), n
+            assert ((bf16.double() - ref).abs() <= _bf16_ulp(ref) + MAIN_ATOL + MAIN_RTOL * ref.abs()).all(), n
+        if t < len(updates):  # the next update starts from these main parameters
+            assert all(torch.equal(updates[t]["main"][n], u["main_after"][n]) for n in names)
+
+
+def test_megatron_optimizers_offload_bit_for_bit():
+    for r in run_distributed(rl_cases.offload_case, 2, tensor_model_parallel_size=2):
+        for name, rep in r.items():
+            # Adam's two moments per parameter and every fp32 main parameter, off the device while rolling out;
+            # the bf16 model parameters (which the rollout reads) stay.
+            assert rep["num_mains"] > 0 and rep["num_states"] == 2 * rep["num_mains"], (name, rep)
+            assert rep["resident"] == 0 and rep["params_there"] and rep["same"], (name, rep)
