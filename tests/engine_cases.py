@@ -158,13 +158,25 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
             logits = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
         if logits is not None:
             logits = gather_vocab(logits, engine.groups["tp"]).float()
+        # The standard megatron-core way (parallel_output=False): the output layer all-gathers over its TP group in
+        # group-rank order, so this is right only if group rank j holds vocabulary shard j. Every stage takes part.
+        out = getattr(engine.rollout_model, "output_layer", None)
+        if out is not None:
+            out.gather_output = True
+        try:
+            with torch.no_grad():
+                in_model = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
+        finally:
+            if out is not None:
+                out.gather_output = False
+        in_model = in_model.float() if in_model is not None else None
         weights = rollout_full_weights(engine)
         switches = engine.num_switches
         engine.switch_to_rollout()  # already rolling out: not a switch, moves nothing, keeps the report
         again = {"switches": engine.num_switches - switches,
                  "same_report": engine.communication_report() == report}
         engine.switch_to_training()
-        return {"logits": logits, "weights": weights, "bytes": report["total_bytes"],
+        return {"logits": logits, "in_model": in_model, "weights": weights, "bytes": report["total_bytes"],
                 "resident": report["resident_peer_bytes"], "regions": report["num_collectives"],
                 "again": again, "report": report, "addresses": rollout_addresses(engine)}
 

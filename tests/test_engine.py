@@ -53,6 +53,8 @@ def _check(arch_kw: dict, layout, mode: str, *, logits_tol: dict, exact_bytes: b
             if obs["logits"] is not None:
                 seen_logits += 1
                 torch.testing.assert_close(obs["logits"], ref_logits, **logits_tol)
+                # Gathered inside the model (parallel_output=False), the standard megatron-core way.
+                torch.testing.assert_close(obs["in_model"], ref_logits, **logits_tol)
         for name, w in state.items():
             assert torch.equal(r["train_full"][name], w), (rank, name)
         # Bound once: every rollout parameter (and every block of an aliased one) sits at the same address
