@@ -35,7 +35,7 @@ def generation_case(rollout_tp: int, rollout_pp: int, state: dict, uneven: bool)
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.rollout import generate_tokens
+    from megatron_hybrid.inference import generate_with_model
 
     model = _model(state)
     engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp))
@@ -44,9 +44,8 @@ def generation_case(rollout_tp: int, rollout_pp: int, state: dict, uneven: bool)
     results = engine.generate(prompts, greedy, vocab_size=VOCAB)
     engine.switch_to_training()
     # The same greedy generation with the training-layout model on its own groups.
-    reference = generate_tokens(model, tp_group=ps.get_tensor_model_parallel_group(),
-                                pp_group=ps.get_pipeline_model_parallel_group(), prompts=prompts, params=greedy,
-                                vocab_size=VOCAB)
+    reference = generate_with_model(model, prompts, greedy, tp_group=ps.get_tensor_model_parallel_group(),
+                                    pp_group=ps.get_pipeline_model_parallel_group(), vocab_size=VOCAB)
     # Log-probs of the generated tokens under a training-layout forward over the full sequences.
     forward_logps = []
     for r in results:
