@@ -102,7 +102,7 @@ def optimizer_step_case() -> list[dict]:
     decay_iters = args.train_iters
     for increment, seed in ((1 * samples, 1), ((decay_iters - 1) * samples, 2)):
         trained.scheduler.step(increment=increment)
-        result = rl.update(trained, _batch(100 * seed + dp, samples // 2), _nll(passes), passes=passes)
+        result = rl.update(trained, _batch(100 * seed + dp, samples // 2), _nll(passes), passes=passes, step=seed)
         out.append({"grad_norm": result.grad_norm, "lr": trained.optimizer.param_groups[0]["lr"], **before,
                     "main_after": _full(trained.model, lambda p: p.main_param),
                     "bf16_after": _full(trained.model, lambda p: p)})
@@ -124,8 +124,9 @@ def offload_case() -> dict:
     critic = rl.setup_model_and_optimizer(rl.build_critic(actor_stage, arch, device=torch.device("cpu")), args)
     passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, 2, VOCAB))
     batch = _batch(dist.get_rank() // 2, 4)
-    rl.update(actor, batch, _nll(passes), passes=passes)
-    rl.update(critic, batch, lambda out, mb: (rl.response_values(out, mb).square().mean(), {}), passes=passes)
+    rl.update(actor, batch, _nll(passes), passes=passes, step=1)
+    rl.update(critic, batch, lambda out, mb: (rl.response_values(out, mb).square().mean(), {}), passes=passes,
+              step=1)
     engine = HybridEngine(actor.model, RolloutLayout(1, 1))
     inner = actor.optimizer.chained_optimizers + critic.optimizer.chained_optimizers
 

@@ -118,6 +118,7 @@ class Trainer:
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
         self.reward_fn = load_callable(a.reward_fn) if a.reward_fn else target_token_reward(a.target_token)
+        self.reward_name = f"--reward-fn {a.reward_fn}" if a.reward_fn else f"--target-token {a.target_token}"
 
         actor = rl.build_stage(self.arch, device=self.device)
         self.reference = rl.build_reference(actor, self.arch, device=self.device)
@@ -164,12 +165,11 @@ class Trainer:
                                      offload_optimizer=self.actor.optimizer if offload else None)
 
     def scores(self, prompts: list[list[int]], responses: list[list[int]], batch: rl.Batch) -> torch.Tensor:
-        if self.reward_model is not None:
-            return self.passes.scores(self.reward_model, batch)
-        values = self.reward_fn(prompts, responses)
-        if len(values) != len(responses):
-            raise ValueError(f"the reward function returned {len(values)} values for {len(responses)} responses")
-        return torch.tensor([float(v) for v in values])
+        if self.reward_model is None:
+            return rl.reward_scores(self.reward_fn, prompts, responses, step=self.step + 1, name=self.reward_name)
+        scores = self.passes.scores(self.reward_model, batch)
+        rl.check_finite(self.step + 1, {f"the rewards of --reward-model-load {self.args.reward_model_load}": scores})
+        return scores
 
     # -- losses (Megatron's loss_func of one micro-batch) -----------------------------------------------------
     def actor_loss(self, output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
@@ -235,11 +235,13 @@ class Trainer:
         local["lr"] = self.actor.optimizer.param_groups[0]["lr"]
         epochs: dict[str, list[float]] = {}
         for _ in range(a.ppo_epochs):
-            actor = rl.update(self.actor, batch, self.actor_loss, passes=self.passes)
+            actor = rl.update(self.actor, batch, self.actor_loss, passes=self.passes, step=step + 1,
+                              name="the actor")
             epochs.setdefault("actor_grad_norm", []).append(actor.grad_norm)
             out = actor.stats
             if self.critic is not None:
-                critic = rl.update(self.critic, batch, self.critic_loss, passes=self.passes)
+                critic = rl.update(self.critic, batch, self.critic_loss, passes=self.passes, step=step + 1,
+                                   name="the critic")
                 epochs.setdefault("critic_grad_norm", []).append(critic.grad_norm)
                 out = [o | c for o, c in zip(out, critic.stats)]
             for key in out[0] if out else ():

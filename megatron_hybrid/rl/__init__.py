@@ -9,10 +9,12 @@ One module per piece, over megatron-core (the algorithm maths are in :mod:`megat
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout);
 - :mod:`.checkpoint`: resumable per-rank checkpoints; :mod:`.metrics`: gathering and logging metrics;
+- :mod:`.faults`: stopping on every rank at once on a failing reward function or a non-finite value;
 - :mod:`.initialize`: process groups and seeds; :mod:`.tokenizers`: ``--tokenizer-type``.
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .faults import StepFailure, check_finite, reward_scores
 from .initialize import initialize
 from .metrics import MetricsLogger, aggregate_metrics, summary
 from .models import (ValueHead, architecture_from_args, build_critic, build_reference, build_stage, copy_weights,
@@ -23,9 +25,10 @@ from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, respo
 from .rollout import generate_in_training_layout, generate_on_engine
 from .tokenizers import build_tokenizer
 
-__all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "TrainedModel", "TrainingPasses", "UpdateResult",
-           "ValueHead", "aggregate_metrics", "architecture_from_args", "build_critic", "build_reference",
-           "build_scheduler", "build_stage", "build_tokenizer", "copy_weights", "generate_in_training_layout",
-           "generate_on_engine", "initialize", "load_checkpoint", "load_parameters", "load_value_model",
-           "make_batch", "optimizer_config", "parameters_state", "response_values", "save_checkpoint",
-           "save_value_model", "setup_model_and_optimizer", "summary", "update", "wrap_ddp"]
+__all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "TrainedModel", "TrainingPasses",
+           "UpdateResult", "ValueHead", "aggregate_metrics", "architecture_from_args", "build_critic",
+           "build_reference", "build_scheduler", "build_stage", "build_tokenizer", "check_finite", "copy_weights",
+           "generate_in_training_layout", "generate_on_engine", "initialize", "load_checkpoint", "load_parameters",
+           "load_value_model", "make_batch", "optimizer_config", "parameters_state", "response_values",
+           "reward_scores", "save_checkpoint", "save_value_model", "setup_model_and_optimizer", "summary", "update",
+           "wrap_ddp"]

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from .faults import check_finite
 from .models import load_parameters, parameters_state, wrap_ddp
 from .passes import Batch, LossFn, TrainingPasses
 
@@ -106,14 +107,32 @@ class UpdateResult:
     """The global gradient norm before clipping, as Megatron's optimizer computed it (the same on every rank)."""
 
 
-def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: TrainingPasses) -> UpdateResult:
+def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: TrainingPasses,
+           step: int, name: str = "the model") -> UpdateResult:
     """One optimizer update of ``trained`` on ``batch`` (Megatron-LM's ``train_step``): gradients of the mean of
     ``loss_fn`` over the micro-batches and DP replicas, clipped to ``--clip-grad`` by their global norm, then Adam
-    at the scheduler's current learning rate."""
+    at the scheduler's current learning rate.
+
+    A loss or gradient norm that is not finite on any rank raises :class:`~.faults.StepFailure` on every rank
+    (naming ``step``, the RL iteration, and ``name``, e.g. "the actor"), so the caller never saves the parameters
+    it produced.
+    """
     trained.model.zero_grad_buffer()
     trained.optimizer.zero_grad()
-    stats = passes.run(trained.model, batch, loss_fn, forward_only=False)
+    losses: list[torch.Tensor] = []
+
+    def recorded(output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+        loss, stats = loss_fn(output, mb)
+        losses.append(loss.detach())
+        return loss, stats
+
+    stats = passes.run(trained.model, batch, recorded, forward_only=False)
     successful, grad_norm, _ = trained.optimizer.step()
     # Only a loss scaler (fp16) or megatron-core ≥ 0.19's grad_norm_skip_threshold (left at inf) skip a step.
     assert successful, "megatron-core's optimizer skipped a step"
+    # The losses live on the last stage; the norm is the same everywhere (the optimizer reduced it over the
+    # model-parallel group, the gradients over DP), but one flag for both keeps the ranks in step regardless.
+    check_finite(step, {
+        f"{name}'s micro-batch losses": torch.stack(losses) if losses else None,
+        f"{name}'s gradient norm": float(grad_norm)})
     return UpdateResult(stats, float(grad_norm))

@@ -1,0 +1,87 @@
+"""Faults of an RL run (issue 15, Build 7): a reward function that raises, miscounts or returns NaN, and a loss or
+gradient norm that is not finite, stop the run on every rank with a message naming the step, before anything of
+that step is saved; damaged checkpoints are the same ``ValueError`` naming the file on every rank; a save that
+fails on one rank leaves ``latest`` and the iteration it names loadable."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import fault_cases
+from tests.harness import run_distributed
+
+# Short runs of the recipe's default (4 ranks, training TP=2 × DP=2).
+SHORT = ["--train-iters", "2", "--global-batch-size", "16", "--micro-batch-size", "4"]
+
+
+def _errors(argv: list[str]) -> list[str]:
+    return run_distributed(fault_cases.recipe_error_case, 4, argv, tensor_model_parallel_size=2)
+
+
+def test_non_finite_reward_stops_before_the_save_and_a_damaged_checkpoint_names_its_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    errors = _errors(SHORT + ["--reward-fn", "tests.fault_cases:nan_on_second_call", "--save", str(ckpt),
+                              "--save-interval", "1"])
+    for e in errors:  # every rank, the same message
+        assert e == errors[0]
+        assert e.startswith("StepFailure: step 2: the rewards of --reward-fn tests.fault_cases:nan_on_second_call "
+                            "are not finite"), e
+        assert "ranks 0, 1, 2, 3" in e and "before anything of this step is saved" in e
+    # Step 1 was saved; step 2 never was.
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    # Resuming from it with one rank's file truncated: the file's name on every rank, before training.
+    bad = ckpt / "iter_0000001" / "rank_00002.pt"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    errors = _errors(SHORT + ["--load", str(ckpt)])
+    for e in errors:
+        assert e.startswith(f"ValueError: --load: {bad} cannot be read, it is truncated, empty or not a checkpoint"), e
+        assert e.endswith("(rank 2)")
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("raises_on_rank_1", "step 1: --reward-fn tests.fault_cases:raises_on_rank_1 raised ZeroDivisionError: "
+                         "no reward for you (rank 1); the run stops"),
+    ("miscounts_on_rank_2", "step 1: --reward-fn tests.fault_cases:miscounts_on_rank_2 returned 7 values for 8 "
+                            "responses (rank 2); the run stops"),
+], ids=["raises", "miscounts"])
+def test_failing_reward_function_stops_every_rank(fn, message, tmp_path):
+    errors = _errors(SHORT + ["--reward-fn", f"tests.fault_cases:{fn}", "--save", str(tmp_path / "ckpt"),
+                              "--save-interval", "1"])
+    assert all(message in e for e in errors), errors
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("loss", "StepFailure: step 7: the actor's gradient norm is not finite (nan) (ranks 0, 1); the actor's "
+             "micro-batch losses are not finite (2 of 2 values; the first, nan, at 0) (rank 1); the run stops"),
+    ("grad_norm", "StepFailure: step 7: the actor's gradient norm is not finite (nan) (ranks 0, 1); the run stops"),
+])
+def test_non_finite_loss_or_gradient_norm_stops_every_rank(kind, message):
+    # 2 pipeline stages: the loss exists on the last one only, yet the first stops too.
+    for e in run_distributed(fault_cases.update_fault_case, 2, kind, pipeline_model_parallel_size=2):
+        assert e.startswith(message), e
+
+
+def test_checkpoint_faults(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for rank, r in enumerate(run_distributed(fault_cases.checkpoint_faults_case, 2, str(ckpt),
+                                             tensor_model_parallel_size=2)):
+        assert r["after_two"] == [2, rank, 2.0]
+        # Rank 1 failed part-way through its file (as a killed rank would leave it): every rank raised, naming
+        # the file; `latest` and the iteration it names are untouched, the partial iteration is gone.
+        for key in ("failed_new", "failed_resave"):
+            assert r[key].startswith("OSError: --save: iteration"), r[key]
+            assert "rank_00001.pt: OSError: [Errno 28] No space left on device (rank 1)" in r[key]
+        assert r["failed_new_latest"] == "2\n" and r["failed_new_loads"] == [2, rank, 2.0]
+        assert r["failed_resave_loads"] == [2, rank, 2.0]
+        assert r["resaved_loads"] == [2, rank, 22.0] and r["leftovers"] == []
+        assert r["between_renames_loads"] == [2, rank, 22.0]
+        bad = ckpt / "iter_0000002" / "rank_00001.pt"
+        for key in ("truncated", "empty"):
+            assert r[key].startswith(f"ValueError: --load: {bad} cannot be read, it is truncated, empty or not a "
+                                     f"checkpoint"), r[key]
+            assert r[key].endswith("(rank 1)")
+        assert r["bad_latest"] == (f"ValueError: --load: {ckpt / 'latest_checkpointed_iteration.txt'} must hold an "
+                                   f"iteration number (a non-negative integer, written by save_checkpoint), it "
+                                   f"holds 'two\\n' (ranks 0, 1)")
