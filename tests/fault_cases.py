@@ -78,6 +78,8 @@ def _partial_write(obj, f) -> None:
 
 
 def _on_rank_0(fn) -> None:
+    """``fn`` on rank 0 alone, between two barriers: no rank still reads what it changes, every rank sees it."""
+    dist.barrier()
     if dist.get_rank() == 0:
         fn()
     dist.barrier()
