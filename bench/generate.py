@@ -45,18 +45,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES as _BENCH_SHAPES  # noqa: E402
+
 from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 
 SHAPES: dict[str, GPTArchitecture] = {
-    # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16: bench/reshard.py's gpu-1b.
-    "gpu-1b": GPTArchitecture(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
-                              ffn_hidden_size=5632, vocab_size=32000, make_vocab_size_divisible_by=32,
-                              max_position_embeddings=4096, params_dtype="bfloat16"),
+    "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16
     "cpu-tiny": GPTArchitecture(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                 ffn_hidden_size=128, vocab_size=256, make_vocab_size_divisible_by=32,
                                 max_position_embeddings=512),
 }
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

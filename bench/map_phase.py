@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reshard import SHAPES  # noqa: E402  (the benchmark shapes, one definition)
+from shapes import SHAPES  # noqa: E402  (the benchmark shapes, one definition)
 
 from megatron_hybrid.layout import ParallelLayout, RolloutLayout  # noqa: E402
 from megatron_hybrid.placement import DTYPES, Placement  # noqa: E402

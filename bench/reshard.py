@@ -105,23 +105,7 @@ SWAP_BESIDE_CANONICAL = "swap-beside-canonical"
 ROW_METHODS = METHODS + (SWAP_BESIDE_CANONICAL,)
 Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
 
-SHAPES: dict[str, GPTArchitecture] = {
-    # 48 layers of a tiny model: 291 parameter tensors, 7.2 MB (fp32) in all, 3.6 MB per rank at t·p = 2.
-    "many-small": GPTArchitecture(num_layers=48, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
-                                  vocab_size=256, make_vocab_size_divisible_by=32, max_position_embeddings=256),
-    # 4 wide layers: 27 parameter tensors, 453 MB (fp32) in all, 113 MB per rank at t·p = 4.
-    "few-large": GPTArchitecture(num_layers=4, hidden_size=1536, num_attention_heads=12, num_query_groups=4,
-                                 ffn_hidden_size=4096, vocab_size=4096, make_vocab_size_divisible_by=128,
-                                 max_position_embeddings=256),
-    # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16: one GPU shared by 2 or 4 gloo ranks (--backend gloo).
-    "gpu-1b": GPTArchitecture(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
-                              ffn_hidden_size=5632, vocab_size=32000, make_vocab_size_divisible_by=32,
-                              max_position_embeddings=4096, params_dtype="bfloat16"),
-    # Llama-2-7B-like (6.7 B parameters, 13.5 GB in bf16): an 8-GPU node.
-    "llama-7b": GPTArchitecture(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
-                                ffn_hidden_size=11008, vocab_size=32000, make_vocab_size_divisible_by=32,
-                                max_position_embeddings=4096, params_dtype="bfloat16"),
-}
+from shapes import SHAPES  # noqa: E402  (one definition for every benchmark)
 # Vocabulary sizes are multiples of make_vocab_size_divisible_by × 8, so every TP size up to 8 pads them alike
 # (32000 = 125 × 32 × 8: no padding, as Llama-2's checkpoint); swap's second rollout model is built for t_g and
 # must pad like the training model.

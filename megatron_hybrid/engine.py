@@ -147,10 +147,10 @@ class HybridEngine:
                                                    rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
                                                    guard=self._check_rollout_mode, model_provider=model_provider)
         self._train_params = dict(named_parameters(self.modules))
+        self.device = next(iter(self._train_params.values())).device
         self.plan, self.member_index = self._make_plan()
-        self.device = device = next(iter(self._train_params.values())).device
         self.placement = Placement(self.plan, self.member_index, self._train_params, lay,
-                                   rollout_tp_rank=self.rollout_tp_rank, device=device)
+                                   rollout_tp_rank=self.rollout_tp_rank, device=self.device)
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
@@ -275,10 +275,9 @@ class HybridEngine:
         index = [m.rank for m in members].index(dist.get_rank())
         if lay.widens:
             return None, index
-        device = next(iter(self._train_params.values())).device
         bucket_numel = {name: max(1, int(self.bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
                         for name, dt in DTYPES.items()}
-        alignment = Placement.alignment(device) if self.align_slots else None
+        alignment = Placement.alignment(self.device) if self.align_slots else None
         plan = build_group_plan(members, list(rollout_params), k=lay.k, q=lay.q, bucket_numel=bucket_numel,
                                 alignment=alignment, tied=self._tied)
         return plan, index

@@ -87,9 +87,11 @@ def full_state_dict(chunks: Sequence[torch.nn.Module], *, tp_group, pp_group) ->
 
     A tied output layer on the last pipeline stage (``shared_embedding``) is reported once, as the embedding.
     """
+    from . import compat  # megatron-core only where a model is walked
+
     local = {}
     for chunk in chunks:
-        module = getattr(chunk, "module", chunk)  # unwrap Megatron DDP
+        module = compat.unwrap_model(chunk)
         offset = layer_offset(module)
         for name, p in module.named_parameters():
             if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
@@ -106,8 +108,10 @@ def full_state_dict(chunks: Sequence[torch.nn.Module], *, tp_group, pp_group) ->
 def load_full_state_dict(chunks: Sequence[torch.nn.Module], full: dict[str, torch.Tensor], *, tp_rank: int,
                          tp_size: int) -> None:
     """Copy this rank's shards of ``full`` (global names, as from :func:`full_state_dict`) into the model."""
+    from . import compat  # megatron-core only where a model is walked
+
     for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
+        module = compat.unwrap_model(chunk)
         offset = layer_offset(module)
         for name, p in module.named_parameters():
             key = global_name(name, offset)

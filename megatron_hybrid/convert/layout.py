@@ -288,13 +288,14 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_d
     pipeline chunks need no further arguments. Parameters may use local or Transformer Engine names. Tensors are
     read band by band straight into the parameters. Returns the stored architecture.
     """
+    from .. import compat  # megatron-core only where a model is walked
+
     ckpt = MegatronCheckpoint(megatron_dir)
     arch = ckpt.architecture
     plan: list[tuple[torch.nn.Parameter, Virtual]] = []
     missing, mismatched = [], []
     for chunk in model_chunks:
-        module = getattr(chunk, "module", chunk)  # unwrap Megatron DDP / Float16Module
-        module = getattr(module, "module", module)
+        module = compat.unwrap_model(chunk)
         offset = layer_offset(module)
         for name, param in module.named_parameters():
             key = canonical_name(global_name(name, offset))
