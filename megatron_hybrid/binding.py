@@ -57,9 +57,8 @@ class Binding:
                 new = placeholder(prm)
                 if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
                     new.data = blocks.views[0]
-                    peer = placement.peer_range(name)
-                    if peer is not None:
-                        viewed.setdefault(peer[0], []).append(peer[1:])
+                    for dtype, lo, hi in placement.peer_ranges(name):
+                        viewed.setdefault(dtype, []).append((lo, hi))
                 elif self.computes_on_blocks(prm):
                     self.table.set(new, blocks)
                 else:

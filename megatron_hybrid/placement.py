@@ -211,17 +211,45 @@ class Placement:
         src = self.sources[name]
         views = [self.train_params[b.name].data if b.member == self.member else self.slot_view(b.member, b.name)
                  for b in src.blocks]
+        stacked = self._stacked(views, src.dim, src.stride)
+        if stacked is not None:
+            return Blocks([stacked], 0, 1)
         return Blocks(views, src.dim, src.stride if len(views) > 1 else 1)
 
-    def peer_range(self, name: str) -> Optional[tuple[str, int, int]]:
-        """(dtype, start, end) of the peer's slot that rollout parameter ``name`` is, if it is exactly one."""
+    @staticmethod
+    def _stacked(views: list[torch.Tensor], dim: int, stride: int) -> Optional[torch.Tensor]:
+        """The blocks as one tensor when they lie back to back in one buffer in canonical order along dim 0 (the
+        plan gives such shards a region of their own): the gathered region is then the rollout tensor."""
+        if len(views) < 2 or dim != 0 or stride != 1 or not all(v.is_contiguous() for v in views):
+            return None
+        first = views[0]
+        if any(v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for v in views):
+            return None
+        size = first.element_size()
+        end = first.data_ptr()
+        for v in views:
+            if v.data_ptr() != end or v.shape[1:] != first.shape[1:]:
+                return None
+            end += v.numel() * size
+        rows = sum(v.shape[0] for v in views)
+        start = first.storage_offset()
+        return first.new_empty(0).set_(first.untyped_storage(), start, (rows, *first.shape[1:]))
+
+    def peer_ranges(self, name: str) -> list[tuple[str, int, int]]:
+        """(dtype, start, end) of the peers' slots that rollout parameter ``name`` views directly: the peer's slot
+        it is, or the peers' shards of a stacked one (see :meth:`blocks`); empty if it is computed from them."""
         if self.plan is None:
-            return None
+            return []
         blocks = self.sources[name].blocks
-        if len(blocks) != 1 or blocks[0].member == self.member:
-            return None
-        dtype, off = self.plan.where(blocks[0].member, blocks[0].name)
-        return dtype, off, off + self.plan.by_name[blocks[0].member][blocks[0].name].numel
+        if len(blocks) > 1 and self._stacked([self.slot_view(b.member, b.name) for b in blocks],
+                                             self.sources[name].dim, self.sources[name].stride) is None:
+            return []
+        out = []
+        for b in blocks:
+            if b.member != self.member:
+                dtype, off = self.plan.where(b.member, b.name)
+                out.append((dtype, off, off + self.plan.by_name[b.member][b.name].numel))
+        return out
 
     def keep_only(self, viewed: dict[str, list[tuple[int, int]]]) -> None:
         """Only the ``viewed`` peers' ranges are needed after the switch; the rest is released once read."""

@@ -250,7 +250,8 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     if len({tuple(v) for v in keys.values()}) != 1:
         raise ValueError("the micro-DP members' tensor-parallel parameters do not correspond one to one; "
                          "every pipeline stage must hold the same number of identical layers")
-    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per))
+    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per),
+              alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
 
     if q > 1:
         # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.
@@ -301,8 +302,23 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     return GroupPlan(members, regions, needed_stage, at, k, by_name, tied, q)
 
 
-def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[int, dict[str, int]], emit) -> None:
-    """Split each member's (corresponding) lists into dtype-homogeneous buckets of about ``bucket_numel``."""
+#: A dim-0 shard whose rollout tensor has at least this many elements gets a gather region of its own (one more
+#: collective, negligible next to moving >= 4 MB in fp32), so the region is the rollout tensor itself.
+STACKED_MIN_NUMEL = 2**20
+
+
+def _stacks_whole(p: ParamInfo, k: int, alignment: int) -> bool:
+    """Whether the k shards of ``p``, slot after slot in a region of its own, are its rollout tensor as laid out in
+    memory: sharded along dim 0 without interleaving (QKV, word embedding, output layer; not SwiGLU's stacked fc1)
+    and no slot padding between them."""
+    return (k > 1 and p.sharded and p.dim == 0 and p.stride == 1 and p.numel % alignment == 0
+            and p.numel * k >= STACKED_MIN_NUMEL)
+
+
+def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[int, dict[str, int]], emit, *,
+              alone=lambda p: False) -> None:
+    """Split each member's (corresponding) lists into dtype-homogeneous buckets of about ``bucket_numel``; a
+    parameter for which ``alone`` holds gets a bucket of its own."""
     first = next(iter(per_member))
     n = len(per_member[first])
     dtypes = sorted({p.dtype for p in per_member[first]})
@@ -313,7 +329,11 @@ def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[int, d
         while start < len(idx):
             end, total = start, 0
             while end < len(idx) and (end == start or total + per_member[first][idx[end]].numel <= limit):
+                if alone(per_member[first][idx[end]]) and end > start:
+                    break  # ends the bucket before it; it is a bucket of its own next
                 total += per_member[first][idx[end]].numel
                 end += 1
+                if alone(per_member[first][idx[end - 1]]):
+                    break
             emit(dtype, {j: [ps[i] for i in idx[start:end]] for j, ps in per_member.items()})
             start = end

@@ -296,6 +296,10 @@ def memory_case(mode: str):
         out["buf_after"].append(buffers_rss())
     out.update(moved=report["total_bytes"], mapped=report["peer_bytes_mapped"],
                released=report["transient_bytes_released"], canonical=report["canonical_bytes_mapped"])
+    # Which rollout weights are the gathered (own + peers') memory itself, with their byte counts.
+    gather = [b.span() for b in engine.placement.buffers.values()]
+    out["in_gather"] = {name: (p.numel() * p.element_size(), any(lo <= p.data_ptr() < hi for lo, hi in gather))
+                        for name, p in engine.rollout_model.named_parameters() if p.numel() > 0}
     return out
 
 
