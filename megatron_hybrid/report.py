@@ -28,6 +28,32 @@ _OP_COLOURS = {"all_gather_into_tensor": "#3b7dd8", "broadcast": "#e8912d"}
 _OTHER_COLOUR = "#8a8a8a"
 
 
+def missing_bytes(engine: Any) -> int:
+    """The least a switch can move to this rank: its rollout shard's bytes less those of its own training tensors
+    (a tied output layer counts as its share of the embedding, which Megatron keeps equal to it); 0 with t_g > t,
+    where the rollout shard is part of the training shard. From the modules' shapes alone, not from the plan."""
+    from .sharding import global_name, layer_offset
+
+    if engine.layout.widens:
+        return 0
+    rollout = {}
+    for chunk in engine.rollout_chunks:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            rollout[global_name(name, off)] = p.numel() * p.element_size()
+    held: set[str] = set()
+    for chunk in engine.modules:
+        off = layer_offset(chunk)
+        for name, p in chunk.named_parameters():
+            key = global_name(name, off)
+            if key == "output_layer.weight" and key not in rollout and getattr(p, "shared_embedding", False):
+                key = "embedding.word_embeddings.weight"
+            if key in rollout and key not in held:
+                held.add(key)
+                rollout[key] -= p.numel() * p.element_size()
+    return sum(rollout.values())
+
+
 def local_trace(engine: Any) -> list[dict[str, Any]]:
     """This rank's records of the engine's last switch to rollout (no communication)."""
     out = []

@@ -182,6 +182,9 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
 
     first = observe()
     first["expected_bytes"] = expected_missing_bytes(engine)
+    from megatron_hybrid.report import missing_bytes
+
+    first["library_missing_bytes"] = missing_bytes(engine)  # what bench/reshard.py checks against
     train_full = full_state_dict(engine.chunks, tp_group=ps.get_tensor_model_parallel_group(),
                                  pp_group=ps.get_pipeline_model_parallel_group())
     # An optimizer step on the training layout (gradients: this rank's shard of a known full gradient).

@@ -61,6 +61,7 @@ def _check(arch_kw: dict, layout, mode: str, *, logits_tol: dict, exact_bytes: b
         # before and after the optimizer step, across switches.
         assert r["first"]["addresses"] == r["second"]["addresses"], rank
     assert seen_logits >= 2 * t_g
+    assert all(r["first"]["library_missing_bytes"] == r["first"]["expected_bytes"] for r in runs)
     if t_g > t:
         assert all(r["first"]["expected_bytes"] == 0 for r in runs)
     else:
