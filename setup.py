@@ -209,7 +209,12 @@ setup(
         # megatron-core 0.16.1's dist_checkpointing.save imports psutil without declaring it.
         "psutil",
     ],
-    extras_require={"test": ["pytest"]},
+    # tensorboard: --tensorboard-dir (torch.utils.tensorboard); the tests read the events back.
+    # pyarrow: --prompt-data FILE.parquet (verl's data files); one wheel, no dependencies.
+    extras_require={"test": ["pytest", "tensorboard", "pyarrow"], "tensorboard": ["tensorboard"],
+                    "parquet": ["pyarrow"],
+                    # gguf + accelerate: tools/fetch_packaged_model.py (transformers reads GGUF files through them).
+                    "real-model": ["gguf", "accelerate"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -12,28 +12,38 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
 import os
+import warnings
 from typing import Callable, Optional
 
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+#: The built-in tiny model: the model flags' values when neither the command line nor --pretrained-checkpoint
+#: gives them.
+TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=False, swiglu=False,
+                  normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=False,
+                  max_position_embeddings=256, make_vocab_size_divisible_by=8)
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's model, parallelism, training, checkpoint and tokenizer flags (the subset we use)."""
-    g = parser.add_argument_group("model (Megatron-LM names)")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--group-query-attention", action="store_true")
+    # Unset (None) unless given: validate_args fills them from --pretrained-checkpoint, else from TINY_MODEL.
+    g = parser.add_argument_group("model (Megatron-LM names; default: --pretrained-checkpoint's, else the built-in "
+                                  "tiny model's)")
+    g.add_argument("--num-layers", type=int, default=None, help="tiny model: 2")
+    g.add_argument("--hidden-size", type=int, default=None, help="tiny model: 64")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="tiny model: 4")
+    g.add_argument("--group-query-attention", action="store_true", default=None)
     g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 × hidden size")
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--max-position-embeddings", type=int, default=256)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=8)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="tiny model: 4 × hidden size")
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None, help="tiny model: RMSNorm")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None,
+                   help="tiny model: rope")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="tiny model: 256")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="tiny model: 8")
     g = parser.add_argument_group("parallelism (Megatron-LM names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=2)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -62,6 +72,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
     g = parser.add_argument_group("checkpoints (Megatron-LM names)")
+    g.add_argument("--pretrained-checkpoint", default=None, help="start from this converted Hugging Face model "
+                   "(tools/convert_checkpoint.py hf-to-megatron): architecture, vocabulary, tokenizer and weights of "
+                   "actor, reference and critic trunk; a fresh run (step 0, fresh optimizer)")
+    g.add_argument("--export-hf", default=None, help="write the trained actor here at the end as a Hugging Face "
+                   "model (needs --pretrained-checkpoint: its family, config and tokenizer)")
+    g.add_argument("--export-hf-interval", type=int, default=None, help="also export every N steps, into "
+                   "--export-hf DIR/iter_NNNNNNN")
     g.add_argument("--load", default=None, help="resume from this directory (its latest iteration)")
     g.add_argument("--save", default=None, help="write checkpoints here")
     g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the "
@@ -90,14 +107,28 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep optimizer states and gradients resident while generating")
     g = parser.add_argument_group("reinforcement learning")
     g.add_argument("--algorithm", choices=["ppo", "grpo"], default="ppo")
-    g.add_argument("--reward-fn", default=None, help="module:function(prompts, responses) -> list[float], on "
-                   "token lists (default: the built-in synthetic task's reward)")
+    g.add_argument("--reward-fn", default=None, help="module:function(prompts, responses) -> list[float] on token "
+                   "lists (with an 'answers' parameter: also given the ground truths), or verl's "
+                   "compute_score(data_source, solution_str, ground_truth, extra_info) on text, told apart by the "
+                   "signature (default: --reward-type)")
     g.add_argument("--reward-model-load", default=None, help="a directory written by save_value_model(): a "
                    "Megatron model with a scalar head that scores prompt + response")
     g.add_argument("--target-token", type=int, default=3, help="built-in task: the token to be rewarded")
     g.add_argument("--prompt-length", type=int, default=4, help="built-in prompts: tokens per prompt")
     g.add_argument("--prompt-file", default=None, help="one prompt per line (tokenised), instead of the "
                    "built-in random prompts")
+    d = parser.add_argument_group("data and rewards (file formats and answer rules: megatron_hybrid/rl/data.py, "
+                                  "rewards.py)")
+    d.add_argument("--prompt-data", default=None, help="prompts with ground truths: JSONL ({\"prompt\": text or "
+                   "chat messages, \"answer\": ...} a line) or verl's parquet (prompt, reward_model.ground_truth)")
+    d.add_argument("--reward-type", choices=["exact-match", "format", "target-token"], default=None,
+                   help="a built-in reward: the final numeric answer equals the ground truth (1/0), the response "
+                   "marks a final answer ('#### N' or \\boxed{N}), or the synthetic task's --target-token "
+                   "fraction (default: exact-match with --prompt-data, else target-token)")
+    d.add_argument("--eval-prompt-data", default=None, help="held-out prompts with ground truths (same formats "
+                   "as --prompt-data), generated greedily every --eval-interval steps: eval_accuracy")
+    d.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations on "
+                   "--eval-prompt-data")
     g.add_argument("--num-samples-per-prompt", type=int, default=1, help="responses per prompt (GRPO's group)")
     g.add_argument("--max-new-tokens", type=int, default=8)
     g.add_argument("--temperature", type=float, default=1.0)
@@ -122,7 +153,12 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-whiten-advantages", action="store_true")
     g.add_argument("--offload-reference", action="store_true", help="keep the reference policy in host memory "
                    "between uses")
-    g.add_argument("--log-dir", default=None, help="metrics.jsonl (and TensorBoard when installed) go here")
+    g.add_argument("--tis-imp-ratio-cap", type=float, default=None, help="truncated importance sampling "
+                   "(verl's name): weight each token's policy loss by min(π_old / π_rollout, C), for the mismatch "
+                   "between the generator's and the training layout's log-probs (default: off)")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
+                   "package)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return parser
 
@@ -173,11 +209,12 @@ _RANGES: dict[str, dict] = {
                      "global_batch_size", "train_iters", "save_interval", "num_layers", "hidden_size",
                      "num_attention_heads", "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
                      "make_vocab_size_divisible_by", "vocab_size", "prompt_length", "num_samples_per_prompt",
-                     "max_new_tokens", "ppo_epochs", "lr_decay_iters"), {"ge": 1}),
+                     "max_new_tokens", "ppo_epochs", "lr_decay_iters", "eval_interval"), {"ge": 1}),
     **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
                      "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters"),
                     {"ge": 0}),
     **dict.fromkeys(("clip_ratio", "clip_ratio_high", "kl_target", "kl_horizon", "reshard_bucket_size_mb",
+                     "tis_imp_ratio_cap",
                      "distributed_timeout_minutes", "adam_eps"), {"gt": 0}),
     **dict.fromkeys(("gamma", "lam"), {"ge": 0, "le": 1}),
     **dict.fromkeys(("adam_beta1", "adam_beta2"), {"ge": 0, "lt": 1}),
@@ -188,7 +225,14 @@ _RANGES: dict[str, dict] = {
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Every check that needs no collective; ``ValueError`` with the values and the arithmetic."""
+    """Every check that needs no collective; ``ValueError`` with the values and the arithmetic. Fills the model
+    flags left unset from ``--pretrained-checkpoint`` (a contradicting one is an error) or :data:`TINY_MODEL`."""
+    from .rl.pretrained import model_args_from_checkpoint
+
+    model_args_from_checkpoint(args)
+    for name, value in TINY_MODEL.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     # Ranges first: the arithmetic below divides by several of these. None is an optional flag left unset.
     for name, bounds in _RANGES.items():
         if getattr(args, name) is not None:
@@ -211,10 +255,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ValueError(f"--target-token ({args.target_token}) must be a token of the vocabulary, in "
                              f"[0, {V - 1}] (--vocab-size {V})")
     n_pos, n_new = args.max_position_embeddings, args.max_new_tokens
-    if args.prompt_file is None and n_pos < args.prompt_length + n_new:
+    from_file = args.prompt_file is not None or args.prompt_data is not None
+    if not from_file and n_pos < args.prompt_length + n_new:
         raise ValueError(f"--max-position-embeddings ({n_pos}) must be at least --prompt-length "
                          f"({args.prompt_length}) + --max-new-tokens ({n_new}) = {args.prompt_length + n_new}")
-    if args.prompt_file is not None and n_pos <= n_new:  # the file's prompts are measured once tokenised
+    if from_file and n_pos <= n_new:  # the file's prompts are measured once tokenised
         raise ValueError(f"--max-position-embeddings ({n_pos}) must exceed --max-new-tokens ({n_new}): the prompt "
                          "takes positions too")
     if world_size % (t * p):
@@ -275,3 +320,33 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--load ({args.load!r}) has no latest_checkpointed_iteration.txt")
     if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file ({args.prompt_file!r}) does not exist")
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        # torch.utils.tensorboard needs it; without it the SummaryWriter would fail on rank 0 only, mid-run.
+        raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "
+                         "(pip install tensorboard)")
+    _validate_data_and_rewards(args)
+
+
+def _validate_data_and_rewards(args: argparse.Namespace) -> None:
+    from .rl.data import data_file_error
+    from .rl.rewards import resolved_reward_type, reward_fn_style
+
+    if args.prompt_data is not None and args.prompt_file is not None:
+        raise ValueError("pass --prompt-data or --prompt-file, not both")
+    for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        error = path is not None and data_file_error(flag, path)
+        if error:
+            raise ValueError(error)
+    if args.reward_type is not None and (args.reward_fn is not None or args.reward_model_load is not None):
+        raise ValueError(f"pass one of --reward-type ({args.reward_type}), --reward-fn and --reward-model-load")
+    if resolved_reward_type(args) == "exact-match" and args.prompt_data is None:
+        raise ValueError("--reward-type exact-match needs ground truths: pass --prompt-data")
+    if args.reward_fn is not None and args.prompt_data is None and reward_fn_style(load_callable(args.reward_fn)) \
+            == "verl":
+        raise ValueError(f"--reward-fn {args.reward_fn} is a verl compute_score(..., ground_truth, ...): it needs "
+                         "--prompt-data")
+    if args.eval_interval is not None and args.eval_prompt_data is None:
+        raise ValueError(f"--eval-interval ({args.eval_interval}) needs --eval-prompt-data")
+    if args.eval_prompt_data is not None and args.eval_interval is None:
+        warnings.warn(f"--eval-prompt-data ({args.eval_prompt_data}) is ignored without --eval-interval",
+                      stacklevel=3)

@@ -186,7 +186,114 @@ def ddp_param_and_grad_buffers(chunk) -> list:
 
 def ddp_uses_distributed_optimizer(chunk) -> bool:
     """Whether Megatron DDP keeps this chunk's parameters in its own buckets (``use_distributed_optimizer``)."""
-    return any(getattr(buf, "param_data", None) is not None for buf in ddp_param_and_grad_buffers(chunk))
+    return bool(ddp_param_buffers(chunk))
+
+
+def ddp_param_buffers(chunk) -> list:
+    """The ``_ParamAndGradBuffer``s of a chunk that hold its parameters (``buffer.param_data``: Megatron DDP with the
+    distributed optimizer, whose all-gather after every step writes into the buckets' ``param_data`` views)."""
+    return [buf for buf in ddp_param_and_grad_buffers(chunk) if getattr(buf, "param_data", None) is not None]
+
+
+def ddp_param_offsets(buffer) -> dict:
+    """parameter -> its first element in ``buffer.param_data`` (``param_index_map``: (start, end, bucket id))."""
+    return {param: index[0] for param, index in buffer.param_index_map.items()}
+
+
+def ddp_finish_param_sync(chunk) -> None:
+    """Complete the distributed optimizer's parameter all-gather of a chunk, so ``param_data`` holds the weights of
+    the last step. With ``overlap_param_gather=True`` the gather after ``step()`` is only dispatched by the next
+    forward's pre-hooks (0.16.1 – 0.19.x: ``param_gather_dispatched`` is cleared by ``finish_grad_sync``): run the
+    ones not dispatched now, synchronously, and wait for those in flight; the next forward then finds every bucket
+    group gathered and gathers nothing."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not isinstance(chunk, DistributedDataParallel) or not ddp_param_buffers(chunk):
+        return
+    groups = list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
+    for group in groups:
+        if not group.ddp_config.overlap_param_gather:
+            continue  # gathered synchronously by the optimizer's step
+        if group.param_gather_dispatched and group.param_gather_handle is None:
+            continue  # gathered already (a forward ran since the step)
+        group.start_param_sync(force_sync=True)  # waits for one in flight, or gathers now
+
+
+def _repointed(t, old, new):
+    """A view of ``new``'s storage where ``t`` views ``old``'s (``old`` and ``new`` of equal numel and dtype)."""
+    import torch
+
+    offset = new.storage_offset() + t.storage_offset() - old.storage_offset()
+    return torch.empty(0, dtype=new.dtype, device=new.device).set_(new.untyped_storage(), offset, t.shape, t.stride())
+
+
+def _distributed_optimizer_views(optimizer) -> list[tuple[list, int]]:
+    """(list, index) of the tensors of megatron-core optimizers (``ChainedOptimizer`` walked) that may view DDP's
+    parameter buffer: the ``DistributedOptimizer``'s model-parameter shards (``shard_float16_groups``;
+    ``shard_fp32_groups``, which are the fp32 optimizer's own parameters). 0.16.1 – 0.19.x names."""
+    out = []
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for attr in ("shard_float16_groups", "shard_fp32_groups"):
+            for group in getattr(sub, attr, None) or []:
+                out.extend((group, i) for i, t in enumerate(group) if t is not None)
+    return out
+
+
+def ddp_move_param_buffer(chunk, buffer, new, *, optimizers=()) -> None:
+    """Move Megatron DDP's parameter buffer ``buffer`` of ``chunk`` into ``new`` (a 1-D tensor of its numel and
+    dtype), once: values are copied, then every view of the old buffer is pointed at the same place in ``new`` (the
+    buffer's and its buckets' ``param_data``, the parameters, the bucket groups' cached shards, and the shards the
+    distributed ``optimizers`` built over it). When the old buffer is a storage of its own (DDP's allocation), a
+    view of it that nobody told us about is a ``ValueError`` (and nothing moves): it would go on using a second
+    copy."""
+    import torch
+
+    old = buffer.param_data
+    if new.numel() != old.numel() or new.dtype != old.dtype or new.dim() != 1:
+        raise AssertionError(f"DDP parameter buffer of {old.numel()} {old.dtype} moved to {new.numel()} {new.dtype}")
+    storage = old.untyped_storage()
+    alone = old.storage_offset() == 0 and storage.nbytes() == old.numel() * old.element_size()
+    groups = list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
+    views = [(group, i) for opt in optimizers for group, i in _distributed_optimizer_views(opt)
+             if group[i].untyped_storage().data_ptr() == storage.data_ptr()]
+    params = list(buffer.param_index_map)
+
+    def point(to, frm):
+        with torch.no_grad():
+            for group, i in views:
+                t = group[i]
+                if t._base is None or isinstance(t._base, torch.nn.Parameter):
+                    t.data = _repointed(t, frm, to)  # an optimizer's parameter (fp32): it keeps its identity
+                else:
+                    # A view of a detached parameter (bf16: ``param.detach().view(-1)[...]``) would keep its base,
+                    # hence the old buffer, alive: a fresh view replaces it, with its Megatron attributes.
+                    fresh = _repointed(t, frm, to)
+                    fresh.__dict__.update(t.__dict__)
+                    group[i] = fresh
+            for p in params:
+                p.data = _repointed(p.data, frm, to)
+            for bucket in buffer.buckets:
+                bucket.param_data = _repointed(bucket.param_data, frm, to)
+            buffer.param_data = to
+        for group in groups:  # rebuilt from bucket.param_data at the next gather
+            group.cached_param_buffer_shard_list = [None] * len(group.buckets)
+
+    with torch.no_grad():
+        new.copy_(old)
+    point(new, old)
+    # What still holds the old storage: ``storage`` and ``old`` here, and whatever nobody told us about.
+    if alone and storage_use_count(storage) > 2:
+        point(old, new)
+        raise ValueError("something still views Megatron DDP's parameter buffer after the HybridEngine moved it "
+                         "(a distributed optimizer built before the engine?): pass it as "
+                         "HybridEngine(..., optimizer=...) so that its views move too")
+
+
+def storage_use_count(storage) -> int:
+    """How many tensors and storage objects share ``storage`` (torch's private ``_storage_Use_Count``)."""
+    import torch
+
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 def ddp_grad_buffers(chunk):

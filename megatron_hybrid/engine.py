@@ -30,7 +30,7 @@ from .binding import BINDINGS, named_parameters
 from .groups import create_rollout_groups, training_grid
 from .layout import ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
-from .placement import DTYPE_NAMES, DTYPES, Placement
+from .placement import DTYPE_NAMES, DTYPES, HeldBuffer, Placement
 from .plan import MemberInfo, ParamInfo, build_group_plan
 from .rollout_model import ModelProvider, build_rollout_chunks
 from .sharding import TPSpec
@@ -72,8 +72,10 @@ class HybridEngine:
     """Switch an actor between its Megatron training layout and a rollout layout without a second copy.
 
     Args:
-        model: the training-layout model on this rank: a GPTModel, a list of model chunks, or a Megatron-DDP
-            wrapped model (without the distributed optimizer), after ``initialize_model_parallel(t, p)``.
+        model: the training-layout model on this rank: a GPTModel, a list of model chunks, or Megatron DDP around
+            one (also with ``use_distributed_optimizer=True``), after ``initialize_model_parallel(t, p)``. With the
+            distributed optimizer, DDP's parameter buffer becomes this rank's own slot of the micro-DP gather,
+            moved there once; the optimizer's all-gather after every step then writes into it directly.
         rollout: the rollout layout (t_g, p_g).
         weight_mode: ``"aliased"`` (default; zero redundancy: the rollout model computes on the training shards
             as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
@@ -95,12 +97,16 @@ class HybridEngine:
             parallel group's, so that a stalled or dead rank fails the others within the same time in both layouts.
         model_provider: ``model_provider(config, pg_collection, pre_process, post_process)`` building one
             rollout stage, for model classes other than GPTModel.
+        optimizer: the megatron-core optimizer over ``model`` if it exists already (a ``DistributedOptimizer`` or a
+            ``ChainedOptimizer`` of them): its shards view DDP's parameter buffer, and they move with it. Not needed
+            when the optimizer is built after the engine, or without the distributed optimizer; a view left behind
+            is a ``ValueError``.
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
                  weight_mode: str = "aliased", bucket_size_mb: Optional[float] = None, align_slots: bool = False,
                  tp_group=None, pp_group=None, dp_group=None, timeout: Any = None,
-                 model_provider: Optional[ModelProvider] = None) -> None:
+                 model_provider: Optional[ModelProvider] = None, optimizer: Any = None) -> None:
         # ---- validation: everything below this block may run collectives ----
         self._check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout)
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -148,9 +154,12 @@ class HybridEngine:
                                                    guard=self._check_rollout_mode, model_provider=model_provider)
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
-        self.plan, self.member_index = self._make_plan()
+        self._optimizers = [optimizer] if optimizer is not None else []
+        held, self._held_at = self._held_buffers()
+        self.plan, self.member_index = self._make_plan(held)
         self.placement = Placement(self.plan, self.member_index, self._train_params, lay,
-                                   rollout_tp_rank=self.rollout_tp_rank, device=self.device)
+                                   rollout_tp_rank=self.rollout_tp_rank, device=self.device,
+                                   held=held if self.plan is not None else ())
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
@@ -187,10 +196,6 @@ class HybridEngine:
                                                                          TransformerConfig):
                 raise ValueError(f"model ({type(c).__name__}) must be a megatron-core model (a GPTModel, a list of "
                                  "its chunks, or Megatron DDP around one) with a TransformerConfig as .config")
-            if compat.ddp_uses_distributed_optimizer(c):
-                raise ValueError("Megatron DDP with use_distributed_optimizer=True keeps parameters in its "
-                                 "own buckets; the HybridEngine supports DDP without the distributed "
-                                 "optimizer for now")
 
     def _check_model(self, config, weight_mode: str) -> None:
         lay = self.layout
@@ -210,8 +215,6 @@ class HybridEngine:
         if config.tensor_model_parallel_size != lay.t or config.pipeline_model_parallel_size != lay.p:
             raise ValueError(f"the model was built for tensor/pipeline sizes ({config.tensor_model_parallel_size}, "
                              f"{config.pipeline_model_parallel_size}) but the groups are ({lay.t}, {lay.p})")
-        if getattr(config, "sequence_parallel", False):
-            raise ValueError("sequence_parallel=True is not supported by the rollout layout yet")
         vocab = getattr(self.modules[0], "vocab_size", None)
         if vocab is not None and vocab % lay.t_g:
             raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
@@ -232,17 +235,29 @@ class HybridEngine:
                                "first (its weights are not there while training)")
 
     # ---- the plan ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _param_infos(chunks: list[torch.nn.Module]) -> list[ParamInfo]:
+    def _held_buffers(self) -> tuple[list[HeldBuffer], dict[int, tuple[int, int]]]:
+        """Megatron DDP's parameter buffers (distributed optimizer), and id(parameter) -> (buffer, offset)."""
+        held, at = [], {}
+        for chunk in self.chunks:
+            for buffer in compat.ddp_param_buffers(chunk):
+                def move(new, chunk=chunk, buffer=buffer):
+                    compat.ddp_move_param_buffer(chunk, buffer, new, optimizers=self._optimizers)
+
+                for prm, offset in compat.ddp_param_offsets(buffer).items():
+                    at[id(prm)] = (len(held), offset)
+                held.append(HeldBuffer(lambda buffer=buffer: buffer.param_data, move))
+        return held, at
+
+    def _param_infos(self, chunks: list[torch.nn.Module]) -> list[ParamInfo]:
         out = []
         for chunk in chunks:
             for (name, prm), (local, _) in zip(named_parameters([chunk]), chunk.named_parameters()):
                 spec = TPSpec.of(prm)
                 out.append(ParamInfo(name, local, tuple(prm.shape), DTYPE_NAMES[prm.dtype], spec.sharded, spec.dim,
-                                     spec.stride))
+                                     spec.stride, held=self._held_at.get(id(prm))))
         return out
 
-    def _make_plan(self):
+    def _make_plan(self, held: list[HeldBuffer]):
         """Gather the micro-DP members' parameter descriptions and plan the switch (the same plan on each)."""
         lay = self.layout
         mine = self._param_infos(self.modules)
@@ -251,7 +266,8 @@ class HybridEngine:
             raise ValueError("duplicate parameter names across model chunks")
         rollout_params = dict(named_parameters(self.rollout_chunks))
         member = MemberInfo(dist.get_rank(), self.tp_rank, self.pp_rank, tuple(mine),
-                            self.config.num_layers // lay.p)
+                            self.config.num_layers // lay.p,
+                            held=tuple((DTYPE_NAMES[h.dtype], h.numel) for h in held))
         members: list[Any] = [member]
         if not lay.widens:
             members = [None] * self.groups["micro_dp"].size()
@@ -317,6 +333,8 @@ class HybridEngine:
             return  # not a switch: the report keeps describing the last one
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
+        for chunk in self.chunks:  # the distributed optimizer's last all-gather may still be pending (overlap)
+            compat.ddp_finish_param_sync(chunk)
         if [p.data_ptr() for p in self._train_params.values()] != self._train_ptrs:
             moved = [n for (n, p), ptr in zip(self._train_params.items(), self._train_ptrs) if p.data_ptr() != ptr]
             raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
@@ -408,12 +426,13 @@ class HybridEngine:
         finally:
             self.switch_to_training()
 
-    def close(self) -> None:
+    def close(self, *, optimizer: Any = None) -> None:
         """Detach the engine from the model: training parameters get ordinary memory again (one copy), the
         rollout model loses its weights, and every buffer is released. The engine cannot switch afterwards.
 
         Needed only to drop the engine while keeping the model: otherwise the buffers live as long as the
-        parameters that view them.
+        parameters that view them. ``optimizer``: a distributed optimizer built after the engine (its shards view
+        DDP's parameter buffer, which moves back to ordinary memory).
         """
         if self.mode == "closed":
             return
@@ -421,17 +440,17 @@ class HybridEngine:
         if self._generator is not None:
             self._generator.close()
             self._generator = None
-        with torch.no_grad():
-            for name in self.placement.placed:
-                prm = self._train_params[name]
-                prm.data = prm.data.clone()
+        if optimizer is not None:
+            self._optimizers.append(optimizer)
+        self.placement.detach_training_tensors()
         self.binding.unbind()
         self.placement.close()
         self.mode = "closed"
 
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
-                 stop_token_ids: Sequence[int] = (), seed: int = 0, config: Any = None) -> list:
+                 stop_token_ids: Sequence[int] = (), seed: int = 0, config: Any = None,
+                 tempered_log_probs: bool = False) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
         Called on every rank of the training layout (switches to rollout first if needed). A thin call into
@@ -441,7 +460,8 @@ class HybridEngine:
         those settings. The micro-DP data flow: a training DP replica's prompts are split across its d_g rollout
         replicas and the results all-gathered back. ``vocab_size``: the real vocabulary, whose padded rows are
         never sampled. Returns ``GenerationResult``s with ``.generated_tokens`` and ``.generated_log_probs``
-        (untempered, over the real vocabulary).
+        (untempered, over the real vocabulary), and with ``tempered_log_probs`` also
+        ``.generated_tempered_log_probs`` (at the sampling temperature, before top-k/top-p).
         """
         from .inference import RolloutGenerator
 
@@ -452,7 +472,8 @@ class HybridEngine:
                 self._generator.close()
             self._generator = RolloutGenerator(self, config)
         return self._generator.generate(prompts, sampling_params, vocab_size=vocab_size,
-                                        stop_token_ids=stop_token_ids, seed=seed)
+                                        stop_token_ids=stop_token_ids, seed=seed,
+                                        tempered_log_probs=tempered_log_probs)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:

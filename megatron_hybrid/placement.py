@@ -7,13 +7,16 @@ engine's lifetime; every other range this rank takes part in (the peers' slots) 
 rollout and released at the switch back. Rollout-only ranges (canonical tensors, a KV cache) are reserved the same
 way with no own part. Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` +
 ``madvise`` on CPU): each address range is reserved once, so tensors viewing it keep their addresses across
-switches, and the memory lives as long as the buffer or any tensor viewing it.
+switches, and the memory lives as long as the buffer or any tensor viewing it. A buffer that holds training tensors in
+a layout of its own (Megatron DDP's parameter buffer with the distributed optimizer: :class:`HeldBuffer`) moves
+whole into its own slot instead, and its views (DDP's buckets, the parameters, the optimizer's shards) with it.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -133,17 +136,39 @@ class RolloutBuffer:
         self.memory.close()
 
 
+@dataclass
+class HeldBuffer:
+    """A flat buffer that holds training tensors in a layout of its own (Megatron DDP's parameter buffer with the
+    distributed optimizer): it moves, whole, into its own slot (``MemberInfo.held`` in the plan)."""
+
+    current: Callable[[], torch.Tensor]
+    """The buffer now (1-D); read when needed, since a reference held here would be one more view of it."""
+    move_to: Callable[[torch.Tensor], None]
+    """Moves it into the given 1-D tensor of its numel: copies the values and points every view at the new place."""
+
+    @property
+    def numel(self) -> int:
+        return self.current().numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.current().dtype
+
+
 class Placement:
     """Where the training tensors, the peers' slots and the rollout-only memory of one rank live.
 
     ``plan`` is the micro-DP group's reshard plan and ``member`` this rank's index in it; with t_g > t there is no
-    plan (``None``): every rollout tensor is a sub-block of the rank's own training shard.
+    plan (``None``): every rollout tensor is a sub-block of the rank's own training shard. ``held``: the rank's
+    held buffers, in the plan's order; each becomes its own slot of its region as it is.
     """
 
     def __init__(self, plan: Optional[GroupPlan], member: int, train_params: dict[str, torch.nn.Parameter],
-                 layout: ParallelLayout, *, rollout_tp_rank: int, device: torch.device) -> None:
+                 layout: ParallelLayout, *, rollout_tp_rank: int, device: torch.device,
+                 held: Sequence[HeldBuffer] = ()) -> None:
         self.plan, self.member, self.layout = plan, member, layout
         self.train_params = train_params
+        self.held = list(held)
         self.rollout_tp_rank = rollout_tp_rank
         self.device = device
         self.buffers: dict[str, RolloutBuffer] = {}
@@ -161,8 +186,10 @@ class Placement:
         return {name: max(1, granule // torch.empty((), dtype=dt).element_size()) for name, dt in DTYPES.items()}
 
     def _place_training_tensors(self) -> None:
-        """Move each training tensor of this rank into its own slot (a one-time copy at construction)."""
+        """Move each training tensor of this rank into its own slot (a one-time copy at construction); a held
+        buffer moves whole."""
         j = self.member
+        mine = self.plan.by_name[j]
         for dtype, regions in self.plan.regions.items():
             own, used = [], []
             for reg in regions:
@@ -176,8 +203,13 @@ class Placement:
             self.buffers[dtype] = buf
             flat = buf.tensor
             for reg in regions:
+                if reg.held is not None:
+                    held = self.held[reg.held]
+                    lo = reg.slot_offset(j)
+                    held.move_to(flat[lo: lo + held.numel])
+                    continue
                 for sl in reg.slices:
-                    if sl.member != j:
+                    if sl.member != j or mine[sl.name].held is not None:
                         continue
                     prm = self.train_params[sl.name]
                     view = flat[sl.offset: sl.offset + sl.numel].view(sl.shape)
@@ -280,6 +312,16 @@ class Placement:
         """Release everything that only rolling out needs (the caller has synchronised)."""
         for buf in list(self.buffers.values()) + self.rollout_only:
             buf.unmap_peers(synchronize=False)
+
+    def detach_training_tensors(self) -> None:
+        """Give every training tensor (and held buffer) ordinary memory again, one copy: before :meth:`close`."""
+        with torch.no_grad():
+            for name in self.placed:
+                prm = self.train_params[name]
+                prm.data = prm.data.clone()
+            for held in self.held:
+                held.move_to(torch.empty(held.numel, dtype=held.dtype, device=self.device))
+        self.placed = []
 
     def close(self) -> None:
         for buf in list(self.buffers.values()) + self.rollout_only:

@@ -15,6 +15,11 @@ agreement. Buffers are laid out per dtype as a list of *regions*:
 
 A rank receives exactly the bytes of its rollout shard that it does not hold: (d_g − 1) slots of every gather
 region, (q − 1) of every stage_gather region and every broadcast region it does not own.
+
+A buffer that already holds a member's parameters in a layout of its own (Megatron DDP's parameter buffer with the
+distributed optimizer, ``MemberInfo.held``) is that member's slot of one more gather region, as it is: the
+optimizer's all-gather then writes the own slot directly. Such a region also carries what the rollout shard does
+not need from the peers (their TP-replicated tensors, DDP's padding).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class ParamInfo:
     sharded: bool
     dim: int = 0
     stride: int = 1
+    held: Optional[tuple[int, int]] = None
+    """(i, offset): the tensor lies in the member's held buffer i, ``offset`` elements from its start (see
+    :class:`MemberInfo`); ``None``: the plan places it."""
 
     @property
     def numel(self) -> int:
@@ -57,6 +65,9 @@ class MemberInfo:
     pp: int
     params: tuple[ParamInfo, ...]
     layers_per_stage: int
+    held: tuple[tuple[str, int], ...] = ()
+    """(dtype, numel) of each flat buffer that holds parameters in a layout of its own (Megatron DDP's parameter
+    buffer with the distributed optimizer): it is the member's slot of a gather region as a whole."""
 
 
 @dataclass
@@ -80,6 +91,7 @@ class Region:
     members: list[int]  # member indices of the collective's group, in group-rank order
     owner: Optional[int] = None  # for broadcasts
     slices: list[Slice] = field(default_factory=list)
+    held: Optional[int] = None  # the held buffer that each member's slot is (its first elements), if any
 
     @property
     def numel(self) -> int:
@@ -220,10 +232,11 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
         needed_stage[need] = members[owners[0]].pp - pp0
 
     def wanted(p: ParamInfo) -> bool:
-        return p.name in needed_stage
+        return p.name in needed_stage and p.held is None  # held tensors travel with their buffer
 
     regions: dict[str, list[Region]] = {}
     offsets: dict[str, int] = {}
+    _held_regions(members, regions, offsets, alignment)
 
     def add_region(dtype: str, kind: str, group: list[int], per_member: dict[int, list[ParamInfo]],
                    owner: Optional[int] = None) -> None:
@@ -290,7 +303,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
             if tied is not None:
                 # The tied output layer, placed in its rank's own slot (no collective): it serves the embedding.
                 for j, m in enumerate(members):
-                    out = [p for p in m.params if p.name == tied[0] and p.dtype == dtype]
+                    out = [p for p in m.params if p.name == tied[0] and p.dtype == dtype and p.held is None]
                     if out:
                         add_region(dtype, "broadcast", [j], {j: out}, owner=j)
         for j, m in enumerate(members):
@@ -300,6 +313,36 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
                 if replicated:
                     add_region(dtype, "broadcast", cross, {j: replicated}, owner=j)
     return GroupPlan(members, regions, needed_stage, at, k, by_name, tied, q)
+
+
+def _held_regions(members: list[MemberInfo], regions: dict[str, list[Region]], offsets: dict[str, int],
+                  alignment: Optional[dict[str, int]]) -> None:
+    """One gather region per held buffer, first in each dtype: member j's slot is its buffer i as it is (its own
+    order and padding), padded to the largest member's. Every member receives the other members' whole buffers:
+    TP-replicated tensors and Megatron's padding travel too, and with p_g < p the stage-only tensors go to everyone
+    (the regions of a plan without held buffers move exactly the missing bytes)."""
+    counts = {len(m.held) for m in members}
+    if counts == {0}:
+        return
+    if len(counts) != 1 or len({tuple(dt for dt, _ in m.held) for m in members}) != 1:
+        raise ValueError("the micro-DP members' Megatron DDP parameter buffers do not correspond one to one "
+                         f"(dtypes per member: {[[dt for dt, _ in m.held] for m in members]})")
+    everyone = list(range(len(members)))
+    for i in range(counts.pop()):
+        dtype = members[0].held[i][0]
+        slot = _align(max(m.held[i][1] for m in members), max(HELD_ALIGNMENT, (alignment or {}).get(dtype, 1)))
+        reg = Region("gather", offsets.get(dtype, 0), slot, everyone, held=i)
+        for j, m in enumerate(members):
+            for p in m.params:
+                if p.held is not None and p.held[0] == i:
+                    reg.slices.append(Slice(j, p.name, reg.slot_offset(j) + p.held[1], p.numel, p.shape))
+        regions.setdefault(dtype, []).append(reg)
+        offsets[dtype] = reg.offset + reg.numel
+
+
+#: Held slots are padded to a multiple of this many elements, so that each starts as aligned as Megatron aligns its
+#: buckets (128 elements: 256 bytes for 16-bit types) when the buffer itself is.
+HELD_ALIGNMENT = 128
 
 
 #: A dim-0 shard whose rollout tensor has at least this many elements gets a gather region of its own (one more

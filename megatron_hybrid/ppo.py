@@ -111,22 +111,58 @@ def grpo_advantages(scores_B: torch.Tensor, *, group_size: int, normalize_std: b
 
 
 def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_BT: torch.Tensor,
-                mask_BT: torch.Tensor, *, clip_ratio: float,
-                clip_ratio_high: Optional[float] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                mask_BT: torch.Tensor, *, clip_ratio: float, clip_ratio_high: Optional[float] = None,
+                rollout_logp_BT: Optional[torch.Tensor] = None,
+                tis_imp_ratio_cap: Optional[float] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate: mean over tokens of max(−A·r, −A·clip(r, 1−ε, 1+ε_high)), r = π / π_old.
 
-    Returns the loss and detached statistics (clip fraction, approximate KL to the old policy).
+    ``tis_imp_ratio_cap`` C (with ``rollout_logp_BT``, the generator's log-probs of the tokens): truncated
+    importance sampling for the mismatch between the generator and the training layout (Yao et al. 2025, verl's
+    ``tis_imp_ratio_cap``): each token's term is multiplied by min(π_old / π_rollout, C), detached; the tokens
+    were drawn from π_rollout, the surrogate is of π_old.
+
+    Returns the loss and detached statistics (clip fraction, approximate KL to the old policy; with TIS, the
+    fraction of tokens whose weight was capped, ``tis_capfrac``).
     """
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     log_ratio = logp_BT - old_logp_BT
     ratio = log_ratio.exp()
     unclipped = -advantages_BT * ratio
     clipped = -advantages_BT * ratio.clamp(1.0 - clip_ratio, 1.0 + high)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask_BT)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {}
+    if tis_imp_ratio_cap is not None:
+        if rollout_logp_BT is None:
+            raise ValueError(f"tis_imp_ratio_cap ({tis_imp_ratio_cap}) needs the rollout's log-probs "
+                             "(rollout_logp_BT)")
+        tis = (old_logp_BT - rollout_logp_BT).detach().exp()
+        per_token = per_token * tis.clamp(max=tis_imp_ratio_cap)
+        stats["tis_capfrac"] = masked_mean((tis > tis_imp_ratio_cap).float(), mask_BT)
+    loss = masked_mean(per_token, mask_BT)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask_BT),
-                 "approx_kl": masked_mean(0.5 * log_ratio.square(), mask_BT)}
+        stats.update(clipfrac=masked_mean((clipped > unclipped).float(), mask_BT),
+                     approx_kl=masked_mean(0.5 * log_ratio.square(), mask_BT))
     return loss, stats
+
+
+def rollout_mismatch(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor,
+                     mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the generator's log-probs of the sampled tokens are from the training layout's (verl's
+    rollout-training mismatch, ``rollout_probs_diff``), over the real tokens: the mean and max of
+    |log π_old − log π_rollout|, and the mean, min and max of the importance ratio π_old / π_rollout.
+
+    Keys are ``rollout_mismatch/...``; the ``_max`` and ``_min`` ones are extrema (reduce them as such).
+    """
+    with torch.no_grad():
+        real = mask_BT > 0
+        diff = old_logp_BT.float() - rollout_logp_BT.float()
+        ratio = diff.exp()
+        # Neutral fillers: an empty batch reports no mismatch rather than ±inf.
+        return {"rollout_mismatch/logp_abs_diff_mean": masked_mean(diff.abs(), mask_BT),
+                "rollout_mismatch/logp_abs_diff_max": torch.where(real, diff.abs(), 0.0).max(),
+                "rollout_mismatch/ratio_mean": masked_mean(ratio, mask_BT),
+                "rollout_mismatch/ratio_min": torch.where(real, ratio, 1.0).min(),
+                "rollout_mismatch/ratio_max": torch.where(real, ratio, 1.0).max()}
 
 
 def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,

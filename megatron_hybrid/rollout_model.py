@@ -40,10 +40,12 @@ def weightless_parameters() -> Iterator[None]:
 
 
 def rollout_config(config, layout: ParallelLayout):
-    """The training ``TransformerConfig`` with the rollout sizes."""
+    """The training ``TransformerConfig`` with the rollout sizes, without sequence parallelism (generation runs a
+    few tokens per step: nothing to split along the sequence)."""
     config = copy.copy(config)
     config.tensor_model_parallel_size = layout.t_g
     config.pipeline_model_parallel_size = layout.p_g
+    config.sequence_parallel = False
     config.perform_initialization = False
     return config
 

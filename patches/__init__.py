@@ -5,7 +5,7 @@ context manager the caller chooses to use. Each states the megatron-core version
 
 - :func:`cpu_gloo` (``cpu.py``): lets GPTModel, the 1F1B schedule, Megatron DDP, megatron-core's optimizer and
   the static inference engine run on CPU with the gloo backend. For tests and CPU demos only; never applied in GPU
-  production use.
+  production use. It includes ``dist_checkpointing.py``'s in-process shard writes.
 """
 
 from .cpu import cpu_gloo, cpu_gloo_active

@@ -9,12 +9,19 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
 - the CUDA RNG tracker (``torch.cuda.get_rng_state`` / ``manual_seed``);
 - ``torch.cuda.Event``, ``Stream``, ``current_stream``, ``synchronize`` and ``empty_cache`` in the
   schedules, DDP and the inference engine;
+- ``dist_checkpointing``'s writer forks a process per write bucket and spawns a ``multiprocessing.Manager``
+  (``dist_checkpointing.py``: the writes run in the rank's process instead);
 - CUDA tensor type names in the optimizer (0.16.1 – 0.19.x): ``Float16OptimizerWithFloat16Params``, the
   ``DistributedOptimizer`` and ``clip_grad_by_total_norm_fp32`` tell parameter and gradient dtypes apart by
   ``tensor.type() == 'torch.cuda.BFloat16Tensor'`` (and ``…FloatTensor``, ``…HalfTensor``); a CPU tensor says
   ``'torch.BFloat16Tensor'``, so the optimizer refuses every parameter. Inside the block a CPU tensor's
   ``type()`` reports the CUDA name. (Its multi-tensor fallbacks, ``local_multi_tensor_l2_norm`` and
   ``local_multi_tensor_scale``, are plain torch and only need the device rewrite below.)
+- sequence parallelism with the local layer spec (0.16.1 – 0.19.x): without apex (CUDA-only) the local spec's
+  norms are ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel``; on a GPU the same spec takes
+  apex's ``FusedLayerNorm``, which supports it by marking its parameters ``sequence_parallel`` (so that
+  ``finalize_model_grads`` sums their gradients, partial over the sequence shard, over the TP group). Inside the
+  block ``WrappedTorchNorm`` does the same: the norm is per token, so only that marking differs.
 
 :func:`cpu_gloo` redirects those, for the duration of a ``with`` block, to the CPU: a
 ``TorchFunctionMode`` rewrites CUDA devices to ``cpu`` in every torch call, and the ``torch.cuda`` entry points
@@ -25,6 +32,7 @@ real megatron-core code. It refuses to run when CUDA is available, so it cannot 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Any, Iterator
 
@@ -35,6 +43,8 @@ from torch.overrides import TorchFunctionMode
 _CPU = torch.device("cpu")
 #: The megatron-core versions whose optimizer compares CUDA type names (checked on 0.16.1 and 0.19.2).
 _CUDA_TYPE_NAME_VERSIONS = (Version("0.16.1"), Version("0.20"))
+#: The megatron-core versions whose ``WrappedTorchNorm`` refuses sequence parallelism (checked on 0.16.1).
+_TORCH_NORM_SP_VERSIONS = (Version("0.16.1"), Version("0.20"))
 _state = threading.local()
 
 
@@ -163,18 +173,46 @@ def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
     """Attributes of megatron-core modules that bound CUDA helpers at import time."""
     from megatron.core.tensor_parallel import random as mrandom
 
+    from .dist_checkpointing import in_process_writes
+
     out = [
         (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (mrandom, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
     ]
-    return out
+    return out + in_process_writes()
+
+
+def _sequence_parallel_torch_norm() -> tuple[Any, str, Any]:
+    """``WrappedTorchNorm.__new__`` that accepts ``sequence_parallel`` as apex's ``FusedLayerNorm`` does."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__dict__["__new__"]  # a staticmethod: restored as it was
+    build = original.__func__
+
+    def new(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True  # megatron-core's convention (apex and TE norms set it too)
+        return norm
+
+    return WrappedTorchNorm, "__new__", staticmethod(new)
+
+
+def _mcore_in(versions: tuple[Version, Version]) -> bool:
+    from megatron.core import __version__
+
+    low, high = versions
+    return low <= Version(__version__) < high
 
 
 def _optimizer_compares_cuda_type_names() -> bool:
-    from megatron.core import __version__
-
-    low, high = _CUDA_TYPE_NAME_VERSIONS
-    return low <= Version(__version__) < high
+    return _mcore_in(_CUDA_TYPE_NAME_VERSIONS)
 
 
 @contextlib.contextmanager
@@ -200,7 +238,12 @@ def cpu_gloo() -> Iterator[None]:
             saved.append((torch.cuda, name, getattr(torch.cuda, name)))
             setattr(torch.cuda, name, fn)
         for owner, name, fn in _megatron_stand_ins():
-            saved.append((owner, name, getattr(owner, name)))
+            # getattr_static: a staticmethod of a class is restored as the staticmethod, not its function.
+            saved.append((owner, name, inspect.getattr_static(owner, name)))
+            setattr(owner, name, fn)
+        if _mcore_in(_TORCH_NORM_SP_VERSIONS):
+            owner, name, fn = _sequence_parallel_torch_norm()
+            saved.append((owner, name, owner.__dict__[name]))
             setattr(owner, name, fn)
         _state.depth = 1
         with _CudaToCpu(cuda_type_names=_optimizer_compares_cuda_type_names()):

@@ -71,10 +71,14 @@ def update_fault_case(kind: str) -> str:
     return ""
 
 
-def _partial_write(obj, f) -> None:
-    """``torch.save`` that writes part of the file, then fails (a full disk; a killed rank leaves the same)."""
-    f.write(b"PK\x03\x04 part of a rank file")
-    raise OSError(28, "No space left on device")
+def _partial_write(transform_list, local_proc_idx, write_bucket, results_queue, count_queue, *args, **kwargs):
+    """dist_checkpointing's per-file writer that writes part of the file, then fails (a full disk; a killed rank
+    leaves the same), reporting back as the real one does."""
+    with open(write_bucket[0], "wb") as f:
+        f.write(b"part of a shard")
+    results_queue.put((local_proc_idx, OSError(28, "No space left on device")))
+    count_queue.get()
+    count_queue.task_done()
 
 
 def _on_rank_0(fn) -> None:
@@ -86,42 +90,43 @@ def _on_rank_0(fn) -> None:
 
 
 def checkpoint_faults_case(directory: str) -> dict[str, object]:
-    """Saves and loads of ``{"x": [rank, n]}`` on every rank; what each step read back or raised."""
+    """Saves and loads of a small model with ``{"n": n}``; what each step read back or raised."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
     from megatron_hybrid import rl
-    from megatron_hybrid.rl.checkpoint import LATEST
+    from megatron_hybrid.rl.checkpoint import LATEST, MANIFEST
 
     rank = dist.get_rank()
     latest = os.path.join(directory, LATEST)
+    args = recipe_args()
+    models = {"reference": rl.build_stage(rl.architecture_from_args(args, VOCAB), device=torch.device("cpu"))}
     out: dict[str, object] = {}
 
-    def state(n: float) -> dict:
-        return {"x": torch.tensor([float(rank), n])}
-
     def loaded() -> list[float]:
-        s = rl.load_checkpoint(directory)
-        return [s["step"], *s["x"].tolist()]
+        s = rl.load_checkpoint(directory, models)
+        return [s["step"], s["n"]]
 
     def failing_save(step: int, n: float) -> str:
-        saved = torch.save
+        write = FileSystemWriterAsync.__dict__["write_preloaded_data"]
         if rank == 1:
-            torch.save = _partial_write
+            FileSystemWriterAsync.write_preloaded_data = staticmethod(_partial_write)
         try:
-            rl.save_checkpoint(directory, step, state(n))
+            rl.save_checkpoint(directory, step, models, {"n": n})
         except OSError as e:
             return _error(e)
         finally:
-            torch.save = saved
+            FileSystemWriterAsync.write_preloaded_data = write
         return ""
 
-    rl.save_checkpoint(directory, 1, state(1.0))
-    rl.save_checkpoint(directory, 2, state(2.0))
+    rl.save_checkpoint(directory, 1, models, {"n": 1.0})
+    rl.save_checkpoint(directory, 2, models, {"n": 2.0})
     out["after_two"] = loaded()
-    out["failed_new"] = failing_save(3, 3.0)                 # rank 1 fails part-way through its file
+    out["failed_new"] = failing_save(3, 3.0)                 # rank 1 fails part-way through its shard file
     out["failed_new_latest"] = open(latest).read()
     out["failed_new_loads"] = loaded()
     out["failed_resave"] = failing_save(2, 20.0)             # the same, re-saving the iteration `latest` names
     out["failed_resave_loads"] = loaded()
-    rl.save_checkpoint(directory, 2, state(22.0))           # a re-save that succeeds replaces it
+    rl.save_checkpoint(directory, 2, models, {"n": 22.0})   # a re-save that succeeds replaces it
     out["resaved_loads"] = loaded()
     out["leftovers"] = sorted(n for n in os.listdir(directory) if n.startswith("."))
     # A crash between the two renames of a re-save: the old copy, complete, is under .iter_0000002.old.
@@ -129,8 +134,8 @@ def checkpoint_faults_case(directory: str) -> dict[str, object]:
     _on_rank_0(lambda: os.replace(it2, old2))
     out["between_renames_loads"] = loaded()
     _on_rank_0(lambda: os.replace(old2, it2))
-    # Damaged files: rank 1's truncated, then empty; then a `latest` that is not a number.
-    mine = os.path.join(it2, "rank_00001.pt")
+    # Damaged files: rank 1's shard file truncated, then empty; a manifest missing; a `latest` that is no number.
+    mine = os.path.join(it2, "__1_0.distcp")
     good = open(mine, "rb").read()
     for name, content in (("truncated", good[: len(good) // 2]), ("empty", b"")):
         _on_rank_0(lambda: open(mine, "wb").write(content))
@@ -140,10 +145,15 @@ def checkpoint_faults_case(directory: str) -> dict[str, object]:
         except ValueError as e:
             out[name] = _error(e)
     _on_rank_0(lambda: open(mine, "wb").write(good))
-    _on_rank_0(lambda: open(latest, "w").write("two\n"))
-    try:
-        loaded()
-        out["bad_latest"] = ""
-    except ValueError as e:
-        out["bad_latest"] = _error(e)
+    manifest = os.path.join(it2, MANIFEST)
+    for name, change, undo in (("no_manifest", lambda: os.replace(manifest, manifest + ".x"),
+                                lambda: os.replace(manifest + ".x", manifest)),
+                               ("bad_latest", lambda: open(latest, "w").write("two\n"), lambda: None)):
+        _on_rank_0(change)
+        try:
+            loaded()
+            out[name] = ""
+        except ValueError as e:
+            out[name] = _error(e)
+        _on_rank_0(undo)
     return out

@@ -78,15 +78,16 @@ def recompute_greedy(model, prompts: list[list[int]], stops: set[int], new_token
     return out
 
 
-def teacher_forced_log_probs(model, prompts: list[list[int]], generated: list[list[int]]):
-    """log p(generated token) under one training-layout forward over each whole sequence (last stage; else None)."""
+def teacher_forced_log_probs(model, prompts: list[list[int]], generated: list[list[int]], temperature: float = 1.0):
+    """log p(generated token) under one training-layout forward over each whole sequence, of
+    softmax(logits / temperature) over the real vocabulary (last stage; else None)."""
     seqs = [p + g for p, g in zip(prompts, generated)]
     logits = _full_logits(model, seqs)
     if logits is None:
         return None
     out = []
     for row, (p, g) in enumerate(zip(prompts, generated)):
-        logp = logits[row, len(p) - 1: len(p) + len(g) - 1].log_softmax(-1)
+        logp = (logits[row, len(p) - 1: len(p) + len(g) - 1] / temperature).log_softmax(-1)
         out.append(logp.gather(-1, torch.tensor(g).unsqueeze(-1)).squeeze(-1).tolist())
     return out
 
@@ -150,6 +151,38 @@ def sampling_case(rollout_tp: int, state: dict, num_samples: int) -> dict:
     return {"runs": runs, "counts": counts,
             "logits": logits[0, -1, :small].tolist() if logits is not None else None,
             "settings": {k: (v.temperature, v.top_k, v.top_p) for k, v in settings.items()}}
+
+
+def tempered_case(state: dict, temperature: float) -> dict:
+    """Sampled generation with ``tempered_log_probs`` on the rollout layout (TP=PP=1) and on the training layout
+    itself (``generate_with_model``, as ``--no-hybrid-rollout`` generates): tokens, the log-probs at the sampling
+    temperature and the untempered ones, with the teacher-forced training-layout references."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator, generate_with_model
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=4, max_sequence_length=MAX_LEN))
+    prompts = prompts_for(ps.get_data_parallel_rank(), 6)
+    # top-k and top-p cut the sampling distribution; the log-probs stay those of the whole tempered softmax.
+    params = SamplingParams(temperature=temperature, top_k=20, top_p=0.9, num_tokens_to_generate=24)
+    runs = {"rollout": generator.generate(prompts, params, vocab_size=VOCAB, seed=5, tempered_log_probs=True),
+            "untempered_only": generator.generate(prompts, params, vocab_size=VOCAB, seed=5)}
+    engine.switch_to_training()
+    runs["training_layout"] = generate_with_model(
+        model, prompts, params, tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(), vocab_size=VOCAB, seed=5, tempered_log_probs=True)
+    out = {}
+    for name, results in runs.items():
+        generated = [r.generated_tokens for r in results]
+        out[name] = {"generated": generated, "tempered": [r.generated_tempered_log_probs for r in results],
+                     "untempered": [r.generated_log_probs for r in results],
+                     "teacher_tempered": teacher_forced_log_probs(model, prompts, generated, temperature),
+                     "teacher_untempered": teacher_forced_log_probs(model, prompts, generated)}
+    return out
 
 
 def bad_input_case(state: dict) -> dict:

@@ -66,6 +66,7 @@ def _validate(*argv: str, world_size: int = 4) -> None:
     (["--lr-warmup-iters", "30"], "--lr-warmup-iters (30) must be less than --lr-decay-iters (30, from --train-iters)"),
     (["--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
      "--lr-warmup-iters (5) must be less than --lr-decay-iters (5)"),
+    (["--tis-imp-ratio-cap", "0"], "--tis-imp-ratio-cap (0.0) must be a finite number > 0"),
 ])
 def test_bad_numbers_are_named(argv, message):
     with pytest.raises(ValueError) as e:
@@ -82,6 +83,14 @@ def test_good_values_pass():
     with pytest.raises(ValueError, match=r"must exceed --max-new-tokens \(8\): the prompt takes positions too"):
         _validate("--prompt-file", __file__, "--max-position-embeddings", "8")
     _validate("--prompt-file", __file__, "--max-position-embeddings", "9")
+
+
+def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path):
+    pytest.importorskip("tensorboard")  # a test extra
+    _validate("--tensorboard-dir", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not: its import fails
+    with pytest.raises(ValueError, match=r"^--tensorboard-dir \('.*'\) needs the tensorboard package"):
+        _validate("--tensorboard-dir", str(tmp_path))
 
 
 def test_check_number_bounds():

@@ -127,6 +127,31 @@ def test_sampling_is_seeded_shared_and_follows_the_softmax(state):
         assert p_value > 1e-6, (name, counts, (probs * num_samples).tolist(), p_value)
 
 
+def test_tempered_log_probs_match_training_layout_at_the_temperature(state):
+    temperature = 0.7
+    # Training PP=2, rollout PP=1 (the cross-stage gather); the training-layout generation shares the last stage's
+    # log-probs, both columns, with the first.
+    runs = run_distributed(cases.tempered_case, 2, state, temperature, pipeline_model_parallel_size=2)
+    for r in runs:
+        rollout, plain = r["rollout"], r["untempered_only"]
+        # Asking for them changes no token, and the untempered log-probs stay as they were.
+        assert rollout["generated"] == plain["generated"] and rollout["untempered"] == plain["untempered"]
+        assert all(t == [] for t in plain["tempered"])
+        for name in ("rollout", "training_layout"):
+            run = r[name]
+            assert [len(t) for t in run["tempered"]] == [len(g) for g in run["generated"]]
+            if run["teacher_tempered"] is None:
+                continue
+            # LOGP_ATOL: dividing by T = 0.7 scales the logits' rounding differences by 1.4 only; seen: <= 1e-6
+            # (tempered and untempered alike, both layouts).
+            for key in ("tempered", "untempered"):
+                for logp, ref in zip(run[key], run["teacher_" + key]):
+                    torch.testing.assert_close(torch.tensor(logp), torch.tensor(ref), rtol=0, atol=LOGP_ATOL)
+            # And they are really tempered: at T = 0.7 they differ from the untempered ones by far more.
+            gap = max(abs(a - b) for t, u in zip(run["tempered"], run["untempered"]) for a, b in zip(t, u))
+            assert gap > 100 * LOGP_ATOL, gap
+
+
 def test_bad_input_raises_on_every_rank(state):
     runs = run_distributed(cases.bad_input_case, 4, state, tensor_model_parallel_size=2)
     expected = {

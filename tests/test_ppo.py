@@ -4,6 +4,7 @@ uninterrupted run, hybrid resharding changes no loss, and bad arguments fail at 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -47,6 +48,41 @@ def test_clipped_policy_loss_hand_computed():
     # Masked tokens do not count.
     loss, _ = ppo.policy_loss(logp, torch.zeros(1, 3), T([[1.0, 1.0, -1.0]]), T([[1.0, 0.0, 0.0]]), clip_ratio=0.2)
     assert loss.item() == pytest.approx(-1.2)
+
+
+def test_truncated_importance_sampling_hand_computed():
+    # The clipped surrogate's per-token terms, as above: (−1.2, −0.5, +1.5). The rollout gave the tokens
+    # probabilities 0.5, 1 and 0.25 of the old policy's (old log-probs 0): TIS weights π_old / π_rollout = 2, 1, 4,
+    # capped at 3 → 2, 1, 3. Loss (−1.2·2 − 0.5·1 + 1.5·3) / 3; one token of three capped.
+    logp = torch.log(T([[1.5, 0.5, 1.5]])).requires_grad_(True)
+    rollout = torch.log(T([[0.5, 1.0, 0.25]])).requires_grad_(True)
+    args = (torch.zeros(1, 3), T([[1.0, 1.0, -1.0]]), torch.ones(1, 3))
+    loss, stats = ppo.policy_loss(logp, *args, clip_ratio=0.2, rollout_logp_BT=rollout, tis_imp_ratio_cap=3.0)
+    assert loss.item() == pytest.approx((-1.2 * 2 - 0.5 * 1 + 1.5 * 3) / 3)
+    assert stats["tis_capfrac"].item() == pytest.approx(1 / 3)
+    assert stats["clipfrac"].item() == pytest.approx(1 / 3)  # the clip is the surrogate's, before the weights
+    loss.backward()
+    # d/d log π: 0 where clipped; −A·r·w / 3 elsewhere (r = 0.5, w = 1; r = 1.5, A = −1, w = 3). The weights
+    # are detached: nothing flows into the rollout's log-probs.
+    torch.testing.assert_close(logp.grad, T([[0.0, -0.5 / 3, 1.5]]))
+    assert rollout.grad is None
+    # Off (no cap): the rollout's log-probs are not read; a cap without them is an error.
+    plain, _ = ppo.policy_loss(logp, *args, clip_ratio=0.2, rollout_logp_BT=rollout)
+    assert plain.item() == pytest.approx((-1.2 - 0.5 + 1.5) / 3)
+    with pytest.raises(ValueError, match=r"tis_imp_ratio_cap \(3.0\) needs the rollout's log-probs"):
+        ppo.policy_loss(logp, *args, clip_ratio=0.2, tis_imp_ratio_cap=3.0)
+
+
+def test_rollout_mismatch_hand_computed():
+    old = T([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
+    rollout = T([[0.1, -1.0, -2.5], [-0.5, 9.0, 9.0]])  # the 9s are padding: masked out
+    m = ppo.rollout_mismatch(old, rollout, T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    # Δ = old − rollout over the real tokens: −0.1, 0, 0.5, 0.
+    expected = {"logp_abs_diff_mean": 0.6 / 4, "logp_abs_diff_max": 0.5,
+                "ratio_mean": (math.exp(-0.1) + 2 + math.exp(0.5)) / 4, "ratio_min": math.exp(-0.1),
+                "ratio_max": math.exp(0.5)}
+    assert {k: pytest.approx(v.item()) for k, v in m.items()} == {f"rollout_mismatch/{k}": v
+                                                                  for k, v in expected.items()}
 
 
 def test_value_clipping_hand_computed():
@@ -196,11 +232,12 @@ def test_grpo_reward_rises(tmp_path):
     assert last - first >= 0.4, (first, last)
 
 
-_TIMING = ("switch_seconds", "generate_seconds", "step_seconds")
+def _timing(key):
+    return key == "switch_seconds" or key.startswith(("time/", "throughput/"))
 
 
 def _same(a, b):
-    return {k: v for k, v in a.items() if k not in _TIMING} == {k: v for k, v in b.items() if k not in _TIMING}
+    return {k: v for k, v in a.items() if not _timing(k)} == {k: v for k, v in b.items() if not _timing(k)}
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
@@ -233,6 +270,51 @@ def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp, tmp_p
         assert p["switch_bytes"] == 0 and h["switch_bytes"] > 0
         for key in ("reward_mean", "kl", "entropy", "pg_loss", "vf_loss", "approx_kl", "clipfrac"):
             assert h[key] == p[key], (key, h[key], p[key])
+        # Either generator's log-probs are the training passes' up to rounding (fp32; seen <= 5e-7).
+        assert max(h["rollout_mismatch/logp_abs_diff_max"], p["rollout_mismatch/logp_abs_diff_max"]) < 1e-5
+
+
+PHASES = ("generation", "switch", "actor_log_probs", "reference_log_probs", "critic_values", "update")
+
+
+def test_metrics_timing_mismatch_and_tensorboard(tmp_path):
+    # 2 ranks: training TP=2, rollout TP=1 (a micro-DP gather); sampling at T = 0.7, so the rollout's log-probs
+    # must be tempered to match; TIS on with a cap that ratios near 1 never reach (the same training).
+    tensorboard = importlib.util.find_spec("tensorboard") is not None  # a test extra; optional for the recipe
+    tb = tmp_path / "tb"
+    argv = ["--train-iters", "2", "--temperature", "0.7", "--tis-imp-ratio-cap", "2"]
+    history = run_distributed(ppo_cases.run_main, 2, argv + ["--tensorboard-dir", str(tb)] * tensorboard,
+                              str(tmp_path / "logs"), tensor_model_parallel_size=2)[0]
+    defaults = recipe_args("--tensor-model-parallel-size", "1")
+    B = defaults.global_batch_size
+    for m in history:
+        # (accuracy is logged with --prompt-data's ground truths; the built-in task has none)
+        assert {"reward_mean", "response_length", "kl", "entropy", "clipfrac", "actor_grad_norm", "critic_grad_norm",
+                "lr", "tis_capfrac"} <= m.keys()
+        assert all(m[f"time/{p}"] > 0 for p in PHASES), m
+        assert sum(m[f"time/{p}"] for p in PHASES) <= m["time/step"]
+        # One DP replica: response_length is the mean over all B sequences, each with a prompt of --prompt-length.
+        assert m["throughput/generation_tokens_per_second"] == pytest.approx(
+            m["response_length"] * B / m["time/generation"])
+        assert m["throughput/update_tokens_per_second"] == pytest.approx(
+            defaults.ppo_epochs * (defaults.prompt_length + m["response_length"]) * B / m["time/update"])
+        # The same fp32 weights in both layouts: only rounding differs (rollout TP=1 with the KV cache, training
+        # TP=2): seen <= 5e-7; an untempered rollout would be off by far more at T = 0.7.
+        assert m["rollout_mismatch/logp_abs_diff_mean"] <= m["rollout_mismatch/logp_abs_diff_max"] < 1e-5
+        for key in ("ratio_min", "ratio_mean", "ratio_max"):
+            assert m[f"rollout_mismatch/{key}"] == pytest.approx(1.0, abs=1e-5)
+        assert m["tis_capfrac"] == [0.0] * defaults.ppo_epochs
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tb))
+        events.Reload()
+        for key in ("reward_mean", "kl", "lr", "actor_grad_norm", "time/update",
+                    "throughput/generation_tokens_per_second", "rollout_mismatch/logp_abs_diff_max"):
+            logged = [sum(m[key]) / len(m[key]) if isinstance(m[key], list) else m[key] for m in history]
+            scalars = events.Scalars(key)
+            assert [e.step for e in scalars] == [1, 2]
+            assert [e.value for e in scalars] == pytest.approx(logged, rel=1e-6)  # float32 in the event file
 
 
 def test_reward_function_and_reward_model(tmp_path):

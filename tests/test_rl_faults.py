@@ -30,13 +30,14 @@ def test_non_finite_reward_stops_before_the_save_and_a_damaged_checkpoint_names_
     # Step 1 was saved; step 2 never was.
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1\n"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
-    # Resuming from it with one rank's file truncated: the file's name on every rank, before training.
-    bad = ckpt / "iter_0000001" / "rank_00002.pt"
+    # Resuming from it with a shard file (rank 1's; DP replica 0 writes them all) truncated: the file's name on
+    # every rank, before training.
+    bad = ckpt / "iter_0000001" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:1000])
     errors = _errors(SHORT + ["--load", str(ckpt)])
     for e in errors:
         assert e.startswith(f"ValueError: --load: {bad} cannot be read, it is truncated, empty or not a checkpoint"), e
-        assert e.endswith("(rank 2)")
+        assert e.endswith("(ranks 0, 1, 2, 3)")
 
 
 @pytest.mark.parametrize("fn, message", [
@@ -67,21 +68,28 @@ def test_checkpoint_faults(tmp_path):
     ckpt = tmp_path / "ckpt"
     for rank, r in enumerate(run_distributed(fault_cases.checkpoint_faults_case, 2, str(ckpt),
                                              tensor_model_parallel_size=2)):
-        assert r["after_two"] == [2, rank, 2.0]
-        # Rank 1 failed part-way through its file (as a killed rank would leave it): every rank raised, naming
-        # the file; `latest` and the iteration it names are untouched, the partial iteration is gone.
-        for key in ("failed_new", "failed_resave"):
-            assert r[key].startswith("OSError: --save: iteration"), r[key]
-            assert "rank_00001.pt: OSError: [Errno 28] No space left on device (rank 1)" in r[key]
-        assert r["failed_new_latest"] == "2\n" and r["failed_new_loads"] == [2, rank, 2.0]
-        assert r["failed_resave_loads"] == [2, rank, 2.0]
-        assert r["resaved_loads"] == [2, rank, 22.0] and r["leftovers"] == []
-        assert r["between_renames_loads"] == [2, rank, 22.0]
-        bad = ckpt / "iter_0000002" / "rank_00001.pt"
+        assert r["after_two"] == [2, 2.0]
+        # Rank 1 failed part-way through its shard file (as a killed rank would leave it): every rank raised,
+        # naming the iteration and the failure; `latest` and the iteration it names are untouched, the partial
+        # iteration is gone.
+        for key, step in (("failed_new", 3), ("failed_resave", 2)):
+            assert r[key].startswith(f"OSError: --save: iteration {step} was not saved ({ckpt}/.iter_{step:07d}.tmp: "
+                                     f"dist_checkpointing: rank 1 failed with RuntimeError: Worker failure: "
+                                     f"[Errno 28] No space left on device (rank 0)); "), r[key]
+            assert r[key].endswith(f"{ckpt / 'latest_checkpointed_iteration.txt'} still names the previous "
+                                   f"iteration"), r[key]
+        assert r["failed_new_latest"] == "2\n" and r["failed_new_loads"] == [2, 2.0]
+        assert r["failed_resave_loads"] == [2, 2.0]
+        assert r["resaved_loads"] == [2, 22.0] and r["leftovers"] == []
+        assert r["between_renames_loads"] == [2, 22.0]
+        # Every rank checks every file before any collective: the same message, naming the file, on every rank.
+        bad = ckpt / "iter_0000002" / "__1_0.distcp"
         for key in ("truncated", "empty"):
             assert r[key].startswith(f"ValueError: --load: {bad} cannot be read, it is truncated, empty or not a "
-                                     f"checkpoint"), r[key]
-            assert r[key].endswith("(rank 1)")
+                                     f"checkpoint ("), r[key]
+            assert r[key].endswith("(ranks 0, 1)")
+        assert r["no_manifest"].startswith(f"ValueError: --load: {ckpt / 'iter_0000002' / 'rl_checkpoint.json'} "
+                                           f"cannot be read (FileNotFoundError"), r["no_manifest"]
         assert r["bad_latest"] == (f"ValueError: --load: {ckpt / 'latest_checkpointed_iteration.txt'} must hold an "
                                    f"iteration number (a non-negative integer, written by save_checkpoint), it "
                                    f"holds 'two\\n' (ranks 0, 1)")

@@ -13,8 +13,13 @@ TP=2 × DP=2 and generate with TP=1 (a real layout change every step):
     torchrun --nproc_per_node 8 examples/ppo/train_ppo.py --tensor-model-parallel-size 4 \\
         --rollout-tensor-model-parallel-size 2 --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
         --prompt-file prompts.txt --reward-fn my_rewards:score --bf16 --lr-warmup-iters 5 --log-dir runs/ppo
+    torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --pretrained-checkpoint qwen-mcore --export-hf qwen-rl
+    python examples/tasks/arithmetic.py --output-dir data && torchrun --nproc_per_node 4 examples/ppo/train_ppo.py \\
+        --pretrained-checkpoint qwen-mcore --prompt-data data/train.jsonl --eval-prompt-data data/test.jsonl \\
+        --eval-interval 5 --max-new-tokens 128
 
-A reward function gets the prompts and responses as lists of token ids and returns one float per response.
+Prompts come from megatron_hybrid.rl.data (JSONL or verl parquet), rewards from megatron_hybrid.rl.rewards
+(--reward-type, or --reward-fn: token lists, with answers=, or verl's compute_score on text).
 The library pieces are in megatron_hybrid.rl; this file is the part to edit: prompts, rewards, losses, the step.
 """
 
@@ -23,15 +28,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_hybrid import ppo, rl
-from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, load_callable, validate_args
+from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,39 +69,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Prompts and rewards: replace these for a task of your own.
-class Prompts:
-    """The prompts of a step, the same whatever the layout: the step's global list, cut into DP slices."""
-
-    def __init__(self, args: argparse.Namespace, tokenizer) -> None:
-        self.args, self.vocab = args, tokenizer.vocab_size
-        self.lines = None
-        if args.prompt_file is not None:
-            with open(args.prompt_file) as f:
-                self.lines = [tokenizer.tokenize(s.rstrip("\n")) for s in f if s.strip()]
-
-    def per_step(self) -> int:
-        return self.args.global_batch_size // self.args.num_samples_per_prompt
-
-    def for_step(self, step: int, *, dp_rank: int, dp_size: int) -> list[list[int]]:
-        n = self.per_step()
-        if self.lines is not None:
-            everything = [self.lines[(step * n + i) % len(self.lines)] for i in range(n)]
-        else:
-            g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step)
-            everything = torch.randint(0, self.vocab, (n, self.args.prompt_length), generator=g).tolist()
-        per = n // dp_size
-        return everything[dp_rank * per: (dp_rank + 1) * per]
-
-
-def target_token_reward(target: int) -> Callable[[list[list[int]], list[list[int]]], list[float]]:
-    """The built-in task: the fraction of response tokens equal to ``target``."""
-    def reward(prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
-        return [sum(t == target for t in r) / max(len(r), 1) for r in responses]
-    return reward
-
-
-# ---------------------------------------------------------------------------------------------------------------
 class Trainer:
     """Everything one rank holds: actor (on the HybridEngine), critic, reference, the KL controller."""
 
@@ -110,17 +81,21 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self.tokenizer = rl.build_tokenizer(a)
-        self.arch = rl.architecture_from_args(a, self.tokenizer.vocab_size)
+        self.arch = rl.model_architecture(a, self.tokenizer.vocab_size)  # --pretrained-checkpoint's, or the flags'
         self.dp_group, self.dp_rank, self.dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), \
             ps.get_data_parallel_world_size()
         self.reports = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        self.prompts = Prompts(a, self.tokenizer)
+        # Prompts (rl.data) and rewards (rl.rewards): replace these for a task of your own.
+        positions = self.arch.max_position_embeddings
+        self.prompts = rl.Prompts(a, self.tokenizer, max_positions=positions)
+        self.eval_prompts = rl.eval_prompts(a, self.tokenizer, max_positions=positions)
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
-        self.reward_fn = load_callable(a.reward_fn) if a.reward_fn else target_token_reward(a.target_token)
-        self.reward_name = f"--reward-fn {a.reward_fn}" if a.reward_fn else f"--target-token {a.target_token}"
+        self.reward = rl.build_reward(a, self.tokenizer)  # None: --reward-model-load scores
 
         actor = rl.build_stage(self.arch, device=self.device)
+        if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights
+            rl.load_pretrained(actor, a.pretrained_checkpoint)
         self.reference = rl.build_reference(actor, self.arch, device=self.device)
         self.actor = rl.setup_model_and_optimizer(actor, a)
         self.critic = None if a.algorithm != "ppo" else rl.setup_model_and_optimizer(
@@ -134,10 +109,8 @@ class Trainer:
         if a.offload_reference:
             self.reference.to("cpu")
         self.step = 0
-        seq_length = a.max_new_tokens + max([len(p) for p in self.prompts.lines] if self.prompts.lines
-                                            else [a.prompt_length])
-        self.passes = rl.TrainingPasses(rl.PassConfig(seq_length, a.micro_batch_size, self.tokenizer.vocab_size,
-                                                      a.temperature))
+        self.passes = rl.TrainingPasses(rl.PassConfig(a.max_new_tokens + self.prompts.max_length,
+                                                      a.micro_batch_size, self.tokenizer.vocab_size, a.temperature))
 
     @contextlib.contextmanager
     def _reference_on_device(self) -> Iterator[torch.nn.Module]:
@@ -148,25 +121,32 @@ class Trainer:
             if self.args.offload_reference:
                 self.reference.to("cpu")
 
-    def generate(self, prompts: list[list[int]], seed: int) -> tuple[list[list[int]], dict[str, float]]:
+    def generate(self, prompts: list[list[int]], seed: int, *, greedy: bool = False) -> rl.Rollout:
         from megatron.core.inference.sampling_params import SamplingParams
 
         a = self.args
-        params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                num_tokens_to_generate=a.max_new_tokens)
+        params = SamplingParams(temperature=a.temperature, top_k=1 if greedy else a.top_k,
+                                top_p=0.0 if greedy else a.top_p, num_tokens_to_generate=a.max_new_tokens)
         kwargs = dict(vocab_size=self.tokenizer.vocab_size, seed=seed,
                       stop_token_ids=[] if self.tokenizer.eod is None else [self.tokenizer.eod])
         if self.engine is None:
-            return (rl.generate_in_training_layout(self.actor.model, prompts, params, **kwargs,
-                                                   rollout_layout=self.rollout_layout),
-                    {"switch_seconds": 0.0, "switch_bytes": 0.0})
+            return rl.generate_in_training_layout(self.actor.model, prompts, params, **kwargs,
+                                                  rollout_layout=self.rollout_layout)
         offload = not a.no_offload_optimizer
         return rl.generate_on_engine(self.engine, prompts, params, **kwargs, offload_grads=offload,
                                      offload_optimizer=self.actor.optimizer if offload else None)
 
-    def scores(self, prompts: list[list[int]], responses: list[list[int]], batch: rl.Batch) -> torch.Tensor:
+    def evaluate(self) -> dict[str, float]:
+        """Greedy exact-match accuracy on --eval-prompt-data."""
+        return {"eval_accuracy": rl.evaluate_accuracy(lambda p: self.generate(p, 0, greedy=True).responses,
+                                                      self.eval_prompts, self.tokenizer, dp_rank=self.dp_rank,
+                                                      dp_size=self.dp_size, dp_group=self.dp_group)}
+
+    def scores(self, prompts: list[list[int]], responses: list[list[int]], batch: rl.Batch,
+               examples: list[rl.Example]) -> torch.Tensor:
         if self.reward_model is None:
-            return rl.reward_scores(self.reward_fn, prompts, responses, step=self.step + 1, name=self.reward_name)
+            return rl.reward_scores(self.reward.for_examples(examples), prompts, responses, step=self.step + 1,
+                                    name=self.reward.name)
         scores = self.passes.scores(self.reward_model, batch)
         rl.check_finite(self.step + 1, {f"the rewards of --reward-model-load {self.args.reward_model_load}": scores})
         return scores
@@ -177,7 +157,8 @@ class Trainer:
         logp, ent = self.passes.token_stats(output, mb)
         mask = mb["mask"]
         loss, stats = ppo.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, clip_ratio=a.clip_ratio,
-                                      clip_ratio_high=a.clip_ratio_high)
+                                      clip_ratio_high=a.clip_ratio_high, rollout_logp_BT=mb["rollout_logp"],
+                                      tis_imp_ratio_cap=a.tis_imp_ratio_cap)
         stats["pg_loss"] = loss.detach()
         entropy = ppo.masked_mean(ent, mask)
         if a.entropy_coef:
@@ -198,25 +179,34 @@ class Trainer:
     # -- one iteration: generate, score, the passes, the advantages, the updates -------------------------------
     def train_step(self) -> dict[str, Any]:
         a, step = self.args, self.step
-        t0 = time.perf_counter()
+        timer = rl.StepTimer()
         base = self.prompts.for_step(step, dp_rank=self.dp_rank, dp_size=self.dp_size)
-        prompts = [p for p in base for _ in range(a.num_samples_per_prompt)]
-        responses, switch = self.generate(prompts, seed=a.seed * 7919 + step)
-        t_gen = time.perf_counter() - t0
-        batch = rl.make_batch(prompts, responses, max_new_tokens=a.max_new_tokens,
+        examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
+        prompts = [e.tokens for e in examples]
+        rollout = self.generate(prompts, seed=a.seed * 7919 + step)
+        responses = rollout.responses
+        timer.add("generation", rollout.generation_seconds, tokens=rollout.num_tokens)
+        timer.add("switch", rollout.switch_seconds)
+        batch = rl.make_batch(prompts, responses, max_new_tokens=a.max_new_tokens, rollout_log_probs=rollout.log_probs,
                               seq_length=self.passes.config.seq_length, device=self.device)
-        batch.scores_B = scores = self.scores(prompts, responses, batch)
+        batch.scores_B = scores = self.scores(prompts, responses, batch, examples)
         local: dict[str, Any] = {"reward_mean": float(scores.mean()),
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
-        old = self.passes.log_probs(self.actor.model, batch)
-        with self._reference_on_device() as reference:
+        if self.prompts.has_answers:  # the exact-match accuracy, whatever the reward
+            local["accuracy"] = rl.accuracy(self.tokenizer, responses, examples)
+        with timer.phase("actor_log_probs"):
+            old = self.passes.log_probs(self.actor.model, batch)
+        with timer.phase("reference_log_probs"), self._reference_on_device() as reference:
             ref = self.passes.log_probs(reference, batch)
-        values = self.passes.values(self.critic.model, batch) if self.critic is not None else None
+        with timer.phase("critic_values"):
+            values = self.passes.values(self.critic.model, batch) if self.critic is not None else None
         mask = batch.mask_BN
         if self.passes.last_stage:
             (old_logp, entropy), ref_logp = old, ref[0]
             local["kl"] = float(ppo.masked_mean(ppo.kl_per_token(old_logp, ref_logp, "k1"), mask))
             local["entropy"] = float(ppo.masked_mean(entropy, mask))
+            local.update({k: float(v) for k, v in ppo.rollout_mismatch(old_logp, batch.data["rollout_logp"],
+                                                                        mask).items()})
             if a.algorithm == "ppo":
                 penalty = ppo.kl_per_token(old_logp, ref_logp, a.kl_estimator)
                 rewards = ppo.token_rewards(scores.to(self.device), penalty, mask, kl_coef=self.kl_ctl.value)
@@ -235,13 +225,14 @@ class Trainer:
         local["lr"] = self.actor.optimizer.param_groups[0]["lr"]
         epochs: dict[str, list[float]] = {}
         for _ in range(a.ppo_epochs):
-            actor = rl.update(self.actor, batch, self.actor_loss, passes=self.passes, step=step + 1,
-                              name="the actor")
+            with timer.phase("update", tokens=batch.num_tokens):
+                actor = rl.update(self.actor, batch, self.actor_loss, passes=self.passes, step=step + 1,
+                                  name="the actor")
+                critic = None if self.critic is None else rl.update(
+                    self.critic, batch, self.critic_loss, passes=self.passes, step=step + 1, name="the critic")
             epochs.setdefault("actor_grad_norm", []).append(actor.grad_norm)
             out = actor.stats
-            if self.critic is not None:
-                critic = rl.update(self.critic, batch, self.critic_loss, passes=self.passes, step=step + 1,
-                                   name="the critic")
+            if critic is not None:
                 epochs.setdefault("critic_grad_norm", []).append(critic.grad_norm)
                 out = [o | c for o, c in zip(out, critic.stats)]
             for key in out[0] if out else ():
@@ -250,24 +241,20 @@ class Trainer:
             if trained is not None:
                 trained.scheduler.step(increment=a.global_batch_size)
         local.update(epochs)
-        metrics = rl.aggregate_metrics(local if self.reports else None, switch)
-        metrics.update(step=step + 1, kl_coef=self.kl_ctl.value, generate_seconds=t_gen,
-                       step_seconds=time.perf_counter() - t0)
+        metrics = rl.aggregate_metrics(local if self.reports else None, timer, switch_bytes=rollout.switch_bytes)
+        metrics.update(step=step + 1, kl_coef=self.kl_ctl.value)
         self.kl_ctl.update(metrics["kl"], a.global_batch_size)
         self.step += 1
         return metrics
 
     # -- checkpoints ------------------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:  # checkpointed by name: parameters, optimizers, schedulers
+        return {"actor": self.actor, "critic": self.critic, "reference": self.reference}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_prompts": self.step * self.prompts.per_step(), "actor": self.actor.state_dict(),
-                "critic": self.critic.state_dict() if self.critic is not None else None,
-                "reference": rl.parameters_state(self.reference), "kl_controller": self.kl_ctl.state_dict()}
+        return {"consumed_prompts": self.step * self.prompts.per_step(), "kl_controller": self.kl_ctl.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.actor.load_state_dict(state["actor"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-        rl.load_parameters(self.reference, state["reference"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.step = state["step"]
 
@@ -279,16 +266,23 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     with rl.initialize(args):
         trainer = Trainer(args)
         if args.load is not None:
-            trainer.load_state_dict(rl.load_checkpoint(args.load))
+            trainer.load_state_dict(rl.load_checkpoint(args.load, trainer.models()))
         logger = rl.MetricsLogger(args, start=trainer.step)
         try:
             while trainer.step < args.train_iters:
                 history.append(trainer.train_step())
+                if args.eval_interval and trainer.step % args.eval_interval == 0:
+                    history[-1].update(trainer.evaluate())
                 logger.log(history[-1])
                 if args.save is not None and args.save_interval and trainer.step % args.save_interval == 0:
-                    rl.save_checkpoint(args.save, trainer.step, trainer.state_dict())
+                    rl.save_checkpoint(args.save, trainer.step, trainer.models(), trainer.state_dict())
+                if args.export_hf_interval and trainer.step % args.export_hf_interval == 0:
+                    rl.export_hf(trainer.actor.model, args.export_hf, args.pretrained_checkpoint,
+                                 iteration=trainer.step)
             if args.save is not None and (not args.save_interval or trainer.step % args.save_interval):
-                rl.save_checkpoint(args.save, trainer.step, trainer.state_dict())
+                rl.save_checkpoint(args.save, trainer.step, trainer.models(), trainer.state_dict())
+            if args.export_hf is not None:
+                rl.export_hf(trainer.actor.model, args.export_hf, args.pretrained_checkpoint)
         finally:
             logger.close()
         if dist.get_rank() == 0:

@@ -50,7 +50,8 @@ class RolloutGenerator:
                                         pp_group=engine.groups["pp"], config=self.config, engine=engine)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
-                 stop_token_ids: Sequence[int] = (), seed: int = 0) -> list[GenerationResult]:
+                 stop_token_ids: Sequence[int] = (), seed: int = 0,
+                 tempered_log_probs: bool = False) -> list[GenerationResult]:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
         Args:
@@ -60,6 +61,8 @@ class RolloutGenerator:
             vocab_size: the real vocabulary; the output layer's padded rows are never sampled (default: all rows).
             stop_token_ids: tokens that end a sequence (kept in its output), besides ``termination_id``.
             seed: sampling seed; each rollout replica draws from its own stream derived from it.
+            tempered_log_probs: also return each token's log-prob at the sampling temperature
+                (``generated_tempered_log_probs``); the same on every rank.
 
         Every argument is checked on every rank before any generation collective; a bad one raises the same
         ``ValueError`` on every rank. Switches the engine to rollout if it is not there yet.
@@ -70,7 +73,7 @@ class RolloutGenerator:
         engine.switch_to_rollout()
         lay = engine.layout
         kwargs = dict(vocab_size=vocab, stop_token_ids=list(stop_token_ids),
-                      seed=seed + 1_000_003 * engine.rollout_replica)
+                      seed=seed + 1_000_003 * engine.rollout_replica, tempered_log_probs=tempered_log_probs)
         if lay.widens:
             # This rollout replica spans m training replicas: generate for all of their prompts at once.
             tp = engine.groups["tp"]
@@ -100,7 +103,8 @@ class RolloutGenerator:
 
 def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]], sampling_params, *, tp_group,
                         pp_group, config: Optional[GenerationConfig] = None, vocab_size: Optional[int] = None,
-                        stop_token_ids: Sequence[int] = (), seed: int = 0) -> list[GenerationResult]:
+                        stop_token_ids: Sequence[int] = (), seed: int = 0,
+                        tempered_log_probs: bool = False) -> list[GenerationResult]:
     """One-shot KV-cache generation with any GPTModel stage on its own groups (e.g. the training-layout model).
 
     Called on every rank (the checks agree over the world); the ranks of one model replica pass the same prompts.
@@ -121,6 +125,6 @@ def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]]
     replica = ReplicaGenerator(chunk, tp_group=tp_group, pp_group=pp_group, config=config)
     try:
         return replica.generate(prompts, sampling_params, vocab_size=vocab, stop_token_ids=list(stop_token_ids),
-                                seed=seed)
+                                seed=seed, tempered_log_probs=tempered_log_probs)
     finally:
         replica.close()

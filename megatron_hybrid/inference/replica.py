@@ -41,6 +41,9 @@ class GenerationResult:
     generated_tokens: list[int] = field(default_factory=list)
     generated_log_probs: list[float] = field(default_factory=list)
     """log p(token) under the model's untempered distribution over the real vocabulary."""
+    generated_tempered_log_probs: list[float] = field(default_factory=list)
+    """log p(token) under softmax(logits / temperature) over the real vocabulary, before top-k/top-p: what training
+    passes at the sampling temperature compute (filled when generating with ``tempered_log_probs=True``)."""
 
 
 class ReplicaGenerator:
@@ -269,9 +272,10 @@ class ReplicaGenerator:
     # -- the loop ------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[list[int]], params, *, vocab_size: int, stop_token_ids: Sequence[int] = (),
-                 seed: int = 0) -> list[GenerationResult]:
+                 seed: int = 0, tempered_log_probs: bool = False) -> list[GenerationResult]:
         """Generate for ``prompts`` (checked: non-empty, ids below ``vocab_size``, each fits a slot); every rank of
-        the replica gets every result."""
+        the replica gets every result (``tempered_log_probs``, the same on every rank: also fill
+        ``generated_tempered_log_probs``)."""
         results = [GenerationResult(list(p)) for p in prompts]
         if not prompts:
             return results
@@ -285,7 +289,8 @@ class ReplicaGenerator:
         generator = torch.Generator(device=self.device).manual_seed(seed)
 
         def sampler(logits_nV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return sample(logits_nV, params, vocab_size=vocab_size, generator=generator)
+            return sample(logits_nV, params, vocab_size=vocab_size, generator=generator,
+                          tempered_log_probs=tempered_log_probs)
 
         sched = SlotScheduler(len(prompts), self.geometry.num_slots)
         # Per step, which sequence each sampled row belongs to (None: an idle slot), and the last stage's log-probs.
@@ -335,7 +340,7 @@ class ReplicaGenerator:
                     finished = record(picked.tolist(), owners)
                     if finished:
                         self._release([sched.finish(s) for s in finished])
-                self._collect_log_probs(results, rows, log_probs)
+                self._collect_log_probs(results, rows, log_probs, tempered=tempered_log_probs)
         finally:
             self.chunk.train(was_training)
         for key in ("decode_steps", "idle_slot_steps"):
@@ -361,16 +366,20 @@ class ReplicaGenerator:
         return groups
 
     def _collect_log_probs(self, results: list[GenerationResult], rows: list[list[Optional[int]]],
-                           log_probs: list[Optional[torch.Tensor]]) -> None:
-        """Move the last stage's log-probs to the host in one copy and share them with the other stages."""
+                           log_probs: list[Optional[torch.Tensor]], *, tempered: bool) -> None:
+        """Move the last stage's log-probs to the host in one copy and share them with the other stages. Each
+        step's are ``[n]``, or ``[n, 2]`` with the tempered ones."""
         total = sum(len(r) for r in rows)
-        flat = torch.cat(log_probs) if self.is_last else None
-        flat = self._share(flat, total, torch.float32).tolist()
+        columns = 2 if tempered else 1
+        flat = torch.cat(log_probs).view(-1) if self.is_last else None
+        flat = self._share(flat, total * columns, torch.float32).view(total, columns).tolist()
         i = 0
         for owners in rows:  # one row per sampled token, in the order the tokens were appended
             for seq in owners:
                 if seq is not None:
-                    results[seq].generated_log_probs.append(flat[i])
+                    results[seq].generated_log_probs.append(flat[i][0])
+                    if columns == 2:
+                        results[seq].generated_tempered_log_probs.append(flat[i][1])
                 i += 1
 
     def report(self) -> dict[str, Any]:

@@ -7,8 +7,9 @@ i.i.d. picks index i with probability ``p_i``, with one random draw per entry fr
 logits' device and no host round trip. Ranks that give the same logits to generators in the same state draw the same
 tokens (tensor-parallel ranks of one rollout replica do).
 
-Log-probabilities are always those of the untempered, uncut distribution over the real vocabulary: what the policy
-assigns to the token, as RL losses need.
+Log-probabilities are those of the untempered, uncut distribution over the real vocabulary: what the policy
+assigns to the token. On request, also those at the sampling temperature (still uncut by top-k/top-p): what an RL
+recipe's training passes at that temperature compute for the same token, so the two can be compared.
 
 Legend: n rows (sequences), V the output layer's (padded) vocabulary.
 """
@@ -23,19 +24,23 @@ def is_greedy(params) -> bool:
     return int(params.top_k or 0) == 1 or float(params.temperature) == 0.0
 
 
-def sample(logits_nV: torch.Tensor, params, *, vocab_size: int,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits_nV: torch.Tensor, params, *, vocab_size: int, generator: torch.Generator,
+           tempered_log_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits_nV`` from its first ``vocab_size`` entries (the padded rows of the
     vocabulary are never candidates).
 
-    Returns ``(tokens [n] int64, log_probs [n] float32)``.
+    Returns ``(tokens [n] int64, log_probs [n] float32)``; with ``tempered_log_probs`` the log-probs are ``[n, 2]``:
+    untempered, and of softmax(logits / temperature) (the untempered ones again at temperature 0). Either way the
+    tokens, and the generator's draws, are the same.
     """
     logits = logits_nV[:, :vocab_size].float()
     log_probs = torch.log_softmax(logits, dim=-1)
+    temperature = float(params.temperature)
+    x = logits / temperature if temperature > 0 else logits
+    tempered = torch.log_softmax(x, dim=-1) if tempered_log_probs else None
     if is_greedy(params):
         tokens = logits.argmax(dim=-1)
     else:
-        x = logits / float(params.temperature)
         top_k, top_p = int(params.top_k or 0), float(params.top_p or 0.0)
         if top_k > 1:
             kth = x.topk(top_k, dim=-1).values[:, -1:]
@@ -50,4 +55,7 @@ def sample(logits_nV: torch.Tensor, params, *, vocab_size: int,
         race = torch.empty_like(probs).exponential_(generator=generator)
         # A zero draw would make p / E infinite (or NaN where p = 0): floor it at the smallest normal float.
         tokens = (probs / race.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    picked = tokens.unsqueeze(-1)
+    if tempered is None:
+        return tokens, log_probs.gather(-1, picked).squeeze(-1)
+    return tokens, torch.cat([log_probs.gather(-1, picked), tempered.gather(-1, picked)], dim=-1)

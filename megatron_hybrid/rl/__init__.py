@@ -7,22 +7,31 @@ One module per piece, over megatron-core (the algorithm maths are in :mod:`megat
 - :mod:`.passes`: rollout batches and the log-prob/entropy, value and score passes through Megatron's 1F1B
   schedule;
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
-- :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout);
-- :mod:`.checkpoint`: resumable per-rank checkpoints; :mod:`.metrics`: gathering and logging metrics;
+- :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
+  rollout's log-probs at the sampling temperature and its costs;
+- :mod:`.pretrained`: ``--pretrained-checkpoint`` (a converted Hugging Face model) in, ``--export-hf`` out;
+- :mod:`.checkpoint`: resumable checkpoints in megatron-core's ``dist_checkpointing`` format (any TP/PP);
+  :mod:`.metrics`: timing, gathering and logging metrics;
 - :mod:`.faults`: stopping on every rank at once on a failing reward function or a non-finite value;
-- :mod:`.initialize`: process groups and seeds; :mod:`.tokenizers`: ``--tokenizer-type``.
+- :mod:`.initialize`: process groups and seeds; :mod:`.tokenizers`: ``--tokenizer-type``;
+- :mod:`.data`: prompt files (JSONL, verl's parquet) and each step's prompts; :mod:`.rewards`: built-in
+  verifiable rewards, ``--reward-fn`` in either convention (ours, verl's ``compute_score``), held-out accuracy.
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, reward_scores
 from .initialize import initialize
-from .metrics import MetricsLogger, aggregate_metrics, summary
+from .metrics import MetricsLogger, StepTimer, aggregate_metrics, summary
 from .models import (ValueHead, architecture_from_args, build_critic, build_reference, build_stage, copy_weights,
                      load_parameters, load_value_model, parameters_state, save_value_model, wrap_ddp)
 from .optimizer import (TrainedModel, UpdateResult, build_scheduler, optimizer_config, setup_model_and_optimizer,
                         update)
 from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, response_values
-from .rollout import generate_in_training_layout, generate_on_engine
+from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_accuracy, exact_match,
+                      format_score)
+from .pretrained import export_hf, load_pretrained, model_architecture, model_args_from_checkpoint
+from .rollout import Rollout, generate_in_training_layout, generate_on_engine
 from .tokenizers import build_tokenizer
 
 __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "TrainedModel", "TrainingPasses",
@@ -32,3 +41,7 @@ __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "Tra
            "load_value_model", "make_batch", "optimizer_config", "parameters_state", "response_values",
            "reward_scores", "save_checkpoint", "save_value_model", "setup_model_and_optimizer", "summary", "update",
            "wrap_ddp"]
+__all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_from_checkpoint"]
+__all__ += ["Example", "Prompts", "Reward", "accuracy", "build_reward", "decode_response", "eval_prompts",
+            "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
+__all__ += ["Rollout", "StepTimer"]

@@ -1,38 +1,63 @@
-"""Resumable RL checkpoints: one file per rank, at the training layout it was written with.
+"""Resumable RL checkpoints in megatron-core's ``dist_checkpointing`` format (``torch_dist``), loadable at another
+tensor/pipeline layout with the optimizer state included.
 
-``DIR/iter_{step:07d}/rank_{rank:05d}.pt`` holds what the caller passes (models, optimizer states and fp32 main
-parameters, schedulers, KL controller, data position) plus the step, the (tensor, pipeline, data) sizes and the
-torch, Python and Megatron RNG states. It is read back with ``torch.load(weights_only=True)`` (no pickled code), so
-everything in it must be tensors, numbers, strings and containers of them.
+``DIR/iter_{step:07d}/`` is one ``dist_checkpointing`` checkpoint of the whole training state:
+
+- each model's ``sharded_state_dict()`` under its name (``actor.``, ``critic.``, ``reference.``): every tensor is
+  stored once, as shards of a global tensor, whatever the layout that wrote it;
+- each trained model's megatron-core optimizer, ``optimizer.sharded_state_dict(model_sharded_state_dict)``
+  as Megatron-LM saves it: Adam's moments and the fp32 main parameters as shards of the same global tensors as their
+  parameters (``optimizer.state.exp_avg.actor.…``, ``optimizer.state.fp32_param.actor.…``), param groups and
+  step in the common part; and its ``OptimizerParamScheduler``'s state in the common part;
+- the step and the caller's ``state`` (KL controller, data position) in the common part;
+- ``rng/rank_{rank:05d}.safetensors``: this rank's torch, Python, Megatron RNG-tracker (and CUDA) states, as
+  tensors and JSON metadata (nothing is unpickled). They are restored when the checkpoint is loaded at the layout
+  that wrote it, so a resumed run reproduces the uninterrupted one; at another layout they mean nothing to the new
+  ranks, which keep the states ``--seed`` gave them (with a warning), as Megatron-LM does;
+- ``rl_checkpoint.json``, written last: format, version, step, (tensor, pipeline, data) sizes, model names and
+  the size of every file of the iteration.
 
 Saving is crash-safe: at every instant ``latest_checkpointed_iteration.txt`` names a complete iteration. Every rank
-writes (and syncs) its file into ``DIR/.iter_{step:07d}.tmp``; the ranks agree that all of them wrote it (one
-all-reduce, so a rank that failed makes every rank raise instead of hanging, and a rank that died leaves the others
-failing in that collective) and only then does rank 0 commit: an existing ``iter_{step:07d}`` is renamed aside to
-``.iter_{step:07d}.old``, the new one renamed in, ``latest`` replaced through a temporary file and
-``os.replace``, and the old one deleted. A crash between the two renames leaves the old copy, complete, under
-``.old``: :func:`load_checkpoint` reads it there.
+writes its ``dist_checkpointing`` shards and its RNG file into ``DIR/.iter_{step:07d}.tmp`` (``dist_checkpointing``
+reports a rank's failed write to every rank); the ranks agree that all of them succeeded (one all-reduce, so a rank
+that failed makes every rank raise instead of hanging, and a rank that died leaves the others failing in a
+collective) and only then does rank 0 sync the files, write the manifest and commit: an existing
+``iter_{step:07d}`` is renamed aside to ``.iter_{step:07d}.old``, the new one renamed in, ``latest`` replaced
+through a temporary file and ``os.replace``, and the old one deleted. A crash between the two renames leaves the
+old copy, complete, under ``.old``: :func:`load_checkpoint` reads it there.
 
-Loading is checked before training on every rank: each rank opens its own file, and the ranks agree (one
-all-reduce) so that a missing, truncated or foreign file is the same ``ValueError``, naming the file, on every rank.
+Loading is checked before training on every rank: the manifest and the size of every file it lists (every rank
+checks every file, before any collective), so a missing, truncated or foreign checkpoint is the same ``ValueError``,
+naming the file, on every rank; a failure inside ``dist_checkpointing.load`` is agreed the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
-from typing import Any, Optional
+import warnings
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
-from ..compat import megatron_groups
+from ..compat import megatron_groups, unwrap_model
 from .faults import errors_on_every_rank
+from .optimizer import TrainedModel
 
-#: 2: megatron-core optimizers (states, fp32 main parameters) and learning-rate schedulers; 1: torch.optim.Adam.
-CHECKPOINT_VERSION = 2
+FORMAT = "megatron-hybrid-rl"
+#: 3: megatron-core dist_checkpointing (torch_dist); 2: per-rank torch.save files of megatron-core optimizers.
+CHECKPOINT_VERSION = 3
 LATEST = "latest_checkpointed_iteration.txt"
+MANIFEST = "rl_checkpoint.json"
+RNG_DIR = "rng"
+
+#: What :func:`save_checkpoint` and :func:`load_checkpoint` take by name: a model under training (its optimizer
+#: and scheduler included), a frozen module (the reference), or ``None`` (a model this run does not have).
+Checkpointed = Optional[Union[TrainedModel, torch.nn.Module]]
 
 
 def _layout() -> list[int]:
@@ -40,25 +65,72 @@ def _layout() -> list[int]:
     return [tp.size(), pp.size(), dp.size()]
 
 
-def _rng_state() -> dict[str, Any]:
+# ---- RNG states: one safetensors file per rank ----------------------------------------------------------------
+def _write_rng_state(path: str) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from safetensors.torch import save_file
 
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "tracker": get_cuda_rng_tracker().get_states(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    version, internal, gauss_next = random.getstate()
+    tensors = {"torch": torch.get_rng_state(), "python": torch.tensor(internal, dtype=torch.int64)}
+    tensors.update({f"tracker.{name}": state for name, state in get_cuda_rng_tracker().get_states().items()})
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path,
+              metadata={"python_version": json.dumps(version), "python_gauss_next": json.dumps(gauss_next)})
+
+
+def _read_rng_state(path: str) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    python = (json.loads(meta["python_version"]), tuple(tensors.pop("python").tolist()),
+              json.loads(meta["python_gauss_next"]))
+    tracker = {k.removeprefix("tracker."): v for k, v in tensors.items() if k.startswith("tracker.")}
+    return {"torch": tensors["torch"], "python": python, "tracker": tracker, "cuda": tensors.get("cuda")}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["torch"])
-    # random.setstate wants tuples; a weights-only load gives lists.
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    random.setstate(state["python"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# ---- the sharded state dict -----------------------------------------------------------------------------------
+def _sharded_state_dict(models: Mapping[str, Checkpointed], *, is_loading: bool) -> dict[str, Any]:
+    """Megatron-LM's ``generate_state_dict`` for several models: each under its name, keys prefixed by it."""
+    out: dict[str, Any] = {}
+    for name, m in models.items():
+        if m is None:
+            continue
+        trained = isinstance(m, TrainedModel)
+        model_sd = unwrap_model(m.model if trained else m).sharded_state_dict(prefix=f"{name}.")
+        out[name] = {"model": model_sd}
+        if trained:
+            # Non-distributed optimizer: its states and fp32 main parameters become shards of the parameters'
+            # global tensors, so they reshard like the parameters.
+            out[name]["optimizer"] = m.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            out[name]["scheduler"] = m.scheduler.state_dict()
+    return out
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception; for ``dist_checkpointing``'s ``CheckpointException`` the failures it gathered
+    from the ranks (the coordinator, rank 0, holds them all; the others hold none: ``""``)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        return "; ".join(f"dist_checkpointing: rank {r} failed with {type(f[0]).__name__}: {f[0]}"
+                         for r, f in sorted(failures.items()))
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+# ---- saving ---------------------------------------------------------------------------------------------------
 def _iteration_dirs(directory: str, step: int) -> tuple[str, str, str]:
     """``(final, temporary, old)`` directories of iteration ``step``."""
     name = f"iter_{step:07d}"
@@ -73,12 +145,46 @@ def _write_synced(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(directory: str, step: int, state: dict[str, Any]) -> None:
-    """Write this rank's ``state`` (and the RNG states) as iteration ``step``; called on every rank.
+def _files(root: str) -> dict[str, int]:
+    """Every file under ``root`` by relative path, with its size."""
+    out = {}
+    for parent, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(parent, name)
+            out[os.path.relpath(path, root)] = os.path.getsize(path)
+    return dict(sorted(out.items()))
 
-    ``OSError`` on every rank, naming the files, when some rank could not write its file; ``latest`` then still
-    names the previous iteration, and an existing iteration ``step`` is untouched.
+
+def _sync_tree(root: str) -> None:
+    """fsync every file and directory under ``root`` (``dist_checkpointing`` syncs its shards, not the rest)."""
+    for parent, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(parent, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _agreed(step: int, error: Optional[str]) -> None:
+    """``OSError`` on every rank when some rank failed (``error``)."""
+    errors = errors_on_every_rank([error] if error else [])
+    if errors:
+        raise OSError(f"--save: iteration {step} was not saved ({'; '.join(errors)})")
+
+
+def save_checkpoint(directory: str, step: int, models: Mapping[str, Checkpointed], state: dict[str, Any]) -> None:
+    """Write iteration ``step``: ``models`` by name (their parameters; for a :class:`TrainedModel` also its
+    optimizer and scheduler), ``state`` (numbers, strings, containers of them: the KL controller, the data
+    position) and this rank's RNG states; called on every rank with the same names.
+
+    ``OSError`` on every rank, naming the files, when some rank could not write; ``latest`` then still names the
+    previous iteration, and an existing iteration ``step`` is untouched.
     """
+    from megatron.core import dist_checkpointing
+
     final, tmp, old = _iteration_dirs(directory, step)
     rank = dist.get_rank()
     error = None
@@ -89,24 +195,37 @@ def save_checkpoint(directory: str, step: int, state: dict[str, Any]) -> None:
             os.makedirs(tmp)
         except OSError as e:
             error = f"{tmp}: {type(e).__name__}: {e}"
-    # Also the barrier after which the directory exists for every rank.
-    errors = errors_on_every_rank([error] if error else [])
-    payload = {"version": CHECKPOINT_VERSION, "step": step, "layout": _layout(), "rng": _rng_state(), **state}
-    path = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    if not errors:
+    try:
+        # Also the barrier after which the directory exists for every rank.
+        _agreed(step, error)
+        sharded = _sharded_state_dict(models, is_loading=False)
+        sharded.update(step=step, state=state)
         try:
-            with open(path, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
+            dist_checkpointing.save(sharded, tmp)
+        except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+            # A rank's failed write raises on every rank, its details on the coordinator (rank 0) only.
+            error = f"{tmp}: {_describe(e)}" if _describe(e) else None
+        _agreed(step, error)
+        rng = os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.safetensors")
+        try:
+            os.makedirs(os.path.dirname(rng), exist_ok=True)
+            _write_rng_state(rng)
         except Exception as e:  # a full disk, a quota, a lost mount: every rank must learn of it
-            error = f"{path}: {type(e).__name__}: {e}"
-        errors = errors_on_every_rank([error] if error else [])
-    if errors:
+            error = f"{rng}: {type(e).__name__}: {e}"
+        _agreed(step, error)
+        if rank == 0:
+            try:
+                _sync_tree(tmp)
+                manifest = {"format": FORMAT, "version": CHECKPOINT_VERSION, "step": step, "layout": _layout(),
+                            "models": [n for n, m in models.items() if m is not None], "files": _files(tmp)}
+                _write_synced(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+            except OSError as e:
+                error = f"{os.path.join(tmp, MANIFEST)}: {type(e).__name__}: {e}"
+        _agreed(step, error)
+    except OSError as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"--save: iteration {step} was not saved ({'; '.join(errors)}); "
-                      f"{os.path.join(directory, LATEST)} still names the previous iteration")
+        raise OSError(f"{e}; {os.path.join(directory, LATEST)} still names the previous iteration") from None
     if rank == 0:
         if os.path.isdir(final):
             shutil.rmtree(old, ignore_errors=True)  # left by a crash after the commit: final is complete
@@ -119,6 +238,7 @@ def save_checkpoint(directory: str, step: int, state: dict[str, Any]) -> None:
     dist.barrier()
 
 
+# ---- loading --------------------------------------------------------------------------------------------------
 def latest_iteration(directory: str) -> int:
     """The iteration ``DIR/latest_checkpointed_iteration.txt`` names; ``ValueError`` naming the file and its
     content when it is missing or not a non-negative integer."""
@@ -134,42 +254,98 @@ def latest_iteration(directory: str) -> int:
     return int(text)
 
 
-def _read_rank_file(directory: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """This rank's state of the latest iteration, or the error naming the file."""
+def iteration_dir(directory: str) -> str:
+    """The directory of the iteration ``latest`` names (``.old`` when a re-save crashed between its renames)."""
+    final, _, old = _iteration_dirs(directory, latest_iteration(directory))
+    return old if not os.path.isdir(final) and os.path.isdir(old) else final
+
+
+def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[str, Any]:
+    """The manifest of the latest iteration in ``directory`` after checking it and the size of every file it
+    lists (no collective: every rank can check every file); ``ValueError`` naming the file for a bad ``latest``,
+    a missing or foreign manifest, a missing or truncated file, or (``names``) a model the checkpoint lacks."""
+    it = iteration_dir(directory)
+    path = os.path.join(it, MANIFEST)
     try:
-        it = latest_iteration(directory)
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--load: {path} cannot be read ({type(e).__name__}: {e}); {it} is not a complete "
+                         f"{FORMAT} checkpoint (written by save_checkpoint)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != CHECKPOINT_VERSION:
+        found = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else manifest
+        raise ValueError(f"--load: {path} describes a {found!r} checkpoint; this version reads "
+                         f"({FORMAT!r}, {CHECKPOINT_VERSION}) (megatron-core dist_checkpointing) only")
+    for name, size in manifest["files"].items():
+        file = os.path.join(it, name)
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual is None:
+            raise ValueError(f"--load: {file} is missing")
+        if actual != size:
+            raise ValueError(f"--load: {file} cannot be read, it is truncated, empty or not a checkpoint "
+                             f"({actual} bytes, {path} says {size})")
+    missing = sorted(set(names or ()) - set(manifest["models"]))
+    if missing:
+        raise ValueError(f"--load: {it} holds the models {manifest['models']}, not {missing} that this run "
+                         f"trains")
+    return manifest
+
+
+def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[str, Any]:
+    """Load the latest iteration in ``directory`` into ``models`` (in place: parameters, and for a
+    :class:`TrainedModel` its optimizer's states, fp32 main parameters and its scheduler), at whatever
+    (tensor, pipeline, data) layout this run has; restore this rank's RNG states when the layout is the one that
+    wrote them. Returns the ``state`` that was saved, with ``step``.
+
+    Called on every rank, before training: ``ValueError`` on every rank, naming the file(s), for a bad ``latest``
+    file, a checkpoint that is incomplete, damaged, of another format or lacks one of ``models``.
+    """
+    from megatron.core import dist_checkpointing
+
+    names = [n for n, m in models.items() if m is not None]
+    manifest, error = None, None
+    try:
+        manifest = check_checkpoint(directory, names)
     except ValueError as e:
-        return None, str(e)
-    final, _, old = _iteration_dirs(directory, it)
-    if not os.path.isdir(final) and os.path.isdir(old):  # a re-save of ``it`` crashed between its two renames
-        final = old
-    path = os.path.join(final, f"rank_{dist.get_rank():05d}.pt")
-    if not os.path.isfile(path):
-        return None, f"--load: {path} is missing (was the checkpoint written with another world size?)"
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # torch.load raises anything from EOFError to RuntimeError for a damaged file
-        return None, (f"--load: {path} cannot be read, it is truncated, empty or not a checkpoint "
-                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        version = state.get("version") if isinstance(state, dict) else None
-        return None, (f"--load: {path} is a version {version} checkpoint; this version reads version "
-                      f"{CHECKPOINT_VERSION} (megatron-core optimizer states) only")
-    if state.get("layout") != _layout():
-        return None, (f"--load: {path} was written with (tensor, pipeline, data) sizes {state.get('layout')}, "
-                      f"this run has {_layout()}")
-    return state, None
-
-
-def load_checkpoint(directory: str) -> dict[str, Any]:
-    """This rank's state of the latest iteration in ``directory``, with the RNG states restored; the returned
-    dict has the caller's keys and ``step``. Called on every rank, before training: ``ValueError`` on every rank,
-    naming the file(s), for a bad ``latest`` file or a rank file that is missing, damaged, of another version or
-    of another layout."""
-    state, error = _read_rank_file(directory)
+        error = str(e)
     errors = errors_on_every_rank([error] if error else [])
     if errors:
         raise ValueError("; ".join(errors))
-    _set_rng_state(state.pop("rng"))
-    del state["version"], state["layout"]
-    return state
+    it = iteration_dir(directory)
+    rng = None
+    same_layout = manifest["layout"] == _layout()
+    if same_layout:
+        path = os.path.join(it, RNG_DIR, f"rank_{dist.get_rank():05d}.safetensors")
+        try:
+            rng = _read_rng_state(path)
+        except Exception as e:  # safetensors raises its own errors for a damaged file
+            error = f"--load: {path} cannot be read ({_describe(e)})"
+    loaded = None
+    if error is None:
+        try:
+            with warnings.catch_warnings():
+                # megatron-core (0.16.1) calls torch.distributed.checkpoint.load_state_dict, deprecated in torch 2.13.
+                warnings.filterwarnings("ignore", message=".*load_state_dict. is deprecated", category=FutureWarning)
+                loaded = dist_checkpointing.load(_sharded_state_dict(models, is_loading=True), it)
+        except (Exception, CheckpointException) as e:  # a damaged shard or metadata: agreed, naming the directory
+            error = f"--load: {it} cannot be read by dist_checkpointing ({_describe(e) or type(e).__name__})"
+    errors = errors_on_every_rank([error] if error else [])
+    if errors:
+        raise ValueError("; ".join(errors))
+    for name in names:
+        m = models[name]
+        trained = isinstance(m, TrainedModel)
+        # In place (load_state_dict copies): views of the parameters, e.g. the HybridEngine's, stay valid.
+        unwrap_model(m.model if trained else m).load_state_dict(
+            {k.removeprefix(f"{name}."): v for k, v in loaded[name]["model"].items()})
+        if trained:
+            m.optimizer.load_state_dict(loaded[name]["optimizer"])
+            m.scheduler.load_state_dict(loaded[name]["scheduler"])
+    if rng is not None:
+        _set_rng_state(rng)
+    elif dist.get_rank() == 0:
+        warnings.warn(f"--load: {it} was written with (tensor, pipeline, data) sizes {manifest['layout']}, this "
+                      f"run has {_layout()}: its RNG states are not restored (the ranks keep --seed's)",
+                      stacklevel=2)
+    return {**loaded["state"], "step": loaded["step"]}

@@ -1,39 +1,93 @@
-"""Per-iteration metrics of an RL run: gathered over the ranks, logged (JSONL, TensorBoard, a progress bar) and
-summed up at the end."""
+"""Per-iteration metrics of an RL run: where the time goes, gathered over the ranks, logged (JSONL, TensorBoard, a
+progress bar) and summed up at the end."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from typing import Any, Optional
+import time
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
 
-def aggregate_metrics(local: Optional[dict[str, Any]], switch: dict[str, float]) -> dict[str, Any]:
-    """One iteration's metrics on every rank: the means over the ranks that pass ``local`` (one per DP replica:
-    its last stage, TP rank 0; a list value is averaged element-wise), the switch bytes summed over all ranks and
-    the switch seconds of the slowest. Called on every rank."""
+class StepTimer:
+    """Where one iteration's wall-clock time goes on this rank: seconds per phase, and the tokens a phase
+    processed for this rank's DP replica where given. :func:`aggregate_metrics` turns them into ``time/<phase>``,
+    ``time/step`` (from construction to that call) and ``throughput/<phase>_tokens_per_second``."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, *, tokens: Optional[int] = None) -> Iterator[None]:
+        """Time the block as phase ``name`` (seconds and tokens add up over repeated phases)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start, tokens=tokens)
+
+    def add(self, name: str, seconds: float, *, tokens: Optional[int] = None) -> None:
+        """Add ``seconds`` (and ``tokens``) measured elsewhere to phase ``name``."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        if tokens is not None:
+            self.tokens[name] = self.tokens.get(name, 0) + tokens
+
+
+def _reduce(key: str, vals: list[float]) -> float:
+    if key.endswith("_max"):
+        return max(vals)
+    if key.endswith("_min"):
+        return min(vals)
+    return sum(vals) / len(vals)
+
+
+def aggregate_metrics(local: Optional[dict[str, Any]], timer: StepTimer, *,
+                      switch_bytes: float = 0.0) -> dict[str, Any]:
+    """One iteration's metrics on every rank. Called on every rank.
+
+    - ``local``'s keys, from the ranks that pass it (one per DP replica: its last stage, TP rank 0): the mean over
+      them (a list value element-wise), or for keys ending in ``_max`` / ``_min`` the max / min;
+    - ``time/<phase>`` and ``time/step``: the mean over all ranks of each rank's ``timer`` seconds (the phases of
+      each rank, and so their means, sum to at most its step);
+    - ``throughput/<phase>_tokens_per_second``: the phase's tokens over all DP replicas (as the reporting ranks
+      counted them) per second of ``time/<phase>``;
+    - ``switch_bytes`` (this rank's received bytes) summed over all ranks, ``switch_seconds``: the slowest rank's
+      ``switch`` phase.
+    """
+    seconds = timer.seconds | {"step": time.perf_counter() - timer.start}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"metrics": local, "switch": switch})
-    parts = [e["metrics"] for e in everyone if e["metrics"] is not None]
+    dist.all_gather_object(everyone, {"metrics": local, "seconds": seconds, "tokens": timer.tokens,
+                                      "switch_bytes": switch_bytes})
+    reporting = [e for e in everyone if e["metrics"] is not None]
+    parts = [e["metrics"] for e in reporting]
     out: dict[str, Any] = {}
     for key in parts[0]:
         vals = [p[key] for p in parts]
         if isinstance(vals[0], list):
-            out[key] = [sum(v[i] for v in vals) / len(vals) for i in range(len(vals[0]))]
+            out[key] = [_reduce(key, [v[i] for v in vals]) for i in range(len(vals[0]))]
         else:
-            out[key] = sum(vals) / len(vals)
-    out["switch_bytes"] = sum(e["switch"]["switch_bytes"] for e in everyone)
-    out["switch_seconds"] = max(e["switch"]["switch_seconds"] for e in everyone)
+            out[key] = _reduce(key, vals)
+    out["switch_bytes"] = sum(e["switch_bytes"] for e in everyone)
+    out["switch_seconds"] = max(e["seconds"].get("switch", 0.0) for e in everyone)
+    for name in seconds:
+        out[f"time/{name}"] = sum(e["seconds"].get(name, 0.0) for e in everyone) / len(everyone)
+    for name in timer.tokens:
+        tokens = sum(e["tokens"].get(name, 0) for e in reporting)
+        out[f"throughput/{name}_tokens_per_second"] = tokens / max(out[f"time/{name}"], 1e-9)
     return out
 
 
 class MetricsLogger:
-    """``--log-dir``'s ``metrics.jsonl`` (one line per iteration, appended), TensorBoard events when
-    ``tensorboard`` is installed, and a tqdm bar (unless ``--no-progress``); on rank 0 only."""
+    """``--log-dir``'s ``metrics.jsonl`` (one line per iteration, appended), TensorBoard events in
+    ``--tensorboard-dir`` (a scalar per metric; a per-epoch list as its mean), and a tqdm bar (unless
+    ``--no-progress``); on rank 0 only."""
 
     def __init__(self, args: argparse.Namespace, *, start: int) -> None:
         self.active = dist.get_rank() == 0
@@ -43,12 +97,10 @@ class MetricsLogger:
         if args.log_dir is not None:
             os.makedirs(args.log_dir, exist_ok=True)
             self.jsonl = open(os.path.join(args.log_dir, "metrics.jsonl"), "a")
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self.tb = SummaryWriter(args.log_dir)
+        if args.tensorboard_dir is not None:  # validate_args checked that tensorboard is installed
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(args.tensorboard_dir)
         if not args.no_progress:
             from tqdm import tqdm
 
@@ -63,6 +115,8 @@ class MetricsLogger:
             self.jsonl.flush()
         if self.tb is not None:
             for k, v in m.items():
+                if isinstance(v, list) and v:
+                    v = sum(v) / len(v)
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, m["step"])
         if self.bar is not None:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from .faults import check_finite
-from .models import load_parameters, parameters_state, wrap_ddp
+from .models import wrap_ddp
 from .passes import Batch, LossFn, TrainingPasses
 
 
@@ -71,18 +71,6 @@ class TrainedModel:
     """megatron-core's optimizer (a ``ChainedOptimizer``)."""
     scheduler: Any
     """megatron-core's ``OptimizerParamScheduler``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Parameters (detached copies on the CPU), optimizer (states and fp32 main parameters) and scheduler."""
-        return {"model": parameters_state(self.model), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s values; parameters are copied in place (the HybridEngine's views of
-        them stay valid)."""
-        load_parameters(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
 
 
 def setup_model_and_optimizer(stage: torch.nn.Module, args: argparse.Namespace, *,

@@ -41,6 +41,11 @@ class Batch:
     data: dict[str, torch.Tensor]
     """Further per-sequence tensors the losses read (``end``: each sequence's last position; old log-probs, …)."""
 
+    @property
+    def num_tokens(self) -> int:
+        """The real tokens of all sequences (prompt + response)."""
+        return int(self.data["end"].sum()) + self.tokens_BS.shape[0]
+
     def micro_batches(self, size: int) -> list[dict[str, torch.Tensor]]:
         """Consecutive slices of ``size`` sequences, as dicts (``tokens``, ``index``, ``mask`` and ``data``)."""
         out = []
@@ -53,8 +58,10 @@ class Batch:
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_tokens: int, seq_length: int,
-               device: torch.device) -> Batch:
-    """The batch of ``prompts[b] + responses[b]``; scores are zero until the reward is known."""
+               device: torch.device, rollout_log_probs: Optional[list[list[float]]] = None) -> Batch:
+    """The batch of ``prompts[b] + responses[b]``; scores are zero until the reward is known.
+    ``rollout_log_probs``: the generator's log-probs of the response tokens, kept as ``data["rollout_logp"]``
+    (``[B, N]``, zero-padded)."""
     B, N = len(prompts), max_new_tokens
     tokens = torch.zeros(B, seq_length, dtype=torch.long)
     index = torch.zeros(B, N, dtype=torch.long)
@@ -67,7 +74,13 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_
         index[b] = (len(p) - 1 + torch.arange(N)).clamp(max=seq_length - 2)
         mask[b, : len(r)] = 1.0
         end[b] = len(seq) - 1
-    return Batch(tokens.to(device), index.to(device), mask.to(device), torch.zeros(B), {"end": end.to(device)})
+    data = {"end": end.to(device)}
+    if rollout_log_probs is not None:
+        logp = torch.zeros(B, N)
+        for b, row in enumerate(rollout_log_probs):
+            logp[b, : len(row)] = torch.tensor(row)
+        data["rollout_logp"] = logp.to(device)
+    return Batch(tokens.to(device), index.to(device), mask.to(device), torch.zeros(B), data)
 
 
 def _positions_like(tokens_BS: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,14 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The token ids of ``messages`` in the tokenizer's chat template, the assistant's turn opened
+        (``add_generation_prompt``); ``ValueError`` when the tokenizer has no chat template."""
+        if not self._tok.chat_template:
+            raise ValueError(f"the tokenizer ({self._tok.name_or_path}) has no chat template")
+        return list(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
 
 class SentencePieceTokenizer:
     """A SentencePiece ``.model`` file."""

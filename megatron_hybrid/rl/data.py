@@ -1,0 +1,219 @@
+"""Prompt data of an RL run: ``--prompt-data`` / ``--eval-prompt-data`` files (JSONL or verl's parquet), the
+recipe's ``--prompt-file`` lines and its built-in synthetic prompts, cut into each step's DP slices.
+
+A data file holds one prompt a row:
+
+- **JSONL** (``.jsonl`` or ``.json``): one JSON object a line (blank lines skipped), ``{"prompt": ..., "answer":
+  "42"}``;
+- **parquet** (``.parquet``, read with ``pyarrow``), as verl writes it: a ``prompt`` column of chat messages and
+  the ground truth in ``reward_model.ground_truth``, with optional ``data_source`` and ``extra_info``.
+
+Both formats take both spellings: the ground truth is ``answer`` or ``reward_model.ground_truth`` (a string, or a
+number that is kept as its text), ``prompt`` is text (tokenised as it is) or chat messages ``[{"role": ...,
+"content": ...}, ...]`` (the tokenizer's chat template applied, with the assistant's turn opened), ``data_source``
+is a string and ``extra_info`` an object; other fields are ignored. Every row is checked when the file is read:
+a bad row is a ``ValueError`` naming the file, the line (JSONL, from 1) or row (parquet, from 0), and the field;
+a prompt that does not fit the model's positions with ``--max-new-tokens`` names the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .tokenizers import HuggingFaceTokenizer, Tokenizer
+
+#: File suffixes of the two formats.
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of a data set and what its reward needs."""
+
+    tokens: list[int]
+    """The prompt's token ids (chat template applied)."""
+    answer: Optional[str] = None
+    """The ground truth (``None``: the prompt has none, e.g. a ``--prompt-file`` line)."""
+    data_source: str = ""
+    """verl's ``data_source`` (which task the row is from), for ``compute_score`` functions."""
+    extra_info: dict = field(default_factory=dict)
+    """verl's ``extra_info``, for ``compute_score`` functions."""
+
+
+def _rows(path: str, flag: str) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for every row of ``path``: ``where`` is ``"FILE line N"`` or ``"FILE row N"``."""
+    if path.endswith(PARQUET_SUFFIXES):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ValueError(f"{flag} {path}: reading parquet needs pyarrow (pip install pyarrow): {e}") from e
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) for a file that is not parquet
+            raise ValueError(f"{flag} {path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        for i, row in enumerate(rows):
+            yield f"{flag} {path} row {i}", row
+        return
+    if not path.endswith(JSONL_SUFFIXES):
+        raise ValueError(f"{flag} {path}: the file must end in {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}")
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:  # without its newline, a truncated row is reported at its last column, not a next line's first
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag} {path} line {n}: not JSON ({e.msg} at column {e.colno})") from e
+            yield f"{flag} {path} line {n}", row
+
+
+def _ground_truth(row: dict, where: str) -> str:
+    if "answer" in row:
+        name, value = "'answer'", row["answer"]
+    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+        name, value = "'reward_model.ground_truth'", row["reward_model"]["ground_truth"]
+    else:
+        raise ValueError(f"{where}: no ground truth: the row has neither 'answer' nor 'reward_model.ground_truth' "
+                         f"(fields: {', '.join(map(repr, row)) or 'none'})")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: {name} must be a string or a number, not {type(value).__name__} ({value!r})")
+    return value if isinstance(value, str) else str(value)
+
+
+def _prompt_tokens(prompt: Any, where: str, tokenizer: Tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{where}: 'prompt' is empty")
+        return tokenizer.tokenize(prompt)
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: 'prompt' must be text or a non-empty list of chat messages, not "
+                         f"{type(prompt).__name__} ({prompt!r})")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}: 'prompt'[{i}] must be a message object {{\"role\": ..., \"content\": ...}}, "
+                             f"not {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"{where}: 'prompt'[{i}]['{key}'] must be a string, not "
+                                 f"{type(message.get(key)).__name__}")
+    if not isinstance(tokenizer, HuggingFaceTokenizer):
+        raise ValueError(f"{where}: 'prompt' is chat messages, which need a chat template: use --tokenizer-type "
+                         f"HuggingFaceTokenizer (this run's tokenizer is a {type(tokenizer).__name__})")
+    try:
+        return tokenizer.apply_chat_template(prompt)
+    except ValueError as e:
+        raise ValueError(f"{where}: 'prompt' is chat messages: {e}") from e
+
+
+def _example(row: Any, where: str, tokenizer: Tokenizer) -> Example:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be an object with 'prompt' and 'answer', not {type(row).__name__}")
+    if "prompt" not in row:
+        raise ValueError(f"{where}: no 'prompt' (fields: {', '.join(map(repr, row)) or 'none'})")
+    answer = _ground_truth(row, where)
+    data_source = row.get("data_source") if row.get("data_source") is not None else ""
+    if not isinstance(data_source, str):
+        raise ValueError(f"{where}: 'data_source' must be a string, not {type(data_source).__name__}")
+    extra_info = row.get("extra_info") if row.get("extra_info") is not None else {}
+    if not isinstance(extra_info, dict):
+        raise ValueError(f"{where}: 'extra_info' must be an object, not {type(extra_info).__name__}")
+    tokens = _prompt_tokens(row["prompt"], where, tokenizer)
+    if not tokens:
+        raise ValueError(f"{where}: 'prompt' tokenises to no tokens")
+    return Example(tokens, answer, data_source, extra_info)
+
+
+def check_fits(tokens: list[int], where: str, *, max_new_tokens: int, max_positions: int) -> None:
+    """``ValueError`` naming ``where`` and the numbers when the prompt and ``max_new_tokens`` exceed the
+    model's positions."""
+    if len(tokens) + max_new_tokens > max_positions:
+        raise ValueError(f"{where}: the prompt is {len(tokens)} tokens; with --max-new-tokens ({max_new_tokens}) "
+                         f"that is {len(tokens) + max_new_tokens} positions, more than the model's "
+                         f"--max-position-embeddings ({max_positions})")
+
+
+def load_prompt_data(path: str, tokenizer: Tokenizer, *, max_new_tokens: int, max_positions: int,
+                     flag: str = "--prompt-data") -> list[Example]:
+    """Every row of a JSONL or parquet prompt file (module docstring), tokenised and checked; ``flag`` is how the
+    user named the file (in the messages). ``ValueError`` for a bad row, an empty file or a missing pyarrow."""
+    examples = []
+    for where, row in _rows(path, flag):
+        example = _example(row, where, tokenizer)
+        check_fits(example.tokens, where, max_new_tokens=max_new_tokens, max_positions=max_positions)
+        examples.append(example)
+    if not examples:
+        raise ValueError(f"{flag} {path}: the file holds no rows")
+    return examples
+
+
+def eval_prompts(args: argparse.Namespace, tokenizer: Tokenizer, *, max_positions: int) -> Optional[list[Example]]:
+    """The held-out prompts of ``--eval-prompt-data`` (``None`` without it, or without ``--eval-interval``)."""
+    if args.eval_prompt_data is None or args.eval_interval is None:
+        return None
+    return load_prompt_data(args.eval_prompt_data, tokenizer, max_new_tokens=args.max_new_tokens,
+                            max_positions=max_positions, flag="--eval-prompt-data")
+
+
+class Prompts:
+    """The training prompts of each step, the same whatever the layout: the step's global list (cycling through
+    ``--prompt-data`` or ``--prompt-file`` in file order, else drawn at random from ``--seed`` and the step),
+    cut into DP slices."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer: Tokenizer, *, max_positions: int) -> None:
+        self.args, self.vocab = args, tokenizer.vocab_size
+        self.examples: Optional[list[Example]] = None
+        if args.prompt_data is not None:
+            self.examples = load_prompt_data(args.prompt_data, tokenizer, max_new_tokens=args.max_new_tokens,
+                                             max_positions=max_positions)
+        elif args.prompt_file is not None:
+            self.examples = []
+            with open(args.prompt_file, encoding="utf-8") as f:
+                for n, line in enumerate(f, start=1):
+                    if line.strip():
+                        self.examples.append(Example(tokenizer.tokenize(line.rstrip("\n"))))
+                        check_fits(self.examples[-1].tokens, f"--prompt-file {args.prompt_file} line {n}",
+                                   max_new_tokens=args.max_new_tokens, max_positions=max_positions)
+
+    @property
+    def has_answers(self) -> bool:
+        """Whether the prompts come with ground truths (``--prompt-data``)."""
+        return self.args.prompt_data is not None
+
+    @property
+    def max_length(self) -> int:
+        """The longest prompt, in tokens."""
+        return max(len(e.tokens) for e in self.examples) if self.examples else self.args.prompt_length
+
+    def per_step(self) -> int:
+        return self.args.global_batch_size // self.args.num_samples_per_prompt
+
+    def for_step(self, step: int, *, dp_rank: int, dp_size: int) -> list[Example]:
+        n = self.per_step()
+        if self.examples is not None:
+            everything = [self.examples[(step * n + i) % len(self.examples)] for i in range(n)]
+        else:
+            g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step)
+            everything = [Example(t) for t in torch.randint(0, self.vocab, (n, self.args.prompt_length),
+                                                            generator=g).tolist()]
+        per = n // dp_size
+        return everything[dp_rank * per: (dp_rank + 1) * per]
+
+
+def data_file_error(flag: str, path: str) -> Optional[str]:
+    """Why ``path`` cannot be a ``flag`` prompt file without reading it (missing, unknown suffix, parquet without
+    pyarrow), or ``None``; for :func:`megatron_hybrid.arguments.validate_args`."""
+    if not os.path.isfile(path):
+        return f"{flag} ({path!r}) does not exist"
+    if not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
+        return f"{flag} ({path!r}) must end in {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}"
+    if path.endswith(PARQUET_SUFFIXES) and importlib.util.find_spec("pyarrow") is None:
+        return f"{flag} ({path!r}) is parquet, which needs pyarrow (pip install pyarrow)"
+    return None

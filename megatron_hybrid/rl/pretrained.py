@@ -1,0 +1,258 @@
+"""Real models in and out of an RL run: ``--pretrained-checkpoint`` (a converted Hugging Face model) and
+``--export-hf`` (the trained actor as a Hugging Face model).
+
+In: the output of ``tools/convert_checkpoint.py hf-to-megatron``. Its architecture, padded vocabulary and tokenizer
+(``hf_assets/``) become the run's (:func:`model_args_from_checkpoint`, part of argument validation: no collective);
+its weights are loaded into the actor's stage at the training TP/PP (:func:`load_pretrained`), and the reference
+policy and the critic's trunk copy them from the actor. Weights only: the run starts at step 0 with a fresh
+optimizer (``--load`` resumes a run).
+
+Out: :func:`export_hf` goes through the converter's own format. Every rank of data-parallel replica 0 writes its
+stage's tensor-parallel shard, under its stage's names, into a Megatron checkpoint in a hidden directory next to
+the target (``release/mp_rank_TT[_PPP]/model.safetensors`` plus the metadata, at the training TP/PP); rank 0 then
+runs the converter's :func:`~megatron_hybrid.convert.megatron_to_hf` on it, which reassembles the shards band by
+band (no rank ever holds the whole model) and applies the family's tensor mapping, and renames the result onto the
+target. A failure on any rank raises on every rank and leaves no partial export behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..compat import megatron_groups
+from ..models import GPTArchitecture
+from .faults import errors_on_every_rank
+
+#: The recipe's model flags (arguments dest) and the checkpoint architecture's value of each.
+MODEL_FLAGS: dict[str, Callable[[GPTArchitecture], Any]] = {
+    "num_layers": lambda a: a.num_layers,
+    "hidden_size": lambda a: a.hidden_size,
+    "num_attention_heads": lambda a: a.num_attention_heads,
+    "group_query_attention": lambda a: a.num_query_groups is not None,
+    "num_query_groups": lambda a: a.num_query_groups or a.num_attention_heads,
+    "ffn_hidden_size": lambda a: a.ffn_hidden_size or 4 * a.hidden_size,
+    "swiglu": lambda a: a.swiglu,
+    "normalization": lambda a: a.normalization,
+    "position_embedding_type": lambda a: a.position_embedding_type,
+    "untie_embeddings_and_output_weights": lambda a: a.untie_embeddings_and_output_weights,
+    "max_position_embeddings": lambda a: a.max_position_embeddings,
+    "make_vocab_size_divisible_by": lambda a: a.make_vocab_size_divisible_by,
+}
+#: Where interval exports go inside ``--export-hf DIR`` (Megatron-LM's iteration directory names).
+ITERATION_DIR = "iter_{:07d}"
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _open_checkpoint(directory: str):
+    """The converted checkpoint at ``directory`` (metadata and every rank file's header read: cheap)."""
+    from ..convert import CheckpointError, MegatronCheckpoint
+
+    if not os.path.isdir(directory):
+        raise ValueError(f"--pretrained-checkpoint ({directory!r}) is not a directory")
+    try:
+        return MegatronCheckpoint(directory)
+    except CheckpointError as e:
+        raise ValueError(f"--pretrained-checkpoint ({directory!r}) is not a converted checkpoint ({e}); make one "
+                         "with tools/convert_checkpoint.py hf-to-megatron (--load resumes the recipe's own "
+                         "checkpoints)") from None
+
+
+def model_args_from_checkpoint(args: argparse.Namespace) -> None:
+    """Fill the model flags (:data:`MODEL_FLAGS`) and the tokenizer from ``--pretrained-checkpoint``, and check
+    the export flags; no collective. ``ValueError`` for a missing or unconverted directory, a model flag given on
+    the command line with another value than the checkpoint's (both named), a checkpoint without a tokenizer when
+    none is given, or parallel sizes the model cannot be split into."""
+    from ..convert.layout import ASSETS_DIR, check_parallel_sizes
+
+    _check_export_args(args)
+    if args.pretrained_checkpoint is None:
+        return
+    directory = args.pretrained_checkpoint
+    ckpt = _open_checkpoint(directory)
+    arch = ckpt.architecture
+    for name, of in MODEL_FLAGS.items():
+        given, stored = getattr(args, name), of(arch)
+        if given is not None and given != stored:
+            raise ValueError(f"{_flag(name)} ({given}) contradicts --pretrained-checkpoint {directory!r}, whose "
+                             f"model has {stored}; leave the flag out to take the checkpoint's")
+        setattr(args, name, stored)
+    try:
+        check_parallel_sizes(arch, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                             pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"--pretrained-checkpoint {directory!r}: {e}") from None
+    if args.tokenizer_model is None:
+        assets = os.path.join(directory, ASSETS_DIR)
+        if not os.path.isdir(assets):
+            raise ValueError(f"--pretrained-checkpoint {directory!r} has no tokenizer ({ASSETS_DIR}/ is missing: "
+                             "the Hugging Face directory it was converted from had none); pass --tokenizer-type "
+                             "HuggingFaceTokenizer --tokenizer-model DIR")
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", assets
+
+
+def _check_export_args(args: argparse.Namespace) -> None:
+    from ..arguments import check_number
+
+    if args.export_hf_interval is not None:
+        check_number("--export-hf-interval", args.export_hf_interval, ge=1)
+        if args.export_hf is None:
+            raise ValueError(f"--export-hf-interval ({args.export_hf_interval}) needs --export-hf DIR")
+    if args.export_hf is None:
+        return
+    if args.pretrained_checkpoint is None:
+        raise ValueError(f"--export-hf ({args.export_hf!r}) needs --pretrained-checkpoint: the Hugging Face family "
+                         "and config come from the converted checkpoint (the built-in tiny model has none)")
+    out, src = Path(os.path.abspath(args.export_hf)), Path(os.path.abspath(args.pretrained_checkpoint))
+    if out == src or out in src.parents or src in out.parents:
+        raise ValueError(f"--export-hf ({args.export_hf!r}) and --pretrained-checkpoint "
+                         f"({args.pretrained_checkpoint!r}) must not contain one another (an export replaces its "
+                         "directory)")
+
+
+def model_architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitecture:
+    """The run's model: ``--pretrained-checkpoint``'s architecture in the training dtype (``--bf16``), or the
+    model flags' (:func:`~megatron_hybrid.rl.architecture_from_args`); ``vocab_size`` is the tokenizer's.
+    ``ValueError`` when the tokenizer has more tokens than the checkpoint's vocabulary."""
+    from ..convert import read_architecture
+    from .models import architecture_from_args
+
+    if args.pretrained_checkpoint is None:
+        return architecture_from_args(args, vocab_size)
+    arch = read_architecture(args.pretrained_checkpoint)
+    if vocab_size > arch.vocab_size:
+        raise ValueError(f"the tokenizer ({args.tokenizer_model!r}) has {vocab_size} tokens, more than the "
+                         f"vocabulary of --pretrained-checkpoint {args.pretrained_checkpoint!r} ({arch.vocab_size})")
+    return dataclasses.replace(arch, params_dtype="bfloat16" if args.bf16 else "float32")
+
+
+def load_pretrained(model: torch.nn.Module, directory: str) -> None:
+    """Copy a converted checkpoint's weights into this rank's stage (plain or DDP-wrapped), at its TP/PP."""
+    from ..convert import load_megatron_checkpoint
+
+    tp = megatron_groups()[0]
+    load_megatron_checkpoint([model], directory, tp_rank=tp.rank(), tp_size=tp.size())
+
+
+def export_hf(model: torch.nn.Module, directory: str, pretrained_checkpoint: str, *,
+              iteration: Optional[int] = None) -> str:
+    """Write ``model`` (the actor's stage on this rank, plain or DDP-wrapped) as a Hugging Face checkpoint of
+    ``pretrained_checkpoint``'s family and config (its tokenizer files included); called on every rank, in the
+    training layout. Returns the directory written: ``directory``, or ``directory/iter_NNNNNNN`` for an
+    ``iteration``. An existing export there is replaced (the ``iter_*`` directories inside ``directory`` are
+    kept). ``RuntimeError`` on every rank, naming the failures, when some rank could not write; nothing partial
+    is left."""
+    target = Path(os.path.abspath(directory))
+    if iteration is not None:
+        target = target / ITERATION_DIR.format(iteration)
+    staging = target.parent / f".{target.name}.megatron-partial"
+    tp, pp, dp, _ = megatron_groups()
+    rank = dist.get_rank()
+    error = None
+    if rank == 0:
+        error = _attempt(lambda: _fresh_dir(staging), f"cannot create {staging}")
+    errors = errors_on_every_rank([error] if error else [])  # also the barrier after which staging exists
+    if not errors:
+        if dp.rank() == 0:  # data-parallel replicas hold the same weights
+            error = _attempt(lambda: _write_shard(model, staging, tp=tp, pp=pp), f"cannot write into {staging}")
+        errors = errors_on_every_rank([error] if error else [])
+    if not errors:
+        if rank == 0:
+            error = _attempt(lambda: _convert(staging, target, pretrained_checkpoint, model, tp=tp.size(),
+                                              pp=pp.size()), f"cannot write {target}")
+        errors = errors_on_every_rank([error] if error else [])
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    if errors:
+        raise RuntimeError(f"--export-hf: {target} was not written ({'; '.join(errors)})")
+    return str(target)
+
+
+def _attempt(fn: Callable[[], None], what: str) -> Optional[str]:
+    """``None`` when ``fn()`` succeeds, else the message for every rank."""
+    try:
+        fn()
+    except Exception as e:  # a full disk, a quota, a lost mount, a conversion error: every rank must learn of it
+        return f"{what}: {type(e).__name__}: {e}"
+    return None
+
+
+def _fresh_dir(path: Path) -> None:
+    from ..convert.layout import ITERATION_DIR as RELEASE
+
+    shutil.rmtree(path, ignore_errors=True)  # left by an export that was killed
+    (path / RELEASE).mkdir(parents=True)
+
+
+def _write_shard(model: torch.nn.Module, staging: Path, *, tp, pp) -> None:
+    """This rank's stage as the converter's rank file: its own shard, under its stage's local-spec names (a tied
+    embedding's last-stage copy included, as ``hf-to-megatron`` writes it)."""
+    from safetensors.torch import save_file
+
+    from ..compat import unwrap_model
+    from ..convert.layout import ITERATION_DIR as RELEASE, WEIGHTS_FILE, rank_dir_name
+
+    rank_dir = staging / RELEASE / rank_dir_name(tp.rank(), pp.rank(), pp.size())
+    rank_dir.mkdir()
+    # One stage's shard on the host at a time (safetensors serialises a whole file at once).
+    save_file({name: p.detach().cpu().contiguous() for name, p in unwrap_model(model).named_parameters()},
+              str(rank_dir / WEIGHTS_FILE))
+
+
+def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: torch.nn.Module, *, tp: int,
+             pp: int) -> None:
+    """Rank 0: the metadata next to the rank files, then the converter's Megatron → Hugging Face onto ``target``."""
+    from ..convert import megatron_to_hf
+    from ..convert.layout import ASSETS_DIR, CheckpointMeta, megatron_lm_args, read_meta, write_meta
+
+    source = read_meta(pretrained_checkpoint)
+    dtype = next(model.parameters()).dtype
+    arch = dataclasses.replace(source.architecture, params_dtype=str(dtype).removeprefix("torch."))
+    config = dict(source.hf_config or {})
+    for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, 4 torch_dtype: the trained dtype now
+        if key in config:
+            config[key] = arch.params_dtype
+    write_meta(staging, CheckpointMeta(
+        architecture=arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, transformer_impl="local",
+        hf_model_type=source.hf_model_type, hf_config=config or None,
+        megatron_lm_args=megatron_lm_args(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                          transformer_impl="local")))
+    assets = Path(os.path.abspath(pretrained_checkpoint)) / ASSETS_DIR
+    if assets.is_dir():
+        (staging / ASSETS_DIR).symlink_to(assets, target_is_directory=True)
+    converted = target.parent / f".{target.name}.hf-partial"
+    shutil.rmtree(converted, ignore_errors=True)  # left by an export that was killed
+    try:
+        megatron_to_hf(staging, converted, progress=False)  # written whole or not at all
+        _replace_dir(converted, target)
+    finally:
+        shutil.rmtree(converted, ignore_errors=True)
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename ``new`` onto ``target``. An existing ``target`` is renamed aside first and its interval exports
+    (``iter_*``) moved into the new one afterwards; the old one is deleted only once they all moved."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = target.parent / f".{target.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    for kept in sorted(old.glob("iter_*")):
+        os.replace(kept, target / kept.name)
+    shutil.rmtree(old)

@@ -1,0 +1,87 @@
+"""Rank bodies for the checkpoint tests (tests/test_checkpoint.py): a checkpoint of actor, critic and reference
+saved at one layout and loaded at another, each side reporting the full (gathered) parameters, fp32 main
+parameters and Adam moments."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from tests.rl_cases import NEW, PROMPT, VOCAB, _batch, _full, _nll, recipe_args
+
+KINDS = ("param", "main", "exp_avg", "exp_avg_sq")
+
+
+def _models(bf16: bool) -> dict:
+    from megatron_hybrid import rl
+
+    args = recipe_args(*(["--bf16"] if bf16 else []), "--global-batch-size", "8", "--micro-batch-size", "2",
+                       "--lr-warmup-iters", "2")
+    arch = rl.architecture_from_args(args, VOCAB)
+    stage = rl.build_stage(arch, device=torch.device("cpu"))
+    reference = rl.build_reference(stage, arch, device=torch.device("cpu"))
+    actor = rl.setup_model_and_optimizer(stage, args)
+    critic = rl.setup_model_and_optimizer(rl.build_critic(stage, arch, device=torch.device("cpu")), args)
+    return {"actor": actor, "critic": critic, "reference": reference}
+
+
+def _adam(trained) -> dict:
+    """Per model parameter: its fp32 main parameter (itself for fp32 parameters) and Adam's two moments."""
+    table = {}
+    for opt in trained.optimizer.chained_optimizers:
+        if hasattr(opt, "float16_groups"):  # bf16 parameters: Float16OptimizerWithFloat16Params
+            pairs = [(p, m) for g, mg in zip(opt.float16_groups, opt.fp32_from_float16_groups) for p, m in zip(g, mg)]
+        else:
+            pairs = [(p, p) for g in opt.optimizer.param_groups for p in g["params"]]
+        for p, main in pairs:
+            state = opt.optimizer.state[main]
+            table[p] = {"param": p, "main": main, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"],
+                        "step": float(state["step"])}
+    return table
+
+
+def _snapshot(models: dict) -> dict:
+    out = {"reference": {"param": _full(models["reference"], lambda p: p)}}
+    for name in ("actor", "critic"):
+        trained = models[name]
+        table = _adam(trained)
+        out[name] = {kind: _full(trained.model, lambda p, kind=kind: table[p][kind]) for kind in KINDS}
+        out[name]["steps"] = sorted({v["step"] for v in table.values()})
+        out[name]["scheduler"] = trained.scheduler.state_dict()
+    return out
+
+
+def reshard_save_case(directory: str) -> dict:
+    """fp32 and bf16 (fp32 main parameters) runs: one update of actor and critic, saved as iteration 1."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+
+    out = {}
+    for bf16 in (False, True):
+        models = _models(bf16)
+        passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, 2, VOCAB))
+        batch = _batch(7 + megatron_groups()[2].rank(), 4)
+        for name, loss in (("actor", _nll(passes)),
+                           ("critic", lambda o, mb: (rl.response_values(o, mb).square().mean(), {}))):
+            models[name].scheduler.step(increment=8)
+            rl.update(models[name], batch, loss, passes=passes, step=1)
+        rl.save_checkpoint(os.path.join(directory, f"bf16={bf16}"), 1, models, {"consumed_prompts": 4})
+        out[bf16] = _snapshot(models)
+    return out
+
+
+def reshard_load_case(directory: str) -> dict:
+    """Fresh models at this rank's layout, loaded from :func:`reshard_save_case`'s checkpoints."""
+    from megatron_hybrid import rl
+
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for bf16 in (False, True):
+            models = _models(bf16)
+            state = rl.load_checkpoint(os.path.join(directory, f"bf16={bf16}"), models)
+            out[bf16] = {"state": state, **_snapshot(models)}
+    out["warnings"] = [str(w.message) for w in caught if "--load" in str(w.message)]
+    return out

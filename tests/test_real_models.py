@@ -1,0 +1,171 @@
+"""Real models end to end (issue 15, acceptance 1): tiny random-weight Llama (tied embeddings) and Qwen2 (q/k/v
+biases, untied) saved with transformers → tools' converter → the recipe with ``--pretrained-checkpoint`` (GRPO on
+Llama, PPO on Qwen2; training TP=2, rollout TP=1, 3 steps) → ``--export-hf`` → transformers loads the export, its
+logits are the trained actor's and its weights moved; and the argument errors, before any collective."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_hybrid.convert import hf_to_megatron
+from tests import ppo_cases, real_model_cases
+from tests.harness import run_distributed
+from tests.real_model_cases import save_tiny_hf_model
+
+TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+# fp32 on both sides; megatron-core at TP=2 adds row-parallel partial sums that transformers adds in one matmul,
+# so logits (|z| < 2 here) differ by reordered fp32 sums, ~1e-6. A wrong mapping (a swapped head, a bias or norm
+# dropped, the embedding of the wrong side) or the weights of another step move them by ≥ 1e-2 (the training moves
+# them by more than 1e-2: asserted below), so 1e-5 separates the two.
+LOGITS_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family → (Hugging Face directory, converted checkpoint): Llama stored at TP=1, Qwen2 at TP=2."""
+    root = tmp_path_factory.mktemp("real")
+    out = {}
+    for family, stored_tp in (("llama", 1), ("qwen2", 2)):
+        hf, mg = root / family, root / f"{family}-mcore"
+        save_tiny_hf_model(str(hf), family)
+        hf_to_megatron(hf, mg, tensor_model_parallel_size=stored_tp, progress=False)
+        out[family] = (hf, mg)
+    return out
+
+
+def _recipe(mg: Path, export: Path, *extra: str) -> list[str]:
+    return ["--pretrained-checkpoint", str(mg), "--export-hf", str(export), "--tensor-model-parallel-size", "2",
+            "--rollout-tensor-model-parallel-size", "1", "--train-iters", "3", "--global-batch-size", "4",
+            "--micro-batch-size", "2", "--prompt-length", "4", "--max-new-tokens", "4", "--ppo-epochs", "1",
+            "--lr", "1e-2", "--reward-fn", "tests.real_model_cases:parity_reward", *extra]
+
+
+def _hf_logits(directory: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _check_export(export: Path, hf: Path, mg: Path, trained_logits: torch.Tensor) -> None:
+    from transformers import AutoTokenizer
+
+    torch.testing.assert_close(_hf_logits(export), trained_logits, **LOGITS_TOL)
+    assert (_hf_logits(hf) - trained_logits).abs().max() > 1e-2  # the comparison above sees the training
+    start, trained = _weights(hf), _weights(export)
+    assert sorted(trained) == sorted(start)
+    assert [k for k in start if torch.equal(start[k], trained[k])] == []  # every tensor trained
+    assert json.loads((export / "config.json").read_text())["model_type"] == \
+        json.loads((hf / "config.json").read_text())["model_type"]
+    tokenizer = AutoTokenizer.from_pretrained(str(export))  # the tokenizer came along, chat template and all
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False) == \
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+    text = "Tom has 3 apples.\nHow many?"  # tokenised as the recipe did (from hf_assets/)
+    assert tokenizer(text).input_ids == AutoTokenizer.from_pretrained(str(mg / "hf_assets"))(text).input_ids
+    assert not [p.name for p in export.parent.iterdir() if p.name.startswith(".")]  # no partial directory left
+
+
+def _train(mg: Path, tmp_path: Path, *extra: str) -> dict:
+    return run_distributed(real_model_cases.train_and_export, 2, _recipe(mg, tmp_path / "export", *extra),
+                           str(tmp_path / "logs"), TOKENS, 128, tensor_model_parallel_size=2)[0]
+
+
+def test_grpo_llama_tied_pretrained_to_hf(models, tmp_path):
+    hf, mg = models["llama"]
+    r = _train(mg, tmp_path, "--algorithm", "grpo", "--num-samples-per-prompt", "2", "--export-hf-interval", "2")
+    assert [m["step"] for m in r["metrics"]] == [1, 2, 3]
+    assert r["metrics"][0]["kl"] == 0.0  # the reference policy starts from the actor's (pretrained) weights
+    assert r["iterations"] == [2, None]
+    _check_export(tmp_path / "export", hf, mg, r["logits"])
+    assert (tmp_path / "export" / "iter_0000002" / "model.safetensors").is_file()  # kept by the final export
+    assert _hf_logits(tmp_path / "export" / "iter_0000002").sub(r["logits"]).abs().max() > 1e-3  # step 2 ≠ 3
+
+
+def test_ppo_qwen2_untied_qkv_bias_pretrained_to_hf(models, tmp_path):
+    hf, mg = models["qwen2"]
+    r = _train(mg, tmp_path, "--algorithm", "ppo")
+    assert r["metrics"][0]["kl"] == 0.0 and r["iterations"] == [None]
+    _check_export(tmp_path / "export", hf, mg, r["logits"])
+
+
+def test_actor_reference_and_critic_start_from_the_checkpoint(models):
+    hf, mg = models["qwen2"]  # stored at TP=2 with the vocabulary padded for it, loaded at TP=2
+    for r in run_distributed(real_model_cases.pretrained_models_case, 2, str(mg), TOKENS,
+                             tensor_model_parallel_size=2):
+        torch.testing.assert_close(r["logits"], _hf_logits(hf), **LOGITS_TOL)
+        assert r["reference"] == []
+        assert r["critic"] == ["output_layer.bias", "output_layer.weight"]  # only the value head is new
+
+
+def test_export_from_pipeline_stages_is_bit_exact_and_atomic(models, tmp_path):
+    """TP=1 × PP=2 with tied embeddings (the last stage holds a copy): the untrained export is the original bit
+    for bit; a rank whose write fails fails the export on every rank and leaves nothing behind."""
+    hf, mg = models["llama"]
+    out = tmp_path / "export"
+    failed = run_distributed(real_model_cases.export_case, 2, str(mg), str(out), fail_on_rank=1,
+                             pipeline_model_parallel_size=2)
+    assert all("No space left on device" in r["error"] and "rank 1" in r["error"] for r in failed)
+    assert list(tmp_path.iterdir()) == []
+    results = run_distributed(real_model_cases.export_case, 2, str(mg), str(out), pipeline_model_parallel_size=2)
+    assert [r["written"] for r in results] == [str(out)] * 2
+    start, exported = _weights(hf), _weights(out)
+    assert sorted(exported) == sorted(start)
+    assert [k for k in start if not torch.equal(start[k], exported[k])] == []
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+# ---- errors, before any collective ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--pretrained-checkpoint", "/no/such/dir"], "--pretrained-checkpoint ('/no/such/dir') is not a directory"),
+    (["--pretrained-checkpoint", "{hf}"], "is not a converted checkpoint"),  # a Hugging Face directory
+    (["--pretrained-checkpoint", "{mg}", "--num-layers", "4"],
+     "--num-layers (4) contradicts --pretrained-checkpoint '{mg}', whose model has 2"),
+    (["--pretrained-checkpoint", "{mg}", "--untie-embeddings-and-output-weights"],
+     "--untie-embeddings-and-output-weights (True) contradicts --pretrained-checkpoint '{mg}', whose model has "
+     "False"),
+    (["--pretrained-checkpoint", "{mg}", "--hidden-size", "64", "--swiglu", "--tensor-model-parallel-size", "3"],
+     "must divide num_attention_heads (4)"),
+    (["--export-hf", "out"], "--export-hf ('out') needs --pretrained-checkpoint"),
+    (["--pretrained-checkpoint", "{mg}", "--export-hf-interval", "2"], "--export-hf-interval (2) needs --export-hf"),
+    (["--pretrained-checkpoint", "{mg}", "--export-hf", "{mg}/x"], "must not contain one another"),
+])
+def test_bad_pretrained_arguments_fail_at_start_up(models, argv, message, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    hf, mg = models["llama"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        ppo_cases.run_recipe([a.format(hf=hf, mg=mg) for a in argv])
+    assert e.value.code == 2
+    assert message.format(hf=hf, mg=mg) in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def _validated(*argv: str):
+    import argparse
+
+    from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(argv)
+    validate_args(args, 2)
+    return args
+
+
+def test_model_flags_come_from_the_checkpoint(models):
+    _, mg = models["qwen2"]
+    args = _validated("--pretrained-checkpoint", str(mg), "--hidden-size", "64")  # agreeing flags are fine
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_query_groups, args.swiglu,
+            args.untie_embeddings_and_output_weights) == (2, 64, 128, 2, True, True)
+    assert (args.tokenizer_type, args.tokenizer_model) == ("HuggingFaceTokenizer", str(mg / "hf_assets"))
+    assert _validated().num_layers == 2  # without a checkpoint: the built-in tiny model
