@@ -1,5 +1,4 @@
-"""Real models through the recipe: tiny random-weight Hugging Face models (saved with transformers, with the offline
-tokenizer of :mod:`tests.text_fixtures`), and the rank body that trains one with ``--pretrained-checkpoint`` and
+"""Real models through the recipe: tiny random-weight Hugging Face models (:mod:`megatron_hybrid.convert.tiny`), and the rank body that trains one with ``--pretrained-checkpoint`` and
 ``--export-hf`` and reads the trained actor's logits at the moment it is exported."""
 
 from __future__ import annotations
@@ -9,31 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_hybrid.convert.tiny import save_tiny_hf_model  # noqa: F401  (the tests take it from here)
 from tests.ppo_cases import run_main
-from tests.text_fixtures import save_tiny_tokenizer
-
-#: 2 layers, hidden 64, GQA (4 heads, 2 KV heads), SwiGLU 128; the vocabulary is the tiny tokenizer's.
-HF_BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-               num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6)
-#: (family, tied embeddings): Llama tied; Qwen2 untied, with q/k/v biases.
-FAMILIES = {"llama": True, "qwen2": False}
-
-
-def save_tiny_hf_model(directory: str, family: str, *, seed: int = 0) -> str:
-    """A random-weight ``family`` model and the tiny tokenizer, saved into ``directory`` as transformers does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    vocab_size = save_tiny_tokenizer(directory)
-    config = AutoConfig.for_model(family, vocab_size=vocab_size, tie_word_embeddings=FAMILIES[family],
-                                  eos_token_id=2, bos_token_id=None, pad_token_id=1, **HF_BASE)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # transformers initialises biases and norms to constants; make them count
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return directory
 
 
 def parity_reward(prompts: list[list[int]], responses: list[list[int]], **kwargs: Any) -> list[float]:

@@ -249,6 +249,25 @@ def test_help_has_examples():
     assert done.returncode == 0 and "examples:" in done.stdout and "hf-to-megatron" in done.stdout
     done = _tool("verify_checkpoint.py", "--help")
     assert done.returncode == 0 and "examples:" in done.stdout and "--tensor-model-parallel-size 2" in done.stdout
+    done = _tool("make_tiny_hf_model.py", "--help")
+    assert done.returncode == 0 and "examples:" in done.stdout and "--family llama" in done.stdout
+
+
+def test_make_tiny_hf_model(tmp_path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    done = _tool("make_tiny_hf_model.py", "--hf-dir", str(tmp_path / "m"), "--family", "llama", "--seed", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    assert model.config.vocab_size == len(tok) == 128
+    text = "What is 12 plus 7?\nThe answer: 19"
+    assert tok.decode(tok(text)["input_ids"]) == text  # byte-level: any ASCII text round-trips
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    again = _tool("make_tiny_hf_model.py", "--hf-dir", str(tmp_path / "m"))
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
 # ---------------------------------------------------------------- 3. configs of real checkpoints

@@ -1,53 +1,5 @@
-"""Offline text fixtures for the tests: a tiny Hugging Face tokenizer built with the ``tokenizers`` library.
+"""Offline text fixtures for the tests: the library's tiny tokenizer (see :mod:`megatron_hybrid.convert.tiny`)."""
 
-Nothing comes from a hub. The tokenizer is a byte-level BPE over printable ASCII, space and newline (a few merges
-learnt from a fixed corpus), so any ASCII prompt or answer tokenises without unknowns and decodes back to the same
-text. Its pre-tokenizer, normaliser and decoder are exactly Qwen2's: transformers 5 rebuilds those for a directory
-whose config.json says ``qwen2`` (whatever tokenizer_config.json says), and this way the rebuilt tokenizer and the
-saved one agree, for every family.
-"""
+from megatron_hybrid.convert.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, save_tiny_tokenizer
 
-from __future__ import annotations
-
-SPECIAL_TOKENS = ["<unk>", "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML, the format of Qwen2's template: every message framed by <|im_start|>role\n ... <|im_end|>\n.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-# transformers' Qwen2Tokenizer pre-tokenizer split (models/qwen2/tokenization_qwen2.py).
-_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-_CORPUS = [
-    "What is 12 plus 7? The answer is 19.",
-    "Tom has 3 apples and buys 5 more. How many apples does he have? 8",
-    "the cat sat on the mat and the dog ran to the log",
-    "Compute 45 minus 17, then give the final answer: 28",
-] * 4
-
-
-def save_tiny_tokenizer(directory: str, *, vocab_size: int = 128) -> int:
-    """Save a tiny ``PreTrainedTokenizerFast`` (``vocab_size`` tokens, ChatML chat template, ``<|endoftext|>`` as
-    end of sequence, ``<pad>`` as padding) to ``directory``, loadable with ``AutoTokenizer.from_pretrained``, and
-    return its vocabulary size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    # GPT-2's byte-to-unicode map keeps bytes 33-126 as they are and moves space and newline to U+0120 and U+010A.
-    alphabet = [chr(b) for b in range(33, 127)] + [chr(256 + ord(" ")), chr(256 + ord("\n"))]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet,
-                                  limit_alphabet=len(alphabet), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                   eos_token="<|endoftext|>", bos_token=None)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
-    return len(fast)
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "save_tiny_tokenizer"]
