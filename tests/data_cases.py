@@ -73,3 +73,19 @@ def eval_accuracy_case(argv: list[str], eval_source: str, eval_path: str, log_di
     dist.barrier()
     history = run_main(argv + ["--eval-prompt-data", eval_path, "--eval-interval", "1"], log_dir)
     return {"expected": expected, "history": history}
+
+
+def before_initialize_case(argv: list[str]) -> str:
+    """The recipe's error for ``argv`` when reaching :func:`megatron_hybrid.rl.initialize` (the first process group,
+    hence the first collective) is itself an error: a data error raised first is raised before any collective."""
+    from megatron_hybrid import rl
+    from tests import fault_cases
+
+    def initialize(args):
+        raise RuntimeError("rl.initialize reached")
+
+    saved, rl.initialize = rl.initialize, initialize
+    try:
+        return fault_cases.recipe_error_case(argv)
+    finally:
+        rl.initialize = saved

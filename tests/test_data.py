@@ -17,7 +17,7 @@ import pytest
 from megatron_hybrid import rl
 from megatron_hybrid.rl.data import data_file_error
 from megatron_hybrid.rl.tokenizers import HuggingFaceTokenizer, NullTokenizer
-from tests import data_cases, fault_cases
+from tests import data_cases
 from tests.harness import run_distributed
 from tests.rl_cases import recipe_args
 from tests.text_fixtures import save_tiny_tokenizer
@@ -283,9 +283,9 @@ def test_recipe_with_prompt_data_and_held_out_accuracy(tokenizer_dir, tmp_path, 
     for m in r["history"]:
         assert m["eval_accuracy"] == r["expected"], (m["eval_accuracy"], r["expected"])
         assert m["accuracy"] == m["reward_mean"]  # the reward is exact-match: the accuracy itself
-    # A bad row stops every rank with the same message, before the model is built.
+    # A bad row stops every rank with the same message, before any process group (so any collective) exists.
     bad = _jsonl(tmp_path / "bad.jsonl", ['{"prompt": "1 + 1 =", "answer": "2"}', '{"prompt": "2 + 2 ="}'])
     argv[argv.index("--prompt-data") + 1] = bad
-    errors = run_distributed(fault_cases.recipe_error_case, 2, argv)
+    errors = run_distributed(data_cases.before_initialize_case, 2, argv)
     assert errors == [f"ValueError: --prompt-data {bad} line 2: no ground truth: the row has neither 'answer' nor "
                       "'reward_model.ground_truth' (fields: 'prompt')"] * 2, errors

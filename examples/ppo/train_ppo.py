@@ -72,7 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 class Trainer:
     """Everything one rank holds: actor (on the HybridEngine), critic, reference, the KL controller."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, task: rl.Task) -> None:
         from megatron.core import parallel_state as ps
 
         from megatron_hybrid import HybridEngine, RolloutLayout
@@ -80,18 +80,14 @@ class Trainer:
         self.args = a = args
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self.tokenizer = rl.build_tokenizer(a)
-        self.arch = rl.model_architecture(a, self.tokenizer.vocab_size)  # --pretrained-checkpoint's, or the flags'
+        # The task (rl.data, rl.rewards; loaded in main before any collective): replace it for a task of your own.
+        self.tokenizer, self.arch, self.reward = task.tokenizer, task.arch, task.reward
+        self.prompts, self.eval_prompts = task.prompts, task.eval_prompts
         self.dp_group, self.dp_rank, self.dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), \
             ps.get_data_parallel_world_size()
         self.reports = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        # Prompts (rl.data) and rewards (rl.rewards): replace these for a task of your own.
-        positions = self.arch.max_position_embeddings
-        self.prompts = rl.Prompts(a, self.tokenizer, max_positions=positions)
-        self.eval_prompts = rl.eval_prompts(a, self.tokenizer, max_positions=positions)
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
-        self.reward = rl.build_reward(a, self.tokenizer)  # None: --reward-model-load scores
 
         actor = rl.build_stage(self.arch, device=self.device)
         if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights
@@ -263,8 +259,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     """Train; return the metrics of the steps run (every rank gets them)."""
     args = parse_args(argv)
     history: list[dict[str, Any]] = []
+    task = rl.load_task(args)  # tokenizer, architecture, prompts, reward: bad data fails here, on every rank alike
     with rl.initialize(args):
-        trainer = Trainer(args)
+        trainer = Trainer(args, task)
         if args.load is not None:
             trainer.load_state_dict(rl.load_checkpoint(args.load, trainer.models()))
         logger = rl.MetricsLogger(args, start=trainer.step)

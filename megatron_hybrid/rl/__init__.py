@@ -19,7 +19,7 @@ One module per piece, over megatron-core (the algorithm maths are in :mod:`megat
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Example, Prompts, eval_prompts, load_prompt_data
+from .data import Example, Prompts, Task, eval_prompts, load_prompt_data, load_task
 from .faults import StepFailure, check_finite, reward_scores
 from .initialize import initialize
 from .metrics import MetricsLogger, StepTimer, aggregate_metrics, summary
@@ -42,6 +42,6 @@ __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "Tra
            "reward_scores", "save_checkpoint", "save_value_model", "setup_model_and_optimizer", "summary", "update",
            "wrap_ddp"]
 __all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_from_checkpoint"]
-__all__ += ["Example", "Prompts", "Reward", "accuracy", "build_reward", "decode_response", "eval_prompts",
+__all__ += ["Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer"]

@@ -217,3 +217,31 @@ def data_file_error(flag: str, path: str) -> Optional[str]:
     if path.endswith(PARQUET_SUFFIXES) and importlib.util.find_spec("pyarrow") is None:
         return f"{flag} ({path!r}) is parquet, which needs pyarrow (pip install pyarrow)"
     return None
+
+
+@dataclass
+class Task:
+    """What a run trains on, loaded and checked before any process group exists: every rank reads the same files,
+    so a bad row is the same ``ValueError`` on every rank and nothing waits in a collective."""
+
+    tokenizer: Tokenizer
+    arch: Any
+    """The model's :class:`~megatron_hybrid.models.GPTArchitecture` (``--pretrained-checkpoint``'s, or the flags')."""
+    prompts: Prompts
+    eval_prompts: Optional[list[Example]]
+    reward: Any
+    """:func:`megatron_hybrid.rl.rewards.build_reward`'s (``None`` when ``--reward-model-load`` scores)."""
+
+
+def load_task(args: argparse.Namespace) -> Task:
+    """The tokenizer, the architecture, the training and held-out prompts and the reward of a run."""
+    from .pretrained import model_architecture
+    from .rewards import build_reward
+    from .tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer(args)
+    arch = model_architecture(args, tokenizer.vocab_size)
+    positions = arch.max_position_embeddings
+    return Task(tokenizer, arch, Prompts(args, tokenizer, max_positions=positions),
+                eval_prompts(args, tokenizer, max_positions=positions), build_reward(args, tokenizer))
+
