@@ -2,6 +2,7 @@
 
     python3 tests/gpu_inference.py                      # both graph-pool variants, each in its own process
     python3 tests/gpu_inference.py --graph-pool reserved --output /tmp/gpu_inference.json
+    python3 tests/gpu_inference.py --graph-pool reserved --optimizer distributed   # issue 16, Acceptance 5
 
 A HybridEngine (one rank: NCCL world of 1, training and rollout layout TP=1) and a RolloutGenerator with CUDA graphs
 go through 4 rollouts: the first captures the decode graphs (4 batch buckets: calls with 16, 5, 2 and 1 prompts),
@@ -14,6 +15,11 @@ switch_to_rollout(). Checked, per rollout:
 - memory: after switch_to_training(), the device memory that inference still holds (``torch.cuda.mem_get_info``
   against a baseline taken before the first rollout, both after ``empty_cache``) is at most one granule per buffer
   (KV cache, graph pool, decode state); the KV cache's address is the same in every rollout.
+
+``--optimizer distributed`` trains instead through Megatron DDP with ``use_distributed_optimizer=True`` and
+megatron-core's mixed-precision distributed Adam (bf16 parameters, fp32 main parameters): each step is a real
+forward/backward and ``optimizer.step()``, whose parameter all-gather writes into DDP's buffer, which is the
+engine's own slot (the engine is built over it, with ``optimizer=``).
 
 The ``reserved`` variant keeps the graphs' memory in a reserved range (``GenerationConfig.graph_pool_gib > 0``);
 ``private`` uses a plain CUDA-graph pool, whose memory stays allocated (its memory check is expected to fail: it
@@ -69,7 +75,19 @@ def _check_buckets(generator, cycle: int) -> dict:
     return out
 
 
-def run_variant(graph_pool: str) -> dict:
+def _megatron_distributed(model):
+    """``model`` in Megatron DDP over its own parameter buffer, and megatron-core's distributed mixed-precision Adam."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                                                 use_distributed_optimizer=True, clip_grad=1.0), [ddp])
+    return ddp, opt
+
+
+def run_variant(graph_pool: str, optimizer: str = "sgd") -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -91,11 +109,31 @@ def run_variant(graph_pool: str) -> dict:
                            ffn_hidden_size=2816, vocab_size=VOCAB, params_dtype="bfloat16",
                            max_position_embeddings=4096)
     model = arch.build().cuda()
-    engine = HybridEngine(model, RolloutLayout(1, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    # Gradients from a real backward: cuBLAS, autograd and the optimizer's lazy state all exist before the baseline.
     tokens = torch.randint(0, VOCAB, (2, 64), device="cuda")
-    model(tokens, torch.arange(64, device="cuda").expand(2, -1), None).float().square().mean().backward()
+    positions = torch.arange(64, device="cuda").expand(2, -1)
+    if optimizer == "distributed":
+        model, opt = _megatron_distributed(model)
+        engine = HybridEngine(model, RolloutLayout(1, 1), optimizer=opt)
+
+        def step() -> None:  # a real update: the distributed optimizer all-gathers into DDP's buffer (own slot)
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            model(tokens, positions, None).float().square().mean().backward()
+            model.finish_grad_sync()
+            ok, _, _ = opt.step()
+            assert ok
+    else:
+        engine = HybridEngine(model, RolloutLayout(1, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+        def step() -> None:
+            with torch.no_grad():
+                opt.step()  # in place: the rollout weights (and the graphs) keep their addresses
+    # Gradients from a real backward: cuBLAS, autograd and the optimizer's lazy state all exist before the baseline.
+    if optimizer == "distributed":
+        step()
+    else:
+        model(tokens, positions, None).float().square().mean().backward()
     dist.all_reduce(torch.zeros(1, device="cuda"))  # NCCL's own buffers come with the first collective
     config = GenerationConfig(max_batch_size=16, max_sequence_length=256,
                               graph_pool_gib=4.0 if graph_pool == "reserved" else 0.0)
@@ -111,8 +149,7 @@ def run_variant(graph_pool: str) -> dict:
     for cycle in range(4):
         if cycle:
             engine.switch_to_training()
-            with torch.no_grad():
-                opt.step()  # in place: the rollout weights (and the graphs) keep their addresses
+            step()
         engine.switch_to_rollout()
         tokens_out = [[r.generated_tokens for r in generator.generate(prompts[:n], greedy, vocab_size=VOCAB)]
                       for n in BUCKET_PROMPTS]
@@ -143,9 +180,9 @@ def run_variant(graph_pool: str) -> dict:
         "memory_held_within_granules": all(c["held_bytes_while_training"] <= num_buffers * granule for c in cycles),
     }
     generator.close()
-    engine.close()
+    engine.close()  # the distributed optimizer was given at construction: its views move back too
     dist.destroy_process_group()
-    return {"graph_pool": graph_pool, "checks": checks, "ok": all(checks.values()), "granule": granule,
+    return {"graph_pool": graph_pool, "optimizer": optimizer, "checks": checks, "ok": all(checks.values()), "granule": granule,
             "held_bound_bytes": num_buffers * granule, "cycles": cycles, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0)}
 
@@ -154,18 +191,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--graph-pool", choices=["reserved", "private"], default=None,
                     help="run one variant in this process (default: both, each in a subprocess)")
+    ap.add_argument("--optimizer", choices=["sgd", "distributed"], default="sgd",
+                    help="in-place torch SGD on the parameters (default), or Megatron DDP + the distributed optimizer")
     ap.add_argument("--output", default=None, help="also write the JSON summary here")
     args = ap.parse_args()
     if args.graph_pool is not None:
         try:
-            summary = run_variant(args.graph_pool)
+            summary = run_variant(args.graph_pool, args.optimizer)
         except Exception:  # report the failure as JSON too, so the parent's summary keeps it
             summary = {"graph_pool": args.graph_pool, "ok": False, "error": traceback.format_exc()}
     else:
         variants = []
         for variant in ("reserved", "private"):
-            proc = subprocess.run([sys.executable, __file__, "--graph-pool", variant], capture_output=True,
-                                  text=True, env=dict(os.environ))
+            proc = subprocess.run([sys.executable, __file__, "--graph-pool", variant, "--optimizer", args.optimizer],
+                                  capture_output=True, text=True, env=dict(os.environ))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             variants.append(json.loads(lines[-1]) if lines else
                             {"graph_pool": variant, "ok": False, "returncode": proc.returncode,
