@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.engine_cases import rollout_full_weights
+from tests.engine_cases import resident_bytes_in, rollout_full_weights
 
 SEQ, MICRO, NUM_MICRO, LR = 8, 2, 2, 3e-3
 
@@ -258,16 +258,7 @@ def memory_case(offload: bool) -> dict:
     spans = engine.placement.spans()
 
     def engine_rss() -> int:
-        total, current = 0, False
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    current = any(lo < b_hi and b_lo < hi for b_lo, b_hi in spans)
-                elif head == "Rss:" and current:
-                    total += int(line.split()[1]) * 1024
-        return total
+        return resident_bytes_in(spans)
 
     def storages(tensors) -> int:
         return sum(t.untyped_storage().nbytes() for t in tensors)

@@ -246,6 +246,20 @@ def bad_inputs_case():
     return messages
 
 
+def resident_bytes_in(spans: list[tuple[int, int]]) -> int:
+    """Resident bytes (``/proc/self/smaps``) of the mappings that overlap the address ranges ``spans``."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = any(lo < b_hi and b_lo < hi for b_lo, b_hi in spans)
+            elif head == "Rss:" and current:
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def memory_case(mode: str):
     """Resident memory while rolling out and after switching back, against the bytes the switch moved."""
     import ctypes
@@ -271,17 +285,7 @@ def memory_case(mode: str):
 
     def buffers_rss() -> int:
         """Resident bytes of the engine's reserved ranges alone (gather buffers and canonical tensors)."""
-        spans = engine.placement.spans()
-        total, current = 0, None
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    current = any(lo < b_hi and b_lo < hi for b_lo, b_hi in spans)
-                elif head == "Rss:" and current:
-                    total += int(line.split()[1]) * 1024
-        return total
+        return resident_bytes_in(engine.placement.spans())
 
     engine.switch_to_rollout()  # warm-up: gloo's own buffers and pairs are set up on first use
     engine.switch_to_training()
