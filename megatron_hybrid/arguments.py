@@ -51,6 +51,17 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="timeout of every collective, on every process group (fractions allowed); raise it above "
                    "the longest generation phase and checkpoint write, not only the switch")
+    g.add_argument("--sequence-parallel", action="store_true", help="split the norms' and dropouts' activations "
+                   "along the sequence over the tensor-parallel group in training (needs TP > 1; the rollout model "
+                   "runs without it); actor, reference and critic")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard the optimizer's states and "
+                   "fp32 main parameters over data-parallel ranks (megatron-core's DistributedOptimizer); actor "
+                   "and critic")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="overlap DDP's gradient reduction with the "
+                   "backward pass")
+    g.add_argument("--overlap-param-gather", action="store_true", help="overlap the distributed optimizer's "
+                   "parameter all-gather with the next forward (needs --use-distributed-optimizer and "
+                   "--overlap-grad-reduce)")
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all DP replicas")
@@ -247,6 +258,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"({decay_iters}{', from --train-iters' if args.lr_decay_iters is None else ''})")
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
+    if args.sequence_parallel and t == 1:  # as Megatron-LM does: warned and turned off
+        warnings.warn("--sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1 (it is 1)",
+                      stacklevel=2)
+        args.sequence_parallel = False
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        missing = [f for f, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                   ("--overlap-grad-reduce", args.overlap_grad_reduce)) if not on]
+        raise ValueError(f"--overlap-param-gather needs {' and '.join(missing)} (as in Megatron-LM)")
     if args.tokenizer_type == "NullTokenizer":  # the only vocabulary whose size is known before loading
         V = args.vocab_size
         if args.top_k > V:

@@ -5,7 +5,9 @@ Supported: megatron-core 0.16.1 (the newest for Python 3.11) up to 0.19.x.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Iterator
 
 from packaging.version import Version
 
@@ -217,6 +219,27 @@ def ddp_finish_param_sync(chunk) -> None:
         if group.param_gather_dispatched and group.param_gather_handle is None:
             continue  # gathered already (a forward ran since the step)
         group.start_param_sync(force_sync=True)  # waits for one in flight, or gathers now
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(module) -> Iterator[None]:
+    """Run ``module`` (a GPTModel stage, plain or wrapped) without sequence parallelism inside the block, e.g. to
+    generate with the training-layout model (the KV-cache attention refuses it): its configs'
+    ``sequence_parallel`` and what megatron-core's modules copy from it at construction (0.16.1 – 0.19.x: the
+    parallel linears' ``sequence_parallel``, the embeddings' ``reduce_scatter_embeddings``) are turned off, and
+    restored afterwards."""
+    saved = []
+    for m in unwrap_model(module).modules():
+        for owner, attr in ((m, "sequence_parallel"), (m, "reduce_scatter_embeddings"),
+                            (getattr(m, "config", None), "sequence_parallel")):
+            if getattr(owner, attr, None) is True:
+                saved.append((owner, attr))
+                setattr(owner, attr, False)
+    try:
+        yield
+    finally:
+        for owner, attr in saved:
+            setattr(owner, attr, True)
 
 
 def _repointed(t, old, new):

@@ -6,6 +6,9 @@ context manager the caller chooses to use. Each states the megatron-core version
 - :func:`cpu_gloo` (``cpu.py``): lets GPTModel, the 1F1B schedule, Megatron DDP, megatron-core's optimizer and
   the static inference engine run on CPU with the gloo backend. For tests and CPU demos only; never applied in GPU
   production use. It includes ``dist_checkpointing.py``'s in-process shard writes.
+- :func:`~megatron_hybrid.patches.distrib_optimizer.distributed_optimizer_loading` (``distrib_optimizer.py``):
+  loading a ``DistributedOptimizer`` checkpoint with torch's Adam (no Apex or Transformer Engine), which
+  megatron-core 0.16.1 fails on; applied by ``megatron_hybrid.rl.checkpoint.load_checkpoint``.
 """
 
 from .cpu import cpu_gloo, cpu_gloo_active

@@ -1,6 +1,6 @@
 """Rank bodies for the checkpoint tests (tests/test_checkpoint.py): a checkpoint of actor, critic and reference
 saved at one layout and loaded at another, each side reporting the full (gathered) parameters, fp32 main
-parameters and Adam moments."""
+parameters and Adam moments; with megatron-core's plain and distributed optimizers."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ import torch
 from tests.rl_cases import NEW, PROMPT, VOCAB, _batch, _full, _nll, recipe_args
 
 KINDS = ("param", "main", "exp_avg", "exp_avg_sq")
+#: (bf16, distributed optimizer) of each checkpoint written.
+CONFIGS = ((False, False), (True, False), (False, True), (True, True))
 
 
-def _models(bf16: bool) -> dict:
+def _models(bf16: bool, distopt: bool) -> dict:
     from megatron_hybrid import rl
 
-    args = recipe_args(*(["--bf16"] if bf16 else []), "--global-batch-size", "8", "--micro-batch-size", "2",
-                       "--lr-warmup-iters", "2")
+    args = recipe_args(*(["--bf16"] if bf16 else []), *(["--use-distributed-optimizer"] if distopt else []),
+                       "--global-batch-size", "8", "--micro-batch-size", "2", "--lr-warmup-iters", "2")
     arch = rl.architecture_from_args(args, VOCAB)
     stage = rl.build_stage(arch, device=torch.device("cpu"))
     reference = rl.build_reference(stage, arch, device=torch.device("cpu"))
@@ -27,10 +29,37 @@ def _models(bf16: bool) -> dict:
     return {"actor": actor, "critic": critic, "reference": reference}
 
 
+def _distributed_adam(opt) -> dict:
+    """Per model parameter, whole: the ``DistributedOptimizer``'s fp32 main parameter and moments, of which each
+    data-parallel rank holds a flat slice (``param_map``'s ``param`` range), summed over DP into zeros: every
+    element comes from its one owner, unchanged."""
+    import torch.distributed as dist
+
+    params = [p for buffer in opt.buffers for p in buffer.params]  # DDP's order: the same on every DP rank
+    owned = {p: r["param"] for ranges in opt.gbuf_ranges for maps in ranges.values() for bucket in maps
+             for p, r in bucket["param_map"].items()}
+    table = {}
+    for p in params:  # the same order on every rank
+        full = {k: torch.zeros(p.numel(), dtype=torch.float32) for k in ("main", "exp_avg", "exp_avg_sq")}
+        step = None  # Adam's step count of the parameters this rank owns a slice of
+        if p in owned:
+            state = opt._get_main_param_and_optimizer_states(p)
+            step = float(state["step"])
+            for kind, key in (("main", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                full[kind][owned[p].start: owned[p].end] = state[key].detach()
+        for t in full.values():
+            dist.all_reduce(t, group=opt.data_parallel_group)
+        table[p] = {"param": p, **{k: v.view(p.shape) for k, v in full.items()}, "step": step}
+    return table
+
+
 def _adam(trained) -> dict:
     """Per model parameter: its fp32 main parameter (itself for fp32 parameters) and Adam's two moments."""
     table = {}
     for opt in trained.optimizer.chained_optimizers:
+        if hasattr(opt, "gbuf_ranges"):
+            table.update(_distributed_adam(opt))
+            continue
         if hasattr(opt, "float16_groups"):  # bf16 parameters: Float16OptimizerWithFloat16Params
             pairs = [(p, m) for g, mg in zip(opt.float16_groups, opt.fp32_from_float16_groups) for p, m in zip(g, mg)]
         else:
@@ -48,8 +77,9 @@ def _snapshot(models: dict) -> dict:
         trained = models[name]
         table = _adam(trained)
         out[name] = {kind: _full(trained.model, lambda p, kind=kind: table[p][kind]) for kind in KINDS}
-        out[name]["steps"] = sorted({v["step"] for v in table.values()})
+        out[name]["steps"] = sorted({v["step"] for v in table.values() if v["step"] is not None})
         out[name]["scheduler"] = trained.scheduler.state_dict()
+        out[name]["optimizers"] = sorted({type(o).__name__ for o in trained.optimizer.chained_optimizers})
     return out
 
 
@@ -59,16 +89,17 @@ def reshard_save_case(directory: str) -> dict:
     from megatron_hybrid.compat import megatron_groups
 
     out = {}
-    for bf16 in (False, True):
-        models = _models(bf16)
+    for bf16, distopt in CONFIGS:
+        models = _models(bf16, distopt)
         passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, 2, VOCAB))
         batch = _batch(7 + megatron_groups()[2].rank(), 4)
         for name, loss in (("actor", _nll(passes)),
                            ("critic", lambda o, mb: (rl.response_values(o, mb).square().mean(), {}))):
             models[name].scheduler.step(increment=8)
             rl.update(models[name], batch, loss, passes=passes, step=1)
-        rl.save_checkpoint(os.path.join(directory, f"bf16={bf16}"), 1, models, {"consumed_prompts": 4})
-        out[bf16] = _snapshot(models)
+        rl.save_checkpoint(os.path.join(directory, f"bf16={bf16},distopt={distopt}"), 1, models,
+                           {"consumed_prompts": 4})
+        out[bf16, distopt] = _snapshot(models)
     return out
 
 
@@ -79,9 +110,9 @@ def reshard_load_case(directory: str) -> dict:
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for bf16 in (False, True):
-            models = _models(bf16)
-            state = rl.load_checkpoint(os.path.join(directory, f"bf16={bf16}"), models)
-            out[bf16] = {"state": state, **_snapshot(models)}
+        for bf16, distopt in CONFIGS:
+            models = _models(bf16, distopt)
+            state = rl.load_checkpoint(os.path.join(directory, f"bf16={bf16},distopt={distopt}"), models)
+            out[bf16, distopt] = {"state": state, **_snapshot(models)}
     out["warnings"] = [str(w.message) for w in caught if "--load" in str(w.message)]
     return out

@@ -74,6 +74,22 @@ def test_bad_numbers_are_named(argv, message):
     assert str(e.value) == message
 
 
+def test_distributed_optimizer_and_overlap_flags_as_megatron_lm_checks_them():
+    _validate("--use-distributed-optimizer", "--sequence-parallel", "--overlap-grad-reduce", "--overlap-param-gather")
+    for argv, missing in ((["--overlap-grad-reduce"], "--use-distributed-optimizer"),
+                          (["--use-distributed-optimizer"], "--overlap-grad-reduce"),
+                          ([], "--use-distributed-optimizer and --overlap-grad-reduce")):
+        with pytest.raises(ValueError) as e:
+            _validate("--overlap-param-gather", *argv)
+        assert str(e.value) == f"--overlap-param-gather needs {missing} (as in Megatron-LM)"
+    # Sequence parallelism without tensor parallelism: warned and turned off, as Megatron-LM does.
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(
+        ["--sequence-parallel", "--tensor-model-parallel-size", "1"])
+    with pytest.warns(UserWarning, match="--sequence-parallel is turned off: it needs --tensor-model-parallel-size"):
+        validate_args(args, 4)
+    assert args.sequence_parallel is False
+
+
 def test_good_values_pass():
     _validate()  # the defaults
     _validate("--distributed-timeout-minutes", "0.05", "--top-p", "1", "--top-k", "16", "--gamma", "0",

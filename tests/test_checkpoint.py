@@ -1,7 +1,9 @@
 """RL checkpoints in megatron-core's dist_checkpointing format (issue 15, Build 4 and Acceptance 4): a checkpoint
 saved at TP=2 × DP=2 loads at TP=1 × DP=2 and at TP=1 × PP=2 with the parameters, fp32 main parameters and Adam
-moments equal to the gathered originals bit for bit; a rank SIGKILLed during a save leaves ``latest`` at the
-previous iteration. (Resuming the recipe exactly: tests/test_ppo.py; damaged checkpoints: tests/test_rl_faults.py.)"""
+moments equal to the gathered originals bit for bit, also with the distributed optimizer (issue 16, Acceptance 4:
+its DP slices gathered into each parameter's shape and shards); a rank SIGKILLed during a save leaves ``latest`` at
+the previous iteration. (Resuming the recipe exactly: tests/test_ppo.py, tests/test_ppo_distopt.py; damaged
+checkpoints: tests/test_rl_faults.py.)"""
 
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ def test_checkpoint_loads_at_another_layout_bit_for_bit(saved, pp):
     directory, originals = saved
     runs = run_distributed(checkpoint_cases.reshard_load_case, 2, str(directory), pipeline_model_parallel_size=pp)
     # The RNG states of 4 ranks mean nothing to 2: kept from the seed, said once.
-    assert [len(r["warnings"]) for r in runs] == [2, 0]
+    assert [len(r["warnings"]) for r in runs] == [len(checkpoint_cases.CONFIGS), 0]
     assert "written with (tensor, pipeline, data) sizes [2, 1, 2]" in runs[0]["warnings"][0]
-    for bf16, original in originals.items():
-        loaded = runs[0][bf16]
+    for (bf16, distopt), original in originals.items():
+        loaded = runs[0][bf16, distopt]
         assert loaded["state"] == {"consumed_prompts": 4, "step": 1}
         dtype = torch.bfloat16 if bf16 else torch.float32
         for name in ("actor", "critic", "reference"):
@@ -46,14 +48,17 @@ def test_checkpoint_loads_at_another_layout_bit_for_bit(saved, pp):
                 for key, tensor in want.items():
                     # Parameters in the model's dtype; main parameters and moments fp32 (bf16: fp32 copies).
                     assert tensor.dtype == (dtype if kind == "param" else torch.float32), (name, kind, key)
-                    assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), (bf16, name, kind, key)
+                    assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), (bf16, distopt, name,
+                                                                                              kind, key)
                 if pp == 2 and name != "critic":  # the last stage's copy of the tied embedding, from its shards
                     assert torch.equal(got["tied:output_layer.weight"], want[TIED]), (name, kind)
             if name != "reference":
                 assert loaded[name]["steps"] == original[name]["steps"] == [1.0]
                 assert loaded[name]["scheduler"] == original[name]["scheduler"]
+                assert ("DistributedOptimizer" in loaded[name]["optimizers"]) == distopt, loaded[name]["optimizers"]
         for r in runs[1:]:  # every rank gathered the same
-            assert all(torch.equal(r[bf16]["actor"]["main"][k], v) for k, v in loaded["actor"]["main"].items())
+            assert all(torch.equal(r[bf16, distopt]["actor"]["main"][k], v)
+                       for k, v in loaded["actor"]["main"].items())
 
 
 def test_sigkill_of_one_rank_during_a_save_leaves_latest_at_the_previous_iteration(tmp_path):

@@ -199,7 +199,8 @@ def test_help_lists_megatron_names(capsys):
     out = capsys.readouterr().out
     for flag in ("--tensor-model-parallel-size", "--rollout-tensor-model-parallel-size", "--hybrid-weight-mode",
                  "--kl-ctl-type", "--num-samples-per-prompt", "--bf16", "--lr-decay-style", "--adam-beta2",
-                 "torchrun --nproc_per_node 4"):
+                 "--use-distributed-optimizer", "--sequence-parallel", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "torchrun --nproc_per_node 4"):
         assert flag in out
 
 

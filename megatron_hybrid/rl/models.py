@@ -26,14 +26,24 @@ class ValueHead(torch.nn.Module):
     """A scalar head on the final hidden state, in place of GPTModel's output layer (same call signature).
 
     Replicated over tensor-parallel ranks: the hidden state it reads is replicated there, so its gradient is too.
+    With sequence parallelism (``tp_group``) the trunk's output is this rank's slice of the sequence: the head
+    gathers the whole sequence first, and since every TP rank then computes the same loss, the gather's backward
+    keeps this rank's slice of the (replicated) gradient instead of summing the copies.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, *, tp_group=None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.tp_group = tp_group
+        """The tensor-parallel group when the trunk is sequence-parallel, else None."""
 
     def forward(self, hidden_SBH: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.tp_group is not None:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False,
+                                                              group=self.tp_group)
         return torch.nn.functional.linear(hidden_SBH, self.weight, self.bias), None
 
 
@@ -50,9 +60,10 @@ def architecture_from_args(args: argparse.Namespace, vocab_size: int) -> GPTArch
         params_dtype="bfloat16" if args.bf16 else "float32")
 
 
-def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torch.device) -> torch.nn.Module:
+def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torch.device,
+                sequence_parallel: bool = False) -> torch.nn.Module:
     """This rank's stage of a GPTModel on Megatron's training groups, every parameter in ``arch.dtype``; with a
-    :class:`ValueHead` if asked.
+    :class:`ValueHead` if asked; with Megatron's sequence parallelism if asked (``--sequence-parallel``, TP > 1).
 
     The config carries megatron-core's ``finalize_model_grads`` (DP all-reduce, and the tied embedding's gradient
     summed over the first and last stages), as Megatron-LM's training loop sets it.
@@ -63,22 +74,34 @@ def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torc
     if value_head:  # the value head replaces the output layer, so nothing may be tied to it
         arch = dataclasses.replace(arch, untie_embeddings_and_output_weights=True)
     config = arch.transformer_config(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                                     pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size())
+                                     pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                                     sequence_parallel=sequence_parallel)
     config.finalize_model_grads_func = finalize_model_grads
     model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if value_head and ps.is_pipeline_last_stage():
-        model.output_layer = ValueHead(arch.hidden_size, arch.dtype)
+        model.output_layer = ValueHead(arch.hidden_size, arch.dtype,
+                                       tp_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None)
     # The local spec's torch norms ignore params_dtype (fp32 in a bf16 model); Megatron-LM's Float16Module casts
     # the whole module, and so do we: every parameter in the architecture's dtype.
     return model.to(device=device, dtype=arch.dtype)
 
 
-def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    """Megatron DDP without the distributed optimizer (the HybridEngine needs the parameters where they are);
-    gradients reduced in fp32 (bf16 parameters keep fp32 main gradients for the optimizer's fp32 main params)."""
+def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+             overlap_param_gather: bool = False) -> torch.nn.Module:
+    """Megatron DDP, gradients reduced in fp32 (bf16 parameters keep fp32 main gradients for the optimizer's fp32
+    main params); with ``use_distributed_optimizer`` the parameters live in DDP's contiguous buffer, which the
+    distributed optimizer all-gathers into after every step (the HybridEngine takes that buffer as its own: pass
+    it an optimizer built before it, ``HybridEngine(..., optimizer=)``). With ``overlap_grad_reduce`` the
+    model's ``no_sync`` becomes its config's ``no_sync_func``, as Megatron-LM's training loop sets it, so the
+    reduction starts only in the last micro-batch's backward."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    return DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather), model)
+    if overlap_grad_reduce:
+        model.config.no_sync_func = ddp.no_sync
+    return ddp
 
 
 def copy_weights(dst: torch.nn.Module, src: torch.nn.Module, *, skip_missing: bool = False) -> None:
@@ -113,20 +136,22 @@ def load_parameters(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
             p.copy_(state[n])
 
 
-def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device) -> torch.nn.Module:
+def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
+                    sequence_parallel: bool = False) -> torch.nn.Module:
     """A frozen copy of the actor's stage (``actor`` plain or DDP-wrapped): the KL reference policy."""
     from ..compat import unwrap_model
 
-    reference = build_stage(arch, device=device).requires_grad_(False).eval()
+    reference = build_stage(arch, device=device, sequence_parallel=sequence_parallel).requires_grad_(False).eval()
     copy_weights(reference, unwrap_model(actor))
     return reference
 
 
-def build_critic(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device) -> torch.nn.Module:
+def build_critic(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
+                 sequence_parallel: bool = False) -> torch.nn.Module:
     """A value model started from the actor's trunk (its value head from zero), not yet wrapped."""
     from ..compat import unwrap_model
 
-    critic = build_stage(arch, value_head=True, device=device)
+    critic = build_stage(arch, value_head=True, device=device, sequence_parallel=sequence_parallel)
     copy_weights(critic, unwrap_model(actor), skip_missing=True)
     return critic
 

@@ -9,8 +9,15 @@ model-parallel group (tensor-parallel duplicates and the tied output layer of th
 clips and steps. The scheduler is stepped once per RL iteration, after its updates (all PPO epochs of an
 iteration use one learning rate, as in verl).
 
+``--use-distributed-optimizer`` shards the states and fp32 main parameters over the data-parallel ranks
+(``DistributedOptimizer``, the parameters in DDP's buffer); ``--overlap-grad-reduce`` and
+``--overlap-param-gather`` overlap DDP's reduction with the backward pass and the optimizer's all-gather with the
+next forward, as in Megatron-LM.
+
 The HybridEngine takes these optimizers as they are: ``switch_to_rollout(offload_optimizer=trained.optimizer)``
-moves their states and fp32 main parameters to host memory while generating.
+moves their states and fp32 main parameters to host memory while generating; a distributed optimizer built before
+the engine is passed to it, ``HybridEngine(..., optimizer=trained.optimizer)``, so that its shards of DDP's
+buffer move with the buffer.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from .passes import Batch, LossFn, TrainingPasses
 
 
 def optimizer_config(args: argparse.Namespace, *, lr: float):
-    """megatron-core's ``OptimizerConfig`` for Adam from Megatron-LM's flags, at peak learning rate ``lr``.
-
-    No distributed optimizer: the HybridEngine needs the parameters in the model, not in DDP's buffers.
+    """megatron-core's ``OptimizerConfig`` for Adam from Megatron-LM's flags, at peak learning rate ``lr``:
+    with ``--use-distributed-optimizer`` megatron-core's ``DistributedOptimizer`` (its all-gather deferred to the
+    next forward with ``--overlap-param-gather``), which the HybridEngine serves from DDP's own buffer.
     """
     from megatron.core.optimizer import OptimizerConfig
 
@@ -37,7 +44,8 @@ def optimizer_config(args: argparse.Namespace, *, lr: float):
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            clip_grad=args.clip_grad, bf16=args.bf16,
                            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                           use_distributed_optimizer=False)
+                           use_distributed_optimizer=args.use_distributed_optimizer,
+                           overlap_param_gather=args.overlap_param_gather)
 
 
 def build_scheduler(optimizer: Any, args: argparse.Namespace, *, lr: float):
@@ -76,11 +84,12 @@ class TrainedModel:
 def setup_model_and_optimizer(stage: torch.nn.Module, args: argparse.Namespace, *,
                               lr: Optional[float] = None) -> TrainedModel:
     """Wrap ``stage`` in Megatron DDP and give it Adam and a schedule from the flags (peak rate ``lr``, default
-    ``--lr``)."""
+    ``--lr``; ``--use-distributed-optimizer``, ``--overlap-grad-reduce``, ``--overlap-param-gather``)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     lr = args.lr if lr is None else lr
-    model = wrap_ddp(stage)
+    model = wrap_ddp(stage, use_distributed_optimizer=args.use_distributed_optimizer,
+                     overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
     optimizer = get_megatron_optimizer(optimizer_config(args, lr=lr), [model])
     return TrainedModel(model, optimizer, build_scheduler(optimizer, args, lr=lr))
 

@@ -83,6 +83,20 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_
     return Batch(tokens.to(device), index.to(device), mask.to(device), torch.zeros(B), data)
 
 
+def padded_seq_length(num_tokens: int, *, sequence_parallel: bool) -> int:
+    """The sequence length of the passes for sequences of up to ``num_tokens`` (longest prompt + max new tokens):
+    with sequence parallelism a multiple of the tensor-parallel size, as Megatron splits the sequence into equal
+    slices (the padding comes after every sequence's end, so causal attention never reads it)."""
+    multiple = megatron_groups()[0].size() if sequence_parallel else 1
+    return -(-num_tokens // multiple) * multiple
+
+
+def _fresh_loss(loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
+    """A copy of the loss for Megatron's schedule, which divides it in place by the number of micro-batches: a
+    stat that is the loss itself (``loss.detach()`` shares its storage) keeps its value."""
+    return loss.clone(), stats
+
+
 def _positions_like(tokens_BS: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens_BS.shape[1], device=tokens_BS.device).unsqueeze(0).expand_as(tokens_BS)
 
@@ -92,7 +106,7 @@ class PassConfig:
     """What every pass over a rollout batch needs."""
 
     seq_length: int
-    """Tokens per sequence (longest prompt + ``max_new_tokens``)."""
+    """Tokens per sequence (longest prompt + ``max_new_tokens``; :func:`padded_seq_length`)."""
     micro_batch_size: int
     """Sequences per micro-batch (``--micro-batch-size``)."""
     vocab_size: int
@@ -121,7 +135,7 @@ class TrainingPasses:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
-            return out, lambda output: loss_fn(output, mb)
+            return out, lambda output: _fresh_loss(*loss_fn(output, mb))
 
         micro_batches = batch.micro_batches(self.config.micro_batch_size)
         return get_forward_backward_func()(

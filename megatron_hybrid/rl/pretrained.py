@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..compat import megatron_groups
+from ..compat import ddp_finish_param_sync, megatron_groups
 from ..models import GPTArchitecture
 from .faults import errors_on_every_rank
 
@@ -152,6 +152,7 @@ def export_hf(model: torch.nn.Module, directory: str, pretrained_checkpoint: str
     ``iteration``. An existing export there is replaced (the ``iter_*`` directories inside ``directory`` are
     kept). ``RuntimeError`` on every rank, naming the failures, when some rank could not write; nothing partial
     is left."""
+    ddp_finish_param_sync(model)  # with --overlap-param-gather the last step's weights are still being gathered
     target = Path(os.path.abspath(directory))
     if iteration is not None:
         target = target / ITERATION_DIR.format(iteration)
