@@ -111,6 +111,11 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--reshard-bucket-size-mb", type=float, default=None,
                    help="HybridEngine gather bucket, MiB per dtype (default: the engine's, 1024 on a GPU, 32 on a "
                         "CPU)")
+    g.add_argument("--inference-max-requests", type=int, default=64,
+                   help="decode slots of the rollout's KV cache: sequences generated at once per rollout replica")
+    g.add_argument("--inference-max-seq-length", type=int, default=None,
+                   help="positions per KV-cache slot (default: the longest prompt plus --max-new-tokens, not the "
+                   "model's whole context: the cache is slots x this x layers x KV bytes)")
     g.add_argument("--no-hybrid-rollout", action="store_true",
                    help="generate with the training-layout model on Megatron's groups (no resharding); for "
                    "comparisons")
@@ -220,7 +225,8 @@ _RANGES: dict[str, dict] = {
                      "global_batch_size", "train_iters", "save_interval", "num_layers", "hidden_size",
                      "num_attention_heads", "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
                      "make_vocab_size_divisible_by", "vocab_size", "prompt_length", "num_samples_per_prompt",
-                     "max_new_tokens", "ppo_epochs", "lr_decay_iters", "eval_interval"), {"ge": 1}),
+                     "max_new_tokens", "ppo_epochs", "lr_decay_iters", "eval_interval", "inference_max_requests",
+                     "inference_max_seq_length"), {"ge": 1}),
     **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
                      "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters"),
                     {"ge": 0}),

@@ -173,3 +173,26 @@ def test_stalled_rank_ends_the_recipe_within_the_timeout(tmp_path):
     waited = ended - float(stall_file.read_text())
     assert waited < TIMEOUT_S + GRACE_S, (waited, stderr[-3000:])
     assert "timed out" in stderr.lower(), stderr[-3000:]
+
+
+def test_rollout_kv_cache_is_sized_to_the_prompts(tmp_path):
+    # The cache's slots hold the longest prompt (training or held-out) plus --max-new-tokens, not the model's whole
+    # context: at SmolLM2-135M's 8,192 positions the default 64 slots were 24 GiB and a CPU run was OOM-killed.
+    from megatron_hybrid import rl
+    from tests.rl_cases import recipe_args
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("0 1 2\n0 1 2 3 4 5 6\n")  # the default NullTokenizer: ids separated by spaces
+    args = recipe_args("--tensor-model-parallel-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "16",
+                       "--prompt-file", str(prompts), "--max-new-tokens", "5", "--inference-max-requests", "8")
+    task = rl.load_task(args)
+    assert task.prompts.max_length == 7
+    assert (task.generation.max_sequence_length, task.generation.max_batch_size) == (7 + 5, 8)
+    args.inference_max_seq_length = 20
+    assert rl.load_task(args).generation.max_sequence_length == 20
+    args.inference_max_seq_length = 11
+    with pytest.raises(ValueError, match=r"--inference-max-seq-length \(11\) must hold the longest prompt \(7 "
+                                         r"tokens\) plus --max-new-tokens \(5\)"):
+        rl.load_task(args)
+    with pytest.raises(ValueError, match=r"--inference-max-requests \(0\)"):
+        _validate("--inference-max-requests", "0")

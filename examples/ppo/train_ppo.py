@@ -84,7 +84,7 @@ class Trainer:
             else torch.device("cpu")
         # The task (rl.data, rl.rewards; loaded in main before any collective): replace it for a task of your own.
         self.tokenizer, self.arch, self.reward = task.tokenizer, task.arch, task.reward
-        self.prompts, self.eval_prompts = task.prompts, task.eval_prompts
+        self.prompts, self.eval_prompts, self.generation_config = task.prompts, task.eval_prompts, task.generation
         self.dp_group, self.dp_rank, self.dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), \
             ps.get_data_parallel_world_size()
         self.reports = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -134,7 +134,8 @@ class Trainer:
                                                   rollout_layout=self.rollout_layout)
         offload = not a.no_offload_optimizer
         return rl.generate_on_engine(self.engine, prompts, params, **kwargs, offload_grads=offload,
-                                     offload_optimizer=self.actor.optimizer if offload else None)
+                                     offload_optimizer=self.actor.optimizer if offload else None,
+                                     config=self.generation_config)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy exact-match accuracy on --eval-prompt-data."""

@@ -31,7 +31,7 @@ from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, padde
 from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_accuracy, exact_match,
                       format_score)
 from .pretrained import export_hf, load_pretrained, model_architecture, model_args_from_checkpoint
-from .rollout import Rollout, generate_in_training_layout, generate_on_engine
+from .rollout import generation_config, Rollout, generate_in_training_layout, generate_on_engine
 from .tokenizers import build_tokenizer
 
 __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "TrainedModel", "TrainingPasses",
@@ -42,6 +42,6 @@ __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "Tra
            "reward_scores", "save_checkpoint", "save_value_model", "setup_model_and_optimizer", "summary", "update",
            "wrap_ddp"]
 __all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_from_checkpoint"]
-__all__ += ["Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
+__all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]

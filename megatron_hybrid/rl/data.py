@@ -231,6 +231,8 @@ class Task:
     eval_prompts: Optional[list[Example]]
     reward: Any
     """:func:`megatron_hybrid.rl.rewards.build_reward`'s (``None`` when ``--reward-model-load`` scores)."""
+    generation: Any
+    """The rollout's :class:`~megatron_hybrid.inference.GenerationConfig`: its KV cache sized to these prompts."""
 
 
 def load_task(args: argparse.Namespace) -> Task:
@@ -239,9 +241,14 @@ def load_task(args: argparse.Namespace) -> Task:
     from .rewards import build_reward
     from .tokenizers import build_tokenizer
 
+    from .rollout import generation_config
+
     tokenizer = build_tokenizer(args)
     arch = model_architecture(args, tokenizer.vocab_size)
     positions = arch.max_position_embeddings
-    return Task(tokenizer, arch, Prompts(args, tokenizer, max_positions=positions),
-                eval_prompts(args, tokenizer, max_positions=positions), build_reward(args, tokenizer))
+    prompts = Prompts(args, tokenizer, max_positions=positions)
+    held_out = eval_prompts(args, tokenizer, max_positions=positions)
+    longest = max([prompts.max_length] + [len(e.tokens) for e in held_out or []])
+    return Task(tokenizer, arch, prompts, held_out, build_reward(args, tokenizer),
+                generation_config(args, max_prompt_length=longest))
 

@@ -33,16 +33,31 @@ class Rollout:
         return sum(len(r) for r in self.responses)
 
 
+def generation_config(args: Any, *, max_prompt_length: int) -> Any:
+    """The rollout's KV-cache settings for a run: ``--inference-max-requests`` slots of
+    ``--inference-max-seq-length`` positions (default: ``max_prompt_length`` + ``--max-new-tokens``). Sizing the
+    slots to the model's whole context instead would cost, for a 135 M-parameter model with 8,192 positions and
+    64 slots, 24 GiB of cache."""
+    from ..inference import GenerationConfig
+
+    length = args.inference_max_seq_length or max_prompt_length + args.max_new_tokens
+    if length < max_prompt_length + args.max_new_tokens:
+        raise ValueError(f"--inference-max-seq-length ({length}) must hold the longest prompt ({max_prompt_length} "
+                         f"tokens) plus --max-new-tokens ({args.max_new_tokens})")
+    return GenerationConfig(max_batch_size=args.inference_max_requests, max_sequence_length=max(length, 2))
+
+
 def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *, vocab_size: int,
                        stop_token_ids: Sequence[int], seed: int, offload_optimizer: Optional[Any] = None,
-                       offload_grads: bool = False) -> Rollout:
+                       offload_grads: bool = False, config: Any = None) -> Rollout:
     """Switch to rollout (moving ``offload_optimizer``'s states and fp32 main parameters, and the gradient buffers
-    with ``offload_grads``, to host memory), generate this rank's responses, switch back."""
+    with ``offload_grads``, to host memory), generate this rank's responses, switch back. ``config``: the
+    :class:`~megatron_hybrid.inference.GenerationConfig` (see :func:`generation_config`)."""
     engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
     start = time.perf_counter()
     results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                              seed=seed, tempered_log_probs=True)
+                              seed=seed, tempered_log_probs=True, config=config)
     generated = time.perf_counter()
     engine.switch_to_training()
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
