@@ -295,7 +295,7 @@ class HybridEngine:
                         for name, dt in DTYPES.items()}
         alignment = Placement.alignment(self.device) if self.align_slots else None
         plan = build_group_plan(members, list(rollout_params), k=lay.k, q=lay.q, bucket_numel=bucket_numel,
-                                alignment=alignment, tied=self._tied)
+                                alignment=alignment, tied=self._tied, strided=self.weight_mode == "canonical")
         return plan, index
 
     # ---- switching -----------------------------------------------------------------------------------------
@@ -378,6 +378,14 @@ class HybridEngine:
             dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
             received = 0 if reg.owner == j else reg.slot_numel * elem
             op = "broadcast"
+        elif reg.kind == "strided":  # part i of every member's shard, side by side: the rollout tensor's layout
+            own = self._train_params[reg.tensor].data.reshape(reg.stride, -1)
+            part = reg.slot_numel // reg.stride
+            for i in range(reg.stride):
+                compat.all_gather_into_tensor(region[i * part * len(ranks): (i + 1) * part * len(ranks)], own[i],
+                                              group=group)
+            received = reg.slot_numel * (len(reg.members) - 1) * elem
+            op = "all_gather_into_tensor"
         else:
             lo = reg.slot_offset(j) - reg.offset
             compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)

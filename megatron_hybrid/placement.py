@@ -196,6 +196,8 @@ class Placement:
                 if j not in reg.members:
                     continue
                 used.append((reg.offset, reg.offset + reg.numel))
+                if reg.kind == "strided":
+                    continue  # the rollout tensor itself: no own slot (the own shard is gathered into it)
                 if reg.kind != "broadcast" or reg.owner == j:
                     lo = reg.slot_offset(j)
                     own.append((lo, lo + reg.slot_numel))
@@ -240,6 +242,11 @@ class Placement:
             j = self.rollout_tp_rank % lay.m
             pieces = prm.data.chunk(spec.stride * lay.m, dim=spec.dim)
             return Blocks([pieces[s * lay.m + j] for s in range(spec.stride)], spec.dim, 1)
+        if name in self.plan.strided:  # gathered straight into the rollout tensor's layout
+            dtype, reg = self.plan.strided[name]
+            info = self.plan.by_name[self.member][name]
+            shape = (info.shape[0] * len(reg.members), *info.shape[1:])
+            return Blocks([self.buffers[dtype].tensor[reg.offset: reg.offset + reg.numel].view(shape)], 0, 1)
         src = self.sources[name]
         views = [self.train_params[b.name].data if b.member == self.member else self.slot_view(b.member, b.name)
                  for b in src.blocks]
@@ -272,6 +279,9 @@ class Placement:
         it is, or the peers' shards of a stacked one (see :meth:`blocks`); empty if it is computed from them."""
         if self.plan is None:
             return []
+        if name in self.plan.strided:
+            dtype, reg = self.plan.strided[name]
+            return [(dtype, reg.offset, reg.offset + reg.numel)]
         blocks = self.sources[name].blocks
         if len(blocks) > 1 and self._stacked([self.slot_view(b.member, b.name) for b in blocks],
                                              self.sources[name].dim, self.sources[name].stride) is None:
@@ -333,12 +343,20 @@ class Placement:
         """Every reserved address range of this rank's engine (gather buffers and rollout-only ranges)."""
         return [b.span() for b in list(self.buffers.values()) + self.rollout_only]
 
+    def _strided_bytes_mapped(self) -> int:
+        """Bytes of the strided regions (canonical rollout tensors inside the gather buffers) backed now."""
+        if self.plan is None:
+            return 0
+        return sum(reg.numel * self.buffers[dtype].memory.element_size for dtype, reg in self.plan.strided.values()
+                   if self.buffers[dtype].mapped_peer_bytes)
+
     def report(self) -> dict[str, int]:
+        strided = self._strided_bytes_mapped()
         return {
-            "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()),
+            "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()) - strided,
             "transient_bytes_released": sum(b.transient_bytes for b in self.buffers.values()),
-            "canonical_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only
-                                          if b.peers_mapped and id(b) in self._canonical_ids),
+            "canonical_bytes_mapped": strided + sum(b.peer_bytes for b in self.rollout_only
+                                                    if b.peers_mapped and id(b) in self._canonical_ids),
             "rollout_memory_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only
                                                if b.peers_mapped and id(b) not in self._canonical_ids),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),

@@ -16,6 +16,12 @@ agreement. Buffers are laid out per dtype as a list of *regions*:
 A rank receives exactly the bytes of its rollout shard that it does not hold: (d_g − 1) slots of every gather
 region, (q − 1) of every stage_gather region and every broadcast region it does not own.
 
+In canonical mode (``strided=True``, q = 1) a tensor sharded along dim 0 with interleaved parts (SwiGLU's fc1: each
+shard is [gate_j; up_j], the rollout tensor [gate_0 … gate_k-1; up_0 … up_k-1]) gets a ``strided`` region of its
+own, laid out as the rollout tensor: part i of every member side by side, each part gathered straight from the
+members' training tensors (one all-gather per part). The region is then the canonical rollout tensor: no peers'
+slots and no copy; the own shard is not placed there (its copy in the region is part of the rollout tensor).
+
 A buffer that already holds a member's parameters in a layout of its own (Megatron DDP's parameter buffer with the
 distributed optimizer, ``MemberInfo.held``) is that member's slot of one more gather region, as it is: the
 optimizer's all-gather then writes the own slot directly. Such a region also carries what the rollout shard does
@@ -85,13 +91,15 @@ class Slice:
 class Region:
     """A contiguous part of one dtype's buffer that one collective fills."""
 
-    kind: str  # "gather" | "stage_gather" | "broadcast"
+    kind: str  # "gather" | "stage_gather" | "broadcast" | "strided"
     offset: int
     slot_numel: int
     members: list[int]  # member indices of the collective's group, in group-rank order
     owner: Optional[int] = None  # for broadcasts
     slices: list[Slice] = field(default_factory=list)
     held: Optional[int] = None  # the held buffer that each member's slot is (its first elements), if any
+    tensor: Optional[str] = None  # strided: the one tensor (global name) it is, whose stride gives its parts
+    stride: int = 1
 
     @property
     def numel(self) -> int:
@@ -132,6 +140,12 @@ class GroupPlan:
     tied: Optional[tuple[str, str]] = None
     """(output layer, embedding) when the last training stage's tied output layer serves the rollout embedding."""
     q: int = 1
+
+    @property
+    def strided(self) -> dict[str, tuple[str, Region]]:
+        """Rollout parameter -> (dtype, its ``strided`` region): the tensors gathered straight into their layout."""
+        return {reg.tensor: (dtype, reg) for dtype, regs in self.regions.items() for reg in regs
+                if reg.kind == "strided"}
 
     def sources(self, member: int) -> dict[str, RolloutSource]:
         """The blocks of every rollout parameter as ``member`` reads them, in canonical order.
@@ -202,7 +216,7 @@ def _align(n: int, alignment: int) -> int:
 
 def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
                      bucket_numel: Union[int, dict[str, int]], alignment: Optional[dict[str, int]] = None,
-                     tied: Optional[tuple[str, str]] = None) -> GroupPlan:
+                     tied: Optional[tuple[str, str]] = None, strided: bool = False) -> GroupPlan:
     """Plan the switch for one micro-DP group.
 
     ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
@@ -212,6 +226,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     ``tied`` = (output layer, embedding) names when the embedding is tied and every stage is gathered into one
     (p_g = 1 < p): the last stage's output layer is a copy of the embedding, so its ranks receive no embedding;
     each embedding shard is broadcast to the other members only (the layout's ``tied_embedding_groups``).
+    ``strided``: interleaved dim-0 shards get ``strided`` regions (canonical mode; see the module docstring).
     """
     if len(members) != k * q:
         raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q}")
@@ -263,8 +278,21 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     if len({tuple(v) for v in keys.values()}) != 1:
         raise ValueError("the micro-DP members' tensor-parallel parameters do not correspond one to one; "
                          "every pipeline stage must hold the same number of identical layers")
-    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per),
-              alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
+    # Strided regions need the members in shard order (member a holds shard a), as Megatron's rank order gives.
+    if strided and q == 1 and k > 1 and all(at.get((a, 0)) == a for a in range(k)):
+        first = even[0]
+        direct = [i for i, p in enumerate(first) if p.dim == 0 and p.stride > 1 and p.numel % p.stride == 0]
+        for i in direct:
+            p = first[i]
+            slot = p.numel
+            reg = Region("strided", offsets.get(p.dtype, 0), slot, everyone, tensor=p.name, stride=p.stride)
+            regions.setdefault(p.dtype, []).append(reg)
+            # Padded to whole granules, so that the region's pages are its own (released with it).
+            offsets[p.dtype] = reg.offset + _align(reg.numel, (alignment or {}).get(p.dtype, 1))
+        even = {j: [p for i, p in enumerate(ps) if i not in set(direct)] for j, ps in even.items()}
+    if any(even.values()):
+        _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per),
+                  alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
 
     if q > 1:
         # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.
