@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -128,7 +129,18 @@ def expected_missing_bytes(engine) -> int:
 
 
 def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, *, ddp: bool = False,
-                bucket_size_mb: float = 0.01, align_slots: bool = False):
+                bucket_size_mb: float = 0.01, align_slots: bool = False, own_region_min_numel: Optional[int] = None):
+    """``own_region_min_numel``: the plan's size threshold for stacked and strided regions, lowered so that the
+    tiny model's tensors get them."""
+    if own_region_min_numel is not None:
+        from megatron_hybrid import plan
+
+        saved, plan.STACKED_MIN_NUMEL = plan.STACKED_MIN_NUMEL, own_region_min_numel
+        try:
+            return engine_case(arch_kw, rollout_tp, rollout_pp, mode, state, ddp=ddp, bucket_size_mb=bucket_size_mb,
+                               align_slots=align_slots)
+        finally:
+            plan.STACKED_MIN_NUMEL = saved
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
@@ -185,6 +197,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
     from megatron_hybrid.report import missing_bytes
 
     first["library_missing_bytes"] = missing_bytes(engine)  # what bench/reshard.py checks against
+    first["strided"] = sorted(engine.plan.strided) if engine.plan is not None else []
     train_full = full_state_dict(engine.chunks, tp_group=ps.get_tensor_model_parallel_group(),
                                  pp_group=ps.get_pipeline_model_parallel_group())
     # An optimizer step on the training layout (gradients: this rank's shard of a known full gradient).

@@ -62,6 +62,7 @@ def _check(arch_kw: dict, layout, mode: str, *, logits_tol: dict, exact_bytes: b
         assert r["first"]["addresses"] == r["second"]["addresses"], rank
     assert seen_logits >= 2 * t_g
     assert all(r["first"]["library_missing_bytes"] == r["first"]["expected_bytes"] for r in runs)
+    return runs
     if t_g > t:
         assert all(r["first"]["expected_bytes"] == 0 for r in runs)
     else:
@@ -77,6 +78,19 @@ FP32 = dict(rtol=1e-4, atol=1e-5)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"t{l[0][0]}p{l[0][1]}d{l[0][2]}-tg{l[1][0]}pg{l[1][1]}")
 def test_layouts(layout, mode):
     _check({}, layout, mode, logits_tol=FP32)
+
+
+@pytest.mark.parametrize("layout", [((2, 1, 4), (1, 1)), ((4, 1, 2), (2, 1)), ((4, 2, 1), (2, 2))],
+                         ids=["t2p1d4-tg1", "t4p1d2-tg2", "t4p2d1-tg2pg2"])
+def test_canonical_own_regions(layout):
+    # With the size threshold lowered, every dim-0 tensor gets a region of its own: QKV and the embeddings stacked,
+    # SwiGLU's fc1 strided (gathered part by part straight into its rollout layout). Weights bit for bit, bytes
+    # exactly the missing ones, logits as the unsharded model's.
+    for aligned in (False, True):
+        runs = _check({}, layout, "canonical", logits_tol=FP32, exact_bytes=not aligned, align_slots=aligned,
+                      own_region_min_numel=0)
+        layers = 4 // layout[1][1]  # the rollout stage's layers (tiny_llama has 4)
+        assert all(len([n for n in r["first"]["strided"] if "linear_fc1" in n]) == layers for r in runs)
 
 
 @pytest.mark.parametrize("layout", [((2, 2, 2), (1, 1)), ((4, 2, 1), (2, 2)), ((1, 2, 4), (1, 1)), ((1, 4, 2), (1, 1))],
