@@ -30,6 +30,7 @@ not need from the peers (their TP-replicated tensors, DDP's padding).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -141,7 +142,7 @@ class GroupPlan:
     """(output layer, embedding) when the last training stage's tied output layer serves the rollout embedding."""
     q: int = 1
 
-    @property
+    @functools.cached_property
     def strided(self) -> dict[str, tuple[str, Region]]:
         """Rollout parameter -> (dtype, its ``strided`` region): the tensors gathered straight into their layout."""
         return {reg.tensor: (dtype, reg) for dtype, regs in self.regions.items() for reg in regs
@@ -281,19 +282,18 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     # Strided regions need the members in shard order (member a holds shard a), as Megatron's rank order gives.
     if strided and q == 1 and k > 1 and all(at.get((a, 0)) == a for a in range(k)):
         first = even[0]
-        direct = [i for i, p in enumerate(first) if p.dim == 0 and p.stride > 1 and p.numel % p.stride == 0
-                  and p.numel * k >= STACKED_MIN_NUMEL]
-        for i in direct:
+        direct = {i for i, p in enumerate(first) if p.dim == 0 and p.stride > 1 and p.numel % p.stride == 0
+                  and p.numel * k >= STACKED_MIN_NUMEL}
+        for i in sorted(direct):
             p = first[i]
             slot = p.numel
             reg = Region("strided", offsets.get(p.dtype, 0), slot, everyone, tensor=p.name, stride=p.stride)
             regions.setdefault(p.dtype, []).append(reg)
             # Padded to whole granules, so that the region's pages are its own (released with it).
             offsets[p.dtype] = reg.offset + _align(reg.numel, (alignment or {}).get(p.dtype, 1))
-        even = {j: [p for i, p in enumerate(ps) if i not in set(direct)] for j, ps in even.items()}
-    if any(even.values()):
-        _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per),
-                  alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
+        even = {j: [p for i, p in enumerate(ps) if i not in direct] for j, ps in even.items()}
+    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per),
+              alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
 
     if q > 1:
         # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.

@@ -209,3 +209,22 @@ def test_graph_bucketing_pads_batch_and_length(state, stops):
         if r["teacher_forced"] is not None:
             for logp, ref in zip(r["log_probs"], r["teacher_forced"]):
                 torch.testing.assert_close(torch.tensor(logp), torch.tensor(ref), rtol=0, atol=LOGP_ATOL)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_tempered_log_probs_against_a_log_softmax(temperature):
+    # Both columns against torch's own log_softmax of the (tempered) real-vocabulary logits; the draws do not
+    # depend on asking for the tempered column.
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid.inference.sampling import sample
+
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=temperature, top_k=5, top_p=0.9)
+    plain_tokens, plain = sample(logits, params, vocab_size=33, generator=torch.Generator().manual_seed(1))
+    tokens, both = sample(logits, params, vocab_size=33, generator=torch.Generator().manual_seed(1),
+                          tempered_log_probs=True)
+    assert torch.equal(tokens, plain_tokens) and torch.equal(both[:, 0], plain)
+    real = logits[:, :33]
+    tempered = torch.log_softmax(real / temperature if temperature > 0 else real, dim=-1)
+    torch.testing.assert_close(both[:, 1], tempered.gather(-1, tokens[:, None]).squeeze(-1), rtol=0, atol=0)

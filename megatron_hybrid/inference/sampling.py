@@ -37,7 +37,9 @@ def sample(logits_nV: torch.Tensor, params, *, vocab_size: int, generator: torch
     log_probs = torch.log_softmax(logits, dim=-1)
     temperature = float(params.temperature)
     x = logits / temperature if temperature > 0 else logits
-    tempered = torch.log_softmax(x, dim=-1) if tempered_log_probs else None
+    tempered = None
+    if tempered_log_probs:  # at temperature 1 (or 0: greedy on the logits) x is the logits: the same log-probs
+        tempered = log_probs if temperature in (0.0, 1.0) else torch.log_softmax(x, dim=-1)
     if is_greedy(params):
         tokens = logits.argmax(dim=-1)
     else:
