@@ -270,6 +270,21 @@ def test_make_tiny_hf_model(tmp_path: Path):
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
+def test_make_tiny_hf_model_leaves_nothing_on_failure(tmp_path: Path, monkeypatch):
+    import runpy
+
+    tool = runpy.run_path(str(ROOT / "tools" / "make_tiny_hf_model.py"))
+
+    def full_disk(directory, family, *, seed):
+        (Path(directory) / "config.json").write_text("{")  # a partial write, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(tool["main"].__globals__, "save_tiny_hf_model", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        tool["main"](["--hf-dir", str(tmp_path / "out" / "m")])
+    assert list((tmp_path / "out").iterdir()) == []  # no target, no partial directory
+
+
 # ---------------------------------------------------------------- 3. configs of real checkpoints
 
 

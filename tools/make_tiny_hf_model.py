@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,9 +34,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen2", help="architecture (default: qwen2)")
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
     args = ap.parse_args(argv)
-    if os.path.exists(args.hf_dir) and os.listdir(args.hf_dir):
+    target = Path(args.hf_dir)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
         ap.error(f"--hf-dir ({args.hf_dir}) exists and is not empty")
-    save_tiny_hf_model(args.hf_dir, args.family, seed=args.seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole or not at all: into a directory beside the target, renamed onto it at the end.
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        save_tiny_hf_model(str(work), args.family, seed=args.seed)
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.replace(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(f"saved a tiny {args.family} model to {args.hf_dir}")
 
 
