@@ -214,7 +214,9 @@ setup(
     extras_require={"test": ["pytest", "tensorboard", "pyarrow"], "tensorboard": ["tensorboard"],
                     "parquet": ["pyarrow"],
                     # gguf + accelerate: tools/fetch_packaged_model.py (transformers reads GGUF files through them).
-                    "real-model": ["gguf", "accelerate"]},
+                    "real-model": ["gguf", "accelerate"],
+                    # tools/plot_metrics.py: the accuracy curves of bench/results/.
+                    "plot": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -23,6 +23,7 @@ fixed, top-p vs greedy).
 
     python3 bench/generate.py --out bench/results/generate_h200.json          # one GPU: gpu-1b, B 32 and 128
     python3 bench/generate.py --smoke --out /tmp/generate_smoke.json          # tiny model on the CPU, seconds
+    python3 bench/generate.py --out /tmp/g.json --batch 128 --methods ours --profile greedy mixed  # where time goes
 """
 
 from __future__ import annotations
@@ -128,8 +129,13 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
                          "num_prompts": len(prompts), "tokens": tokens,
                          "tok_s": tokens / statistics.median(times), "seconds": statistics.median(times),
                          "runs": times, "cuda_graph_captures": rep["cuda_graph_captures"],
-                         "idle_slot_steps": rep["idle_slot_steps"], "kv_cache_bytes": rep["kv_cache_bytes"]})
+                         "idle_slot_steps": rep["idle_slot_steps"], "dropped_rows": rep["dropped_rows"],
+                         "prefill_graph_forwards": rep["prefill_graph_forwards"],
+                         "attention_reads_lengths": rep["attention_reads_lengths"],
+                         "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"]})
             print(json.dumps(rows[-1]), flush=True)
+            if args.profile and device.type == "cuda" and variant in args.profile:
+                profile(run, f"{variant} B={B} N={N}")
         generator.close()
     engine.switch_to_training()
     engine.close()
@@ -138,6 +144,20 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def profile(fn: Callable[[], Any], title: str) -> None:
+    """Print where one call's device time goes: the kernels with the most CUDA time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"== profile: {title}", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60),
+          flush=True)
 
 
 def bench_transformers(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
@@ -247,6 +267,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--bandwidth-bytes", type=int, default=2**31, help="size of the copy that measures bandwidth")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (gloo): checks the bench runs")
     ap.add_argument("--out", required=True, help="JSON list of rows")
+    ap.add_argument("--profile", nargs="*", default=[], choices=["greedy", "top_p", "mixed"],
+                    help="print a torch.profiler table of one more call of these variants (GPU)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     args.shape = args.shape or ("cpu-tiny" if smoke else "gpu-1b")

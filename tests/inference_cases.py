@@ -265,8 +265,12 @@ def rotary_case() -> bool:
 
 
 def bucketed_case(state: dict, stops: list[int]) -> dict:
-    """The CUDA-graph step path on the CPU: decode steps padded to batch buckets and to a length granule (the
-    graphs' bucketing), run eagerly by a stand-in for DecodeGraphs, against the training layout's recompute."""
+    """The CUDA-graph step path on the CPU: decode steps padded to batch buckets and to a length granule, prefills
+    as right-padded rectangles whose padded rows write a spare slot (the graphs' bucketing), run eagerly by a
+    stand-in for DecodeGraphs, with the host one step behind the launches (``overlap_host``), against the training
+    layout's recompute."""
+    import dataclasses
+
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
@@ -277,26 +281,32 @@ def bucketed_case(state: dict, stops: list[int]) -> dict:
     class EagerBuckets(DecodeGraphs):
         def __init__(self, batch_sizes, *, length_granule, max_length):  # no CUDA pool
             self.batch_sizes, self.length_granule, self.max_length = sorted(batch_sizes), length_granule, max_length
-            self.reserved, self.seen = None, set()
+            self.reserved, self.seen, self.captures, self.replays = None, set(), 0, 0
 
         def run(self, key, step):
             self.seen.add(key)
             return step()
 
+        def keys(self):
+            return sorted(self.seen)
+
     model = _training_model(state)
     engine = HybridEngine(model, RolloutLayout(1, ps.get_pipeline_model_parallel_world_size()))
-    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=5, max_sequence_length=MAX_LEN))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=5, max_sequence_length=MAX_LEN,
+                                                          prefill_graph_granule=16, overlap_host=True))
     replica = generator.replica
     engine.switch_to_rollout()
-    replica._ensure_state()
-    replica.graphs = EagerBuckets([2, 5], length_granule=16, max_length=MAX_LEN)
+    replica.use_graphs = True
+    replica.geometry = dataclasses.replace(replica.geometry, spare_slots=1)
+    replica._new_graphs = lambda sizes: EagerBuckets([2, 5], length_granule=16, max_length=MAX_LEN)
     prompts = prompts_for(0, 13)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=40)
     results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)
     seen = sorted(replica.graphs.seen)
+    report = generator.report()
     replica.graphs = None
     engine.switch_to_training()
     generated = [r.generated_tokens for r in results]
     return {"generated": generated, "reference": recompute_greedy(model, prompts, set(stops), 40),
-            "log_probs": [r.generated_log_probs for r in results],
+            "log_probs": [r.generated_log_probs for r in results], "report": report,
             "teacher_forced": teacher_forced_log_probs(model, prompts, generated), "buckets": seen}

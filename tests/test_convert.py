@@ -270,6 +270,28 @@ def test_make_tiny_hf_model(tmp_path: Path):
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
+def test_make_random_model_like(tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    assert _tool("make_tiny_hf_model.py", "--hf-dir", str(tmp_path / "m"), "--family", "llama").returncode == 0
+    # Another seed: with the same one, from_config would draw the tiny model's own weights again.
+    done = _tool("make_tiny_hf_model.py", "--hf-dir", str(tmp_path / "r"), "--like", str(tmp_path / "m"), "--seed", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"a random-weight model like {tmp_path / 'm'}" in done.stdout
+    # The control of a pretrained run: the same config and tokenizer, every weight drawn afresh.
+    assert json.loads((tmp_path / "r" / "config.json").read_text()) == \
+        json.loads((tmp_path / "m" / "config.json").read_text())
+    text = "What is 12 plus 7?"
+    assert AutoTokenizer.from_pretrained(tmp_path / "r")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(tmp_path / "m")(text)["input_ids"]
+    source, control = (load_file(tmp_path / d / "model.safetensors") for d in ("m", "r"))
+    assert source.keys() == control.keys()
+    assert all(not torch.equal(source[k], control[k]) for k in source)
+    done = _tool("make_tiny_hf_model.py", "--hf-dir", str(tmp_path / "x"), "--like", str(tmp_path / "m"),
+                 "--family", "qwen2")
+    assert done.returncode == 2 and "--family (qwen2) and --like" in done.stderr
+
+
 def test_make_tiny_hf_model_leaves_nothing_on_failure(tmp_path: Path, monkeypatch):
     import runpy
 

@@ -261,6 +261,14 @@ def test_arithmetic_task_generator(tokenizer_dir, tmp_path, monkeypatch, capsys)
     text_rows = [json.loads(line) for line in (out / "train.jsonl").open()]
     assert [r["answer"] for r in text_rows] == [json.loads(line)["answer"] for line in before.splitlines()]
     assert text_rows[0]["prompt"].startswith("Question: ") and text_rows[0]["prompt"].endswith("\nAnswer:")
+    # --instruction short: the same problems, only the prompts' last sentence differs.
+    generate("--num-train", "300", "--num-test", "40", "--max-operand", "20", "--instruction", "short")
+    short_rows = [json.loads(line) for line in (out / "train.jsonl").open()]
+    assert [r["answer"] for r in short_rows] == [r["answer"] for r in text_rows]
+    for short, long in zip(short_rows, splits["train"]):
+        question = long["prompt"][0]["content"].removesuffix(" Think step by step, then give the final answer as "
+                                                             "a number after '####'.")
+        assert short["prompt"][0]["content"] == f"{question} Reply with only the answer, written as '#### <number>'."
     with pytest.raises(SystemExit):
         generate("--help")
     assert "examples/tasks/arithmetic.py --output-dir" in capsys.readouterr().out
@@ -282,6 +290,7 @@ def test_recipe_with_prompt_data_and_held_out_accuracy(tokenizer_dir, tmp_path, 
     assert 0 < r["expected"] <= 0.5  # 3 of 6 answers can match; a response without a number matches as text
     for m in r["history"]:
         assert m["eval_accuracy"] == r["expected"], (m["eval_accuracy"], r["expected"])
+        assert m["time/eval"] > 0  # the evaluation's own seconds, outside time/step
         assert m["accuracy"] == m["reward_mean"]  # the reward is exact-match: the accuracy itself
     # A bad row stops every rank with the same message, before any process group (so any collective) exists.
     bad = _jsonl(tmp_path / "bad.jsonl", ['{"prompt": "1 + 1 =", "answer": "2"}', '{"prompt": "2 + 2 ="}'])

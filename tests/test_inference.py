@@ -204,8 +204,16 @@ def test_graph_bucketing_pads_batch_and_length(state, stops):
     runs = run_distributed(cases.bucketed_case, 2, state, stops, pipeline_model_parallel_size=2)
     for r in runs:
         assert r["generated"] == r["reference"]
-        # Steps ran padded up to a bucket (the last, single-slot ones as 2); lengths are whole granules of 16.
-        assert {b for b, _ in r["buckets"]} == {2, 5} and all(length % 16 == 0 for _, length in r["buckets"])
+        # Decode steps ran padded up to a bucket (the last, single-slot ones as 2), lengths whole granules of 16;
+        # prefills as rows (exact up to 8, then whole eights), each padded to a whole granule of 16 tokens.
+        decode = [k for k in r["buckets"] if k[0] == "decode"]
+        prefill = [k for k in r["buckets"] if k[0] == "prefill"]
+        assert {k[1] for k in decode} == {2, 5} and all(k[2] % 16 == 0 for k in decode)
+        assert prefill and all((k[1] <= 8 or k[1] % 8 == 0) and k[2] % 16 == 0 for k in prefill)
+        assert any(k[1] > 1 for k in prefill) and r["report"]["prefill_graph_forwards"] > 0
+        # One step behind on the host: a stop token is seen a step late, and that step's row of it is dropped.
+        stopped = sum(1 for g in r["generated"] if g[-1] in stops and len(g) < 40)  # ended by a stop, not length
+        assert stopped > 0 and 0 < r["report"]["dropped_rows"] <= stopped
         if r["teacher_forced"] is not None:
             for logp, ref in zip(r["log_probs"], r["teacher_forced"]):
                 torch.testing.assert_close(torch.tensor(logp), torch.tensor(ref), rtol=0, atol=LOGP_ATOL)
@@ -228,3 +236,20 @@ def test_tempered_log_probs_against_a_log_softmax(temperature):
     real = logits[:, :33]
     tempered = torch.log_softmax(real / temperature if temperature > 0 else real, dim=-1)
     torch.testing.assert_close(both[:, 1], tempered.gather(-1, tokens[:, None]).squeeze(-1), rtol=0, atol=0)
+
+
+def test_noise_drawn_ahead_gives_the_same_tokens():
+    # A CUDA graph of a sampling step reads the race's draws from a buffer filled before the replay (draw_noise):
+    # the same generator state must give the same draws, hence the same tokens, as sample() drawing them itself.
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid.inference.sampling import draw_noise, sample
+
+    logits = torch.randn(7, 48, generator=torch.Generator().manual_seed(2))
+    for params in (SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=6),
+                   SamplingParams(top_k=1)):
+        own, own_logp = sample(logits, params, vocab_size=40, generator=torch.Generator().manual_seed(9))
+        buffer = torch.full((7 * 40 + 5,), float("nan"))
+        draw_noise(buffer[: 7 * 40], params, torch.Generator().manual_seed(9))
+        ahead, ahead_logp = sample(logits, params, vocab_size=40, noise_nV=buffer[: 7 * 40].view(7, 40))
+        assert torch.equal(own, ahead) and torch.equal(own_logp, ahead_logp)

@@ -8,8 +8,13 @@ examples:
   # a Llama with tied embeddings, another seed
   python tools/make_tiny_hf_model.py --hf-dir tiny-llama --family llama --seed 3
 
+  # the random-init control of a real model: its config and tokenizer, fresh weights (not tiny)
+  python tools/make_tiny_hf_model.py --hf-dir smollm2-random --like smollm2-hf
+
 The model has 2 layers, hidden size 64, GQA (4 heads, 2 KV heads) and SwiGLU 128; the tokenizer is a 128-token
 byte-level BPE over ASCII with a ChatML chat template, built with the `tokenizers` library: nothing comes from a hub.
+With --like DIR the model is DIR's architecture at full size, initialised as transformers' from_config does, with
+DIR's tokenizer.
 """
 
 from __future__ import annotations
@@ -24,16 +29,21 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_hybrid.convert.tiny import FAMILIES, save_tiny_hf_model  # noqa: E402
+from megatron_hybrid.convert.tiny import FAMILIES, save_random_model_like, save_tiny_hf_model  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-dir", required=True, help="output directory (must not exist, or be empty)")
-    ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen2", help="architecture (default: qwen2)")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default=None, help="architecture (default: qwen2)")
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
+    ap.add_argument("--like", default=None, help="a Hugging Face directory: its config and tokenizer, random weights, "
+                    "instead of the tiny model")
     args = ap.parse_args(argv)
+    if args.like is not None and args.family is not None:
+        ap.error(f"--family ({args.family}) and --like ({args.like}) exclude each other: the family is --like's")
+    family = args.family or "qwen2"
     target = Path(args.hf_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         ap.error(f"--hf-dir ({args.hf_dir}) exists and is not empty")
@@ -41,13 +51,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Written whole or not at all: into a directory beside the target, renamed onto it at the end.
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
-        save_tiny_hf_model(str(work), args.family, seed=args.seed)
+        if args.like is not None:
+            save_random_model_like(str(work), args.like, seed=args.seed)
+        else:
+            save_tiny_hf_model(str(work), family, seed=args.seed)
         if target.exists():
             target.rmdir()  # empty, checked above
         os.replace(work, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"saved a tiny {args.family} model to {args.hf_dir}")
+    what = f"a random-weight model like {args.like}" if args.like is not None else f"a tiny {family} model"
+    print(f"saved {what} to {args.hf_dir}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import time
 import warnings
 from typing import Any, Iterator, Optional, Sequence
 
@@ -138,10 +139,12 @@ class Trainer:
                                      config=self.generation_config)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy exact-match accuracy on --eval-prompt-data."""
-        return {"eval_accuracy": rl.evaluate_accuracy(lambda p: self.generate(p, 0, greedy=True).responses,
-                                                      self.eval_prompts, self.tokenizer, dp_rank=self.dp_rank,
-                                                      dp_size=self.dp_size, dp_group=self.dp_group)}
+        """Greedy exact-match accuracy on --eval-prompt-data, and its seconds (not in the step's ``time/step``)."""
+        start = time.perf_counter()
+        accuracy = rl.evaluate_accuracy(lambda p: self.generate(p, 0, greedy=True).responses, self.eval_prompts,
+                                        self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                        dp_group=self.dp_group)
+        return {"eval_accuracy": accuracy, "time/eval": time.perf_counter() - start}
 
     def scores(self, prompts: list[list[int]], responses: list[list[int]], batch: rl.Batch,
                examples: list[rl.Example]) -> torch.Tensor:

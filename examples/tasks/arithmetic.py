@@ -13,6 +13,7 @@ DIR/train.parquet and DIR/test.parquet in verl's layout (``prompt``, ``reward_mo
     python examples/tasks/arithmetic.py --output-dir data/arithmetic
     python examples/tasks/arithmetic.py --output-dir data/arithmetic --num-train 5000 --num-test 500 \\
         --max-operand 50 --parquet --seed 7
+    python examples/tasks/arithmetic.py --output-dir data/arithmetic20 --max-operand 20 --instruction short
     torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --pretrained-checkpoint qwen-mcore \\
         --prompt-data data/arithmetic/train.jsonl --eval-prompt-data data/arithmetic/test.jsonl --eval-interval 10 \\
         --max-new-tokens 256
@@ -28,7 +29,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 DATA_SOURCE = "arithmetic"
-INSTRUCTION = "Think step by step, then give the final answer as a number after '####'."
+INSTRUCTIONS = {
+    "step-by-step": "Think step by step, then give the final answer as a number after '####'.",
+    # For small models and short --max-new-tokens: a reasoning chain rarely ends (with its '####') within 32 tokens.
+    "short": "Reply with only the answer, written as '#### <number>'.",
+}
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lena"]
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells"]
 
@@ -78,9 +83,10 @@ def generate_problems(num: int, *, seed: int, max_operand: int, exclude: frozens
     raise ValueError(f"--max-operand {max_operand} gives fewer than {num} distinct problems; raise it")
 
 
-def row(problem: Problem, *, split: str, index: int, prompt_format: str) -> dict:
-    """One JSONL row: the prompt (chat messages or text), the answer as a string, verl's extra fields."""
-    text = f"{problem.question} {INSTRUCTION}"
+def row(problem: Problem, *, split: str, index: int, prompt_format: str, instruction: str = "step-by-step") -> dict:
+    """One JSONL row: the prompt (chat messages or text) ending in ``INSTRUCTIONS[instruction]``, the answer as a
+    string, verl's extra fields."""
+    text = f"{problem.question} {INSTRUCTIONS[instruction]}"
     prompt = [{"role": "user", "content": text}] if prompt_format == "chat" else f"Question: {text}\nAnswer:"
     return {"prompt": prompt, "answer": str(problem.answer), "data_source": DATA_SOURCE,
             "extra_info": {"split": split, "index": index, "expression": problem.expression}}
@@ -110,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--prompt-format", choices=["chat", "text"], default="chat",
                         help="chat messages (for a tokenizer's chat template) or plain text")
+    parser.add_argument("--instruction", choices=sorted(INSTRUCTIONS), default="step-by-step",
+                        help="what the prompt asks for after the question: reasoning then '#### N' (step-by-step) or "
+                        "'#### N' alone (short)")
     parser.add_argument("--parquet", action="store_true", help="also write verl-style parquet files (chat)")
     return parser
 
@@ -128,7 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                               exclude=frozenset(p.question for p in test))
     os.makedirs(args.output_dir, exist_ok=True)
     for split, problems in (("train", train), ("test", test)):
-        rows = [row(p, split=split, index=i, prompt_format=args.prompt_format) for i, p in enumerate(problems)]
+        rows = [row(p, split=split, index=i, prompt_format=args.prompt_format, instruction=args.instruction)
+                for i, p in enumerate(problems)]
         with open(os.path.join(args.output_dir, f"{split}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         if args.parquet:

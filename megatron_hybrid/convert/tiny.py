@@ -5,10 +5,14 @@ library (a few merges learnt from a fixed corpus), so any ASCII prompt or answer
 decodes back to the same text. Its pre-tokenizer, normaliser and decoder are exactly Qwen2's: transformers 5
 rebuilds those for a directory whose config.json says ``qwen2`` (whatever tokenizer_config.json says), and this way
 the rebuilt tokenizer and the saved one agree, for every family. :func:`save_tiny_hf_model` saves a 2-layer model of
-a supported family beside it; ``tools/make_tiny_hf_model.py`` is the command line.
+a supported family beside it; ``tools/make_tiny_hf_model.py`` is the command line. :func:`save_random_model_like`
+gives a real model's architecture and tokenizer fresh weights: the random-init control of a run from its weights.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -80,4 +84,21 @@ def save_tiny_hf_model(directory: str, family: str, *, seed: int = 0) -> str:
                 if name.endswith("bias") or "norm" in name:
                     p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(directory)
+    return directory
+
+
+def save_random_model_like(directory: str, like: str, *, seed: int = 0) -> str:
+    """A model of ``like``'s config (a Hugging Face directory) with freshly initialised weights (transformers'
+    ``from_config``, ``initializer_range``), and ``like``'s tokenizer, saved into ``directory``: the random-init
+    control of a run that starts from ``like``'s pretrained weights (same architecture, vocabulary, prompts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(like)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(like).save_pretrained(directory)
+    if (Path(like) / "generation_config.json").is_file():  # the end-of-sequence ids generation stops on
+        shutil.copyfile(Path(like) / "generation_config.json", Path(directory) / "generation_config.json")
     return directory

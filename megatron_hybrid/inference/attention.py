@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 
+from . import kernels
+
 
 @dataclass
 class KVStep:
@@ -50,7 +52,9 @@ class KVStep:
     attended: int = 0
     """Decode: cached positions read per slot (at least every slot's position + 1)."""
     mask_B11L: Optional[torch.Tensor] = None
-    """Decode: which of the ``attended`` positions each slot may read."""
+    """Decode: which of the ``attended`` positions each slot may read (None with ``lengths_B``)."""
+    lengths_B: Optional[torch.Tensor] = None
+    """Decode: positions each slot reads (its position + 1), for the attention kernel that reads only those."""
     prompts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     """Prefill: ``(length, token indices)`` per prompt length: the packed tokens of all prompts of that length,
     prompt after prompt (one attention call per length, so repeated prompts cost one call)."""
@@ -68,20 +72,50 @@ class KVCacheSelfAttention(SelfAttention):
             return super().forward(hidden_states, *args, **kwargs)
         return self._cached_forward(hidden_states, step)
 
+    def decode_kernel_ok(self, device: torch.device) -> bool:
+        """Whether decode steps on ``device`` run the attention kernel of :mod:`.kernels` (Triton on a GPU)."""
+        ratio = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        return device.type == "cuda" and kernels.decode_attention_supported(self.hidden_size_per_attention_head,
+                                                                            ratio)
+
+    def _fused_rope_ok(self, step: KVStep, no_rope: bool) -> bool:
+        """Whether rotary embedding and the cache write run as one kernel: a decode step on the plain layout
+        (no q/k norms, every key/value group on this rank, non-interleaved rotary on this layer)."""
+        return (step.lengths_B is not None and step.rotary_T11D is not None and not no_rope
+                and self.q_layernorm is None and self.k_layernorm is None
+                and not self.config.rotary_interleaved and self.config.num_query_groups >= self.world_size)
+
     def _cached_forward(self, hidden_T1H: torch.Tensor, step: KVStep):
-        # q [T, 1, G*R, D], k/v [T, 1, G, D]; query heads are group-major (head g*R + r uses key head g).
-        query, key, value = self.get_query_key_value_tensors(hidden_T1H, None)
         no_rope_freq = getattr(self.config, "no_rope_freq", None)  # per-layer "skip rotary" (mirrors forward())
         no_rope = no_rope_freq[self.layer_number - 1] if no_rope_freq else False
+        keys, values = step.keys[self.kv_layer], step.values[self.kv_layer]
+        groups, head_dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
+        ratio = self.num_attention_heads_per_partition // groups
+        scale = self.config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        if self._fused_rope_ok(step, no_rope):
+            # [T, 1, G, (R+2)*D] as linear_qkv lays it out; one kernel rotates q and k and writes k and v.
+            mixed, _ = self.get_query_key_value_tensors(hidden_T1H, None, split_qkv=False)
+            T = mixed.shape[0]
+            cos, sin = (x.reshape(T, -1) for x in step.rotary_T11D)
+            query = kernels.rope_kv_write(mixed.reshape(T, -1), cos, sin, step.slots_T, step.positions_T, keys,
+                                          values, groups=groups, ratio=ratio, head_dim=head_dim)
+            out = kernels.decode_attention(query.view(T, groups, ratio, head_dim), keys, values, step.lengths_B,
+                                           scale=scale, max_length=step.attended)
+            return self.linear_proj(out.reshape(T, 1, groups * ratio * head_dim))
+        # q [T, 1, G*R, D], k/v [T, 1, G, D]; query heads are group-major (head g*R + r uses key head g).
+        query, key, value = self.get_query_key_value_tensors(hidden_T1H, None)
         if step.rotary_T11D is not None and not no_rope:
             query, key = self._rotate(query, *step.rotary_T11D), self._rotate(key, *step.rotary_T11D)
-        keys, values = step.keys[self.kv_layer], step.values[self.kv_layer]
         # Advanced indices around a slice: cache[slot_t, :, pos_t] is [T, G, D], one row per token.
         keys[step.slots_T, :, step.positions_T] = key[:, 0]
         values[step.slots_T, :, step.positions_T] = value[:, 0]
-        groups, head_dim = key.shape[2], key.shape[3]
+        groups, head_dim = key.shape[2], key.shape[3]  # from the tensors: q/k norms or a q slice may apply
         ratio = query.shape[2] // groups
-        scale = self.config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        if step.decode and step.lengths_B is not None:
+            T = query.shape[0]
+            out = kernels.decode_attention(query[:, 0].reshape(T, groups, ratio, head_dim), keys, values,
+                                           step.lengths_B, scale=scale, max_length=step.attended)
+            return self.linear_proj(out.reshape(T, 1, groups * ratio * head_dim))
         if step.decode:
             B, L = query.shape[0], step.attended
             # One query token per slot: the R query heads of a group act as R query rows over the group's keys,

@@ -27,7 +27,14 @@ class GenerationConfig:
     graph_batch_sizes: Optional[tuple[int, ...]] = None
     """Batch buckets of the decode graphs; default: powers of two below the slot count, and the slot count."""
     graph_length_granule: int = 256
-    """Decode graphs attend over the filled positions rounded up to a multiple of this (eager steps: exactly)."""
+    """Decode graphs attend over the filled positions rounded up to a multiple of this (eager steps: exactly);
+    unused where the attention kernel reads each slot's own length (Triton on a GPU): one graph per batch bucket."""
+    prefill_graph_granule: int = 32
+    """With CUDA graphs, prefills run from graphs too, keyed by rows (exact up to 8, then whole eights) and the
+    longest prompt rounded up to a multiple of this: right-padded prompts, padded rows written to a spare slot."""
+    overlap_host: Optional[bool] = None
+    """Launch each step before reading the previous one's tokens on the host, so stop detection and refills
+    overlap the device's work (a sequence ending on a stop token costs one dropped row); default: on a GPU."""
     graph_pool_gib: float = 4.0
     """Address space reserved for the decode graphs' memory, backed only during generate calls as the graphs need
     it (0: a private CUDA-graph pool, which stays allocated while training)."""
@@ -35,7 +42,7 @@ class GenerationConfig:
     """On a GPU, return the caching allocator's free blocks (prefill and sampling scratch) after each call."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "prefill_tokens", "graph_length_granule"):
+        for name in ("max_batch_size", "prefill_tokens", "graph_length_granule", "prefill_graph_granule"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GenerationConfig.{name} ({value!r}) must be a positive integer")

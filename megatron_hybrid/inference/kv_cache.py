@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ class CacheGeometry:
     num_layers: int
     """Attention layers of this pipeline stage."""
     num_slots: int
-    """Sequences decoded at once (N)."""
+    """Sequences decoded at once."""
     slot_tokens: int
     """Positions per slot (L): a sequence's prompt plus its generated tokens."""
     kv_heads: int
@@ -37,11 +37,18 @@ class CacheGeometry:
     head_dim: int
     """D."""
     dtype: torch.dtype
+    spare_slots: int = 0
+    """Slots past ``num_slots`` that no sequence owns: padded rows of a CUDA-graph prefill write there."""
+
+    @property
+    def cache_slots(self) -> int:
+        """Slots of the cache (N): ``num_slots + spare_slots``."""
+        return self.num_slots + self.spare_slots
 
     @property
     def layer_numel(self) -> int:
         """Elements of one layer's keys (or values)."""
-        return self.num_slots * self.kv_heads * self.slot_tokens * self.head_dim
+        return self.cache_slots * self.kv_heads * self.slot_tokens * self.head_dim
 
     @property
     def numel(self) -> int:
@@ -57,8 +64,58 @@ class CacheGeometry:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+class RolloutMemory:
+    """``numel`` elements of ``dtype`` at an address fixed for this object's life, backed only while generating.
+
+    With an engine (``reserve_rollout_memory``), the engine maps the range at every ``switch_to_rollout()`` and
+    unmaps it at ``switch_to_training()``; without one, :meth:`backed` maps it for the duration of its body.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, engine: Optional[Any] = None) -> None:
+        if engine is not None and hasattr(engine, "reserve_rollout_memory"):
+            self.buffer = engine.reserve_rollout_memory(numel, dtype)
+            self._maps_itself = False
+            if not self.buffer.is_mapped(0, self.buffer.numel):
+                # Reserved while rolling out: the engine maps its reservations at the next switch, this rollout
+                # needs the memory now (one mapping over the whole range, which the engine's unmap removes).
+                self.buffer.map(0, self.buffer.numel)
+        else:
+            self.buffer = ReservedBuffer(numel, dtype, device=device)
+            self._maps_itself = True
+
+    def tensor(self) -> torch.Tensor:
+        return self.buffer.tensor()
+
+    @contextmanager
+    def backed(self) -> Iterator[None]:
+        """Memory behind the range for the body (mapped by the engine's rollout, or here)."""
+        if not self._maps_itself:
+            if not self.buffer.is_mapped(0, self.buffer.numel):
+                raise RuntimeError("rollout memory is not backed: generate only while the engine is rolling out")
+            yield
+            return
+        self.buffer.map(0, self.buffer.numel)
+        try:
+            yield
+        finally:
+            self.buffer.unmap(0, self.buffer.numel)
+
+    def data_ptr(self) -> int:
+        """Address of the range (the same for its whole life)."""
+        return self.buffer.data_ptr()
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.buffer.mapped_bytes
+
+    def close(self) -> None:
+        """Give the reservation back (only one made here; the engine frees its own)."""
+        if self._maps_itself:
+            self.buffer.close()
+
+
 class KVCache:
-    """Keys and values of every attention layer of one stage, as views of one reserved range.
+    """Keys and values of every attention layer of one stage, as views of one :class:`RolloutMemory`.
 
     Args:
         geometry: the cache's shape.
@@ -69,47 +126,26 @@ class KVCache:
 
     def __init__(self, geometry: CacheGeometry, device: torch.device, *, engine: Optional[Any] = None) -> None:
         self.geometry = geometry
-        if engine is not None and hasattr(engine, "reserve_rollout_memory"):
-            self.buffer = engine.reserve_rollout_memory(geometry.numel, geometry.dtype)
-            self._maps_itself = False
-            if not self.buffer.is_mapped(0, self.buffer.numel):
-                # Reserved while rolling out: the engine maps its reservations at the next switch, this rollout
-                # needs the memory now (one mapping over the whole range, which the engine's unmap removes).
-                self.buffer.map(0, self.buffer.numel)
-        else:
-            # TEMPORARY for an engine without ``reserve_rollout_memory`` (to be removed once the engine has it);
-            # also the standing path without an engine: the cache maps itself around each generate call.
-            self.buffer = ReservedBuffer(geometry.numel, geometry.dtype, device=device)
-            self._maps_itself = True
-        flat = self.buffer.tensor()
-        n, shape = geometry.layer_numel, (geometry.num_slots, geometry.kv_heads, geometry.slot_tokens,
+        self.memory = RolloutMemory(geometry.numel, geometry.dtype, device, engine=engine)
+        self.buffer = self.memory.buffer
+        flat = self.memory.tensor()
+        n, shape = geometry.layer_numel, (geometry.cache_slots, geometry.kv_heads, geometry.slot_tokens,
                                           geometry.head_dim)
         self.keys = [flat[(2 * i) * n: (2 * i + 1) * n].view(shape) for i in range(geometry.num_layers)]
         self.values = [flat[(2 * i + 1) * n: (2 * i + 2) * n].view(shape) for i in range(geometry.num_layers)]
 
-    @contextmanager
-    def backed(self) -> Iterator[None]:
+    def backed(self) -> ContextManager[None]:
         """Memory behind the cache for the body (mapped by the engine's rollout, or here)."""
-        if not self._maps_itself:
-            if not self.buffer.is_mapped(0, self.buffer.numel):
-                raise RuntimeError("the KV cache is not backed: generate only while the engine is rolling out")
-            yield
-            return
-        self.buffer.map(0, self.buffer.numel)
-        try:
-            yield
-        finally:
-            self.buffer.unmap(0, self.buffer.numel)
+        return self.memory.backed()
 
     def data_ptr(self) -> int:
         """Address of the cache (the same for its whole life)."""
-        return self.buffer.data_ptr()
+        return self.memory.data_ptr()
 
     @property
     def mapped_bytes(self) -> int:
-        return self.buffer.mapped_bytes
+        return self.memory.mapped_bytes
 
     def close(self) -> None:
         """Give the reservation back (only one this cache made itself; the engine frees its own)."""
-        if self._maps_itself:
-            self.buffer.close()
+        self.memory.close()

@@ -16,9 +16,10 @@ Legend: T packed tokens, B decode slots, H hidden, V vocabulary (padded).
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,9 @@ from ..forward import gather_vocab
 from .attention import KVStep, install_kv_attention
 from .config import GenerationConfig
 from .graphs import DecodeGraphs
-from .kv_cache import CacheGeometry, KVCache
-from .sampling import sample
+from .kv_cache import CacheGeometry, KVCache, RolloutMemory
+from .norms import install_step_norms
+from .sampling import draw_noise, is_greedy, sample
 from .scheduler import SlotScheduler
 from .validation import Limits
 
@@ -46,9 +48,26 @@ class GenerationResult:
     passes at the sampling temperature compute (filled when generating with ``tempered_log_probs=True``)."""
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    owners: list[Optional[int]]
+    """Per sampled row, the sequence it belongs to (None: an idle slot or a padded row). A row of a sequence that
+    turns out to have ended before it (a stop token the host had not seen yet) is set to None when read."""
+    tokens: torch.Tensor
+    """The rows' tokens: a pinned host copy in flight (GPU), or the tokens themselves (CPU)."""
+    event: Optional[torch.cuda.Event]
+
+
 class ReplicaGenerator:
     """KV-cache generation with one model replica: ``chunk`` (this rank's GPTModel stage) on ``tp_group`` and
     ``pp_group``. Called by every rank of the replica with the same, already checked prompts.
+
+    On a GPU the loop runs one step ahead of the host: step k+1 is launched before step k's tokens are read, so
+    the host's bookkeeping (stop tokens, refills) overlaps the device's work (``GenerationConfig.overlap_host``).
+    A sequence that ends on a stop token therefore has one more row computed in the step after, which is dropped
+    (``report()["dropped_rows"]``); sequences that end by length are known in advance and cost nothing.
 
     Args:
         chunk: a megatron-core GPTModel stage; its self-attention modules become
@@ -68,6 +87,7 @@ class ReplicaGenerator:
             raise ValueError(f"KV-cache generation supports position_embedding_type rope, learned_absolute or none; "
                              f"the model has {kind!r}")
         self.attention = install_kv_attention(chunk)
+        self.norms = install_step_norms(chunk, next(chunk.parameters()).device)
         ranks = dist.get_process_group_ranks(pp_group)
         me = ranks.index(dist.get_rank())
         self.prev_rank = ranks[me - 1] if me > 0 else None
@@ -78,17 +98,25 @@ class ReplicaGenerator:
         cfg = chunk.config
         self.hidden_dtype = cfg.pipeline_dtype or cfg.params_dtype
         self.hidden_size = cfg.hidden_size
-        self.geometry = self._geometry(chunk)
-        self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
-        self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
         on_gpu = self.device.type == "cuda"
         if config.cuda_graphs and not on_gpu:
             raise ValueError(f"GenerationConfig.cuda_graphs=True needs a model on a GPU; it is on {self.device}")
         self.use_graphs = on_gpu if config.cuda_graphs is None else config.cuda_graphs
+        self.overlap = on_gpu if config.overlap_host is None else config.overlap_host
+        self.geometry = self._geometry(chunk)
+        self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
+        self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
+        # Whether the attention reads each slot's own filled length (a kernel of ours) rather than a masked window
+        # of the longest: decode graphs then need no length bucket.
+        self.reads_lengths = all(a.decode_kernel_ok(self.device) for a in self.attention)
         self.cache: Optional[KVCache] = None
+        self.noise: Optional[RolloutMemory] = None
         self.graphs: Optional[DecodeGraphs] = None
-        self.stats = {"prefill_forwards": 0, "decode_steps": 0, "idle_slot_steps": 0, "max_active_slots": 0,
-                      "calls": 0}
+        self.prefill_hidden: Optional[torch.Tensor] = None
+        self._signatures: dict[tuple, tuple] = {}  # a graph's sampling settings, by the key part naming them
+        self._generator: Optional[torch.Generator] = None  # the call's sampling stream
+        self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "idle_slot_steps": 0,
+                      "max_active_slots": 0, "dropped_rows": 0, "calls": 0}
 
     def _geometry(self, chunk) -> CacheGeometry:
         cfg, attn = self.config, self.attention[0]
@@ -111,7 +139,8 @@ class ReplicaGenerator:
             raise ValueError(f"GenerationConfig.{what} holds {tokens} positions, fewer than one sequence of "
                              f"max_sequence_length ({slot_tokens})")
         return CacheGeometry(num_layers=len(self.attention), num_slots=slots, slot_tokens=slot_tokens,
-                             kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+                             kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                             spare_slots=1 if self.use_graphs else 0)
 
     # -- fixed-address state (made once, at the first call) ------------------------------------------------
 
@@ -120,12 +149,13 @@ class ReplicaGenerator:
             return
         g, dev = self.geometry, self.device
         self.cache = KVCache(g, dev, engine=self.engine)
+        n = g.cache_slots
         # Each slot's next input token and its position, and whether it runs: the decode step's inputs, updated
-        # in place on the device (decode graphs read them at these addresses).
-        self.slot_tokens = torch.zeros(g.num_slots, dtype=torch.long, device=dev)
-        self.slot_positions = torch.zeros(g.num_slots, dtype=torch.long, device=dev)
-        self.slot_running = torch.zeros(g.num_slots, dtype=torch.long, device=dev)
-        self.slot_index = torch.arange(g.num_slots, device=dev)
+        # in place on the device (graphs read them at these addresses). The spare slot takes padded rows.
+        self.slot_tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_running = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_index = torch.arange(n, device=dev)
         self.position_index = torch.arange(g.slot_tokens, device=dev)
         self.hidden_in = (torch.zeros(g.num_slots, 1, self.hidden_size, dtype=self.hidden_dtype, device=dev)
                           if self.prev_rank is not None else None)
@@ -133,9 +163,27 @@ class ReplicaGenerator:
         if self.use_graphs:
             sizes = self.config.graph_batch_sizes or [2**i for i in range(g.num_slots.bit_length())]
             sizes = sorted({min(b, g.num_slots) for b in sizes} | {g.num_slots})
-            self.graphs = DecodeGraphs(sizes, length_granule=self.config.graph_length_granule,
-                                       max_length=g.slot_tokens, device=dev,
-                                       pool_bytes=int(self.config.graph_pool_gib * 2**30))
+            self.graphs = self._new_graphs(sizes)
+            # A graph prefill's inputs: rows x padded length tokens, their positions and slots, then per row the
+            # index of its last token, its slot and its prompt length; filled by one host-to-device copy.
+            self.prefill_rows = g.num_slots if g.num_slots <= 8 else -(-g.num_slots // 8) * 8
+            self.prefill_tokens = max(self.config.prefill_tokens, self.config.prefill_graph_granule)
+            self.staging = torch.zeros(3 * 2 * self.prefill_tokens + self.prefill_rows, dtype=torch.long,
+                                       device=dev)
+            self.token_index = torch.arange(2 * self.prefill_tokens, device=dev)
+            self.prefill_hidden = (torch.zeros(2 * self.prefill_tokens, 1, self.hidden_size,
+                                               dtype=self.hidden_dtype, device=dev)
+                                   if self.prev_rank is not None else None)
+            if self.is_last:
+                # The sampling race's draws of a graph step (made eagerly before the replay, read by the graph).
+                rows = max(self.prefill_rows, g.num_slots)
+                self.noise = RolloutMemory(rows * int(self.chunk.vocab_size), torch.float32, dev,
+                                           engine=self.engine)
+
+    def _new_graphs(self, batch_sizes: list[int]) -> DecodeGraphs:
+        return DecodeGraphs(batch_sizes, length_granule=self.config.graph_length_granule,
+                            max_length=self.geometry.slot_tokens, device=self.device,
+                            pool_bytes=int(self.config.graph_pool_gib * 2**30))
 
     # -- one forward of this stage ---------------------------------------------------------------------------
 
@@ -163,6 +211,8 @@ class ReplicaGenerator:
         chunk = self.chunk
         for attn in self.attention:
             attn.kv_step = step
+        for norm in self.norms:
+            norm.in_step = True
         try:
             if chunk.pre_process:
                 hidden_T1H = chunk.embedding(input_ids=tokens_T.unsqueeze(0),
@@ -173,6 +223,8 @@ class ReplicaGenerator:
         finally:
             for attn in self.attention:
                 attn.kv_step = None
+            for norm in self.norms:
+                norm.in_step = False
         if not chunk.post_process:
             return hidden_T1H
         if last_T is not None:
@@ -184,11 +236,50 @@ class ReplicaGenerator:
     def _decode_forward(self, batch: int, attended: int) -> torch.Tensor:
         """A decode step over slots ``0 .. batch-1``, reading only fixed-address inputs (graph-capturable)."""
         positions = self.slot_positions[:batch]
+        if self.reads_lengths:
+            mask, lengths = None, positions + 1
+        else:
+            mask, lengths = (self.position_index[:attended] <= positions.unsqueeze(-1))[:, None, None, :], None
         step = KVStep(self.cache.keys, self.cache.values, slots_T=self.slot_index[:batch], positions_T=positions,
-                      rotary_T11D=self._rotary(positions), decode=True, attended=attended,
-                      mask_B11L=(self.position_index[:attended] <= positions.unsqueeze(-1))[:, None, None, :])
+                      rotary_T11D=self._rotary(positions), decode=True, attended=attended, mask_B11L=mask,
+                      lengths_B=lengths)
         hidden = self.hidden_in[:batch] if self.hidden_in is not None else None
         return self._forward(self.slot_tokens[:batch], hidden, step, None)
+
+    def _prefill_forward(self, rows: int, length: int) -> torch.Tensor:
+        """A graph prefill: ``rows`` prompts right-padded to ``length`` tokens, from the staging buffer."""
+        T = rows * length
+        tokens, positions, slots = (self.staging[i * T: (i + 1) * T] for i in range(3))
+        last = self.staging[3 * T: 3 * T + rows]
+        step = KVStep(self.cache.keys, self.cache.values, slots_T=slots, positions_T=positions,
+                      rotary_T11D=self._rotary(positions), decode=False, prompts=[(length, self.token_index[:T])])
+        hidden = self.prefill_hidden[:T] if self.prefill_hidden is not None else None
+        return self._forward(tokens, hidden, step, last)
+
+    # -- graph steps: the forward and, on the last stage, the sampling --------------------------------------
+
+    def _sampled(self, logits_nV: torch.Tensor, params, vocab: int, tempered: bool) -> tuple[torch.Tensor, ...]:
+        rows = logits_nV.shape[0]
+        noise = None if is_greedy(params) else self.noise.tensor()[: rows * vocab].view(rows, vocab)
+        tokens, logp = sample(logits_nV, params, vocab_size=vocab, noise_nV=noise, tempered_log_probs=tempered)
+        return logits_nV, tokens, logp
+
+    def graph_step(self, key: tuple) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """The capturable step of graph ``key``: ``(logits, tokens, log_probs)`` on the last stage, ``(hidden,)``
+        on the others."""
+        kind, rows, length, sig = key
+        params, vocab, tempered = self._signatures[sig]
+        forward = (lambda: self._decode_forward(rows, length)) if kind == "decode" else (
+            lambda: self._prefill_forward(rows, length))
+        if not self.is_last:
+            return lambda: (forward(),)
+        return lambda: self._sampled(forward(), params, vocab, tempered)
+
+    def _signature(self, params, vocab: int, tempered: bool) -> tuple:
+        sig = (is_greedy(params), float(params.temperature), int(params.top_k or 0), float(params.top_p or 0.0),
+               vocab, tempered)
+        self._signatures.setdefault(sig, (params, vocab, tempered))
+        return sig
 
     # -- pipeline communication ------------------------------------------------------------------------------
 
@@ -212,25 +303,87 @@ class ReplicaGenerator:
         dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
         return tensor
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` on the device without a host sync (a pinned staging copy on a GPU)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     # -- the steps -------------------------------------------------------------------------------------------
 
-    def _prefill(self, prompts: list[list[int]], slots: list[int],
-                 sampler) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Run whole prompts into ``slots``; returns each one's first token (every stage) and its log-prob (the
-        last stage)."""
+    def _prefill(self, prompts: list[list[int]], slots: list[int], params, vocab: int, tempered: bool,
+                 sampler) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+        """Run whole prompts into ``slots``; returns each row's first token (every stage), its log-prob (the last
+        stage) and the rows computed (padded rows of a graph prefill come after the prompts')."""
         lengths = [len(p) for p in prompts]
-        dev = self.device
-        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
-        where = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(dev)
+        key = self._prefill_key(lengths, params, vocab, tempered)
+        if key is not None:
+            picked, logp, rows = self._graph_prefill(key, prompts, slots, params)
+        else:
+            picked, logp = self._eager_prefill(prompts, slots, sampler)
+            rows = len(prompts)
+        index = self._to_device(slots)
+        self.slot_tokens[index] = picked[: len(prompts)]
+        self.slot_positions[index] = self._to_device(lengths)
+        self.slot_running[index] = 1
+        return picked, logp, rows
+
+    def _prefill_key(self, lengths: list[int], params, vocab: int, tempered: bool) -> Optional[tuple]:
+        if self.graphs is None:
+            return None
+        granule = self.config.prefill_graph_granule
+        # Rows: exact up to 8 (refills are a few prompts: a power of two would pad 3 to 4), then whole eights.
+        n = len(lengths)
+        rows = n if n <= 8 else -(-n // 8) * 8
+        length = min(-(-max(lengths) // granule) * granule, self.geometry.slot_tokens)
+        if rows > self.prefill_rows or rows * length > 2 * self.prefill_tokens:
+            return None
+        return ("prefill", rows, length, self._signature(params, vocab, tempered))
+
+    def stage_prefill(self, rows: int, length: int, prompts: list[list[int]], slots: list[int]) -> None:
+        """Write a graph prefill's inputs: ``prompts`` (at most ``rows``, each at most ``length`` tokens) into
+        ``slots``, right-padded to ``length``; rows past the prompts write the spare slot."""
+        T, spare = rows * length, self.geometry.num_slots
+        tokens, positions, where = [], [], []
+        for r in range(rows):
+            prompt = prompts[r] if r < len(prompts) else [0]
+            tokens += prompt + [0] * (length - len(prompt))  # right padding: causal attention never reads it
+            positions += range(length)
+            where += [slots[r] if r < len(prompts) else spare] * length
+        last = [r * length + (len(prompts[r]) if r < len(prompts) else 1) - 1 for r in range(rows)]
+        self.staging[: 3 * T + rows].copy_(self._to_device(tokens + positions + where + last))
+
+    def _graph_prefill(self, key: tuple, prompts: list[list[int]], slots: list[int], params):
+        _, rows, length, _ = key
+        T = rows * length
+        self.stage_prefill(rows, length, prompts, slots)
+        self._receive(self.prefill_hidden[:T] if self.prefill_hidden is not None else None, T)
+        if self.is_last and not is_greedy(params):
+            draw_noise(self.noise.tensor()[: rows * key[3][4]], params, self._generator)
+        out = self.graphs.run(key, self.graph_step(key))
+        self.stats["prefill_graph_forwards"] += 1
+        picked = logp = None
+        if self.is_last:
+            picked, logp = out[1], out[2].clone()
+        else:
+            self._send(out[0])
+        picked = self._share(picked, rows, torch.long)
+        return picked, logp, rows
+
+    def _eager_prefill(self, prompts: list[list[int]], slots: list[int], sampler):
+        lengths = [len(p) for p in prompts]
+        tokens = self._to_device([t for p in prompts for t in p])
+        positions = self._to_device([i for n in lengths for i in range(n)])
+        where = self._to_device([s for s, n in zip(slots, lengths) for _ in range(n)])
         starts = [0, *itertools.accumulate(lengths)][:-1]
         by_length: dict[int, list[int]] = {}
         for start, n in zip(starts, lengths):
             by_length.setdefault(n, []).extend(range(start, start + n))
         step = KVStep(self.cache.keys, self.cache.values, slots_T=where, positions_T=positions,
                       rotary_T11D=self._rotary(positions), decode=False,
-                      prompts=[(n, torch.tensor(index, device=dev)) for n, index in by_length.items()])
-        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=dev)
+                      prompts=[(n, self._to_device(index)) for n, index in by_length.items()])
+        last = self._to_device([s + n - 1 for s, n in zip(starts, lengths)])
         out = self._forward(tokens, self._receive(None, len(tokens)), step, last)
         self.stats["prefill_forwards"] += 1
         picked = logp = None
@@ -239,35 +392,49 @@ class ReplicaGenerator:
         else:
             self._send(out)
         picked = self._share(picked, len(prompts), torch.long)
-        index = torch.tensor(slots, device=dev)
-        self.slot_tokens[index] = picked
-        self.slot_positions[index] = torch.tensor(lengths, device=dev)
-        self.slot_running[index] = 1
         return picked, logp
 
-    def _decode(self, batch: int, attended: int, sampler) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _decode(self, batch: int, attended: int, params, vocab: int, tempered: bool,
+                sampler) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One token for each of the slots ``0 .. batch-1``; returns the tokens (every stage), log-probs (last)."""
         if self.graphs is not None:
-            batch, attended = self.graphs.bucket(batch, attended)
+            batch, attended = self.graphs.bucket(batch, self.geometry.slot_tokens if self.reads_lengths
+                                                 else attended)
         self._receive(self.hidden_in[:batch] if self.hidden_in is not None else None, batch)
+        picked = logp = None
         if self.graphs is not None:
-            out = self.graphs.run((batch, attended), lambda: self._decode_forward(batch, attended))
+            key = ("decode", batch, attended, self._signature(params, vocab, tempered))
+            if self.is_last and not is_greedy(params):
+                draw_noise(self.noise.tensor()[: batch * vocab], params, self._generator)
+            out = self.graphs.run(key, self.graph_step(key))
+            if self.is_last:
+                picked, logp = out[1], out[2].clone()
+            else:
+                self._send(out[0])
         else:
             out = self._decode_forward(batch, attended)
-        picked = logp = None
-        if self.is_last:
-            picked, logp = sampler(out)
-        else:
-            self._send(out)
+            if self.is_last:
+                picked, logp = sampler(out)
+            else:
+                self._send(out)
         picked = self._share(picked, batch, torch.long)
         self.slot_tokens[:batch] = picked
         self.slot_positions[:batch] += self.slot_running[:batch]
         return picked, logp
 
     def _release(self, slots: list[int]) -> None:
-        index = torch.tensor(slots, device=self.device)
-        self.slot_running[index] = 0
-        self.slot_positions[index] = 0  # an idle slot keeps writing (garbage) at a valid position: 0
+        for slot in slots:  # scalar fills: no host-to-device copy, so no sync with the steps in flight
+            self.slot_running[slot] = 0
+            self.slot_positions[slot] = 0  # an idle slot keeps writing (garbage) at a valid position: 0
+
+    def _in_flight(self, picked: torch.Tensor, owners: list[Optional[int]]) -> _InFlight:
+        if not self.overlap or self.device.type != "cuda":  # on a CPU the step has run already
+            return _InFlight(owners, picked, None)
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _InFlight(owners, host, event)
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -286,63 +453,91 @@ class ReplicaGenerator:
             self.inv_freq.copy_(self.rotary.inv_freq)  # the model's rotary state, at this call
         stops = set(stop_token_ids) | ({int(params.termination_id)} if params.termination_id is not None else set())
         limit = int(params.num_tokens_to_generate)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._generator = generator = torch.Generator(device=self.device).manual_seed(seed)
 
         def sampler(logits_nV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return sample(logits_nV, params, vocab_size=vocab_size, generator=generator,
                           tempered_log_probs=tempered_log_probs)
 
         sched = SlotScheduler(len(prompts), self.geometry.num_slots)
+        launched = [0] * len(prompts)  # tokens launched per sequence (the host knows them before they arrive)
+        closed = [False] * len(prompts)  # no more steps will be launched for the sequence; its slot is free
+        ended = [False] * len(prompts)  # its last token has arrived
+        flight: deque[_InFlight] = deque()
+        depth = 1 if self.overlap else 0
         # Per step, which sequence each sampled row belongs to (None: an idle slot), and the last stage's log-probs.
         rows: list[list[Optional[int]]] = []
         log_probs: list[torch.Tensor] = []
 
-        def record(tokens: list[int], owners: list[Optional[int]]) -> list[int]:
-            done = []
-            for tok, seq in zip(tokens, owners):
-                if seq is None:
-                    continue
-                out = results[seq].generated_tokens
-                out.append(tok)
-                if tok in stops or len(out) == limit:
-                    done.append(seq)
-            return done
+        def close(seq: int) -> None:
+            closed[seq] = True
+            self._release([sched.finish(seq)])
+
+        def launched_step(picked: torch.Tensor, logp: Optional[torch.Tensor], owners: list[Optional[int]]) -> None:
+            rows.append(owners)
+            log_probs.append(logp)
+            flight.append(self._in_flight(picked, owners))
+            for seq in owners:
+                if seq is not None:
+                    launched[seq] += 1
+            for seq in owners:  # by length: ends with this step, whatever its tokens are
+                if seq is not None and launched[seq] == limit and not closed[seq]:
+                    close(seq)
+
+        def drain(keep: int) -> None:
+            while len(flight) > keep:
+                step = flight.popleft()
+                if step.event is not None:
+                    step.event.synchronize()
+                for j, (tok, seq) in enumerate(zip(step.tokens.tolist(), step.owners)):
+                    if seq is None:
+                        continue
+                    if ended[seq]:  # launched before the host saw this sequence's stop token
+                        step.owners[j] = None
+                        self.stats["dropped_rows"] += 1
+                        continue
+                    out = results[seq].generated_tokens
+                    out.append(tok)
+                    if tok in stops or len(out) == limit:
+                        ended[seq] = True
+                        if not closed[seq]:
+                            close(seq)
 
         was_training = self.chunk.training
         self.chunk.eval()
         try:
             graph_memory = self.graphs.backed() if self.graphs is not None else nullcontext()
-            with torch.no_grad(), self.cache.backed(), graph_memory:
-                while not sched.done:
+            noise_memory = self.noise.backed() if self.noise is not None else nullcontext()
+            with torch.no_grad(), self.cache.backed(), graph_memory, noise_memory:
+                while True:
                     admitted = sched.admit()
                     while admitted:  # a prompt whose first token ends it frees its slot for the next at once
                         for group in self._prefill_groups(admitted, prompts):
                             seqs, slots = [s for s, _ in group], [slot for _, slot in group]
-                            picked, logp = self._prefill([prompts[s] for s in seqs], slots, sampler)
-                            rows.append(seqs)
-                            log_probs.append(logp)
-                            finished = record(picked.tolist(), seqs)
-                            if finished:
-                                self._release([sched.finish(s) for s in finished])
+                            picked, logp, n = self._prefill([prompts[s] for s in seqs], slots, params, vocab_size,
+                                                            tempered_log_probs, sampler)
+                            launched_step(picked, logp, seqs + [None] * (n - len(seqs)))
+                            drain(depth)
                         admitted = sched.admit()
                     batch = sched.decode_batch()
-                    if batch == 0:
-                        continue
-                    owners: list[Optional[int]] = [None] * batch
-                    attended = 0
-                    for slot, seq in sched.active():
-                        owners[slot] = seq
-                        attended = max(attended, len(prompts[seq]) + len(results[seq].generated_tokens))
-                    picked, logp = self._decode(batch, attended, sampler)
-                    owners += [None] * (len(picked) - batch)  # slots a graph bucket adds
-                    rows.append(owners)
-                    log_probs.append(logp)
-                    finished = record(picked.tolist(), owners)
-                    if finished:
-                        self._release([sched.finish(s) for s in finished])
+                    if batch:
+                        owners: list[Optional[int]] = [None] * batch
+                        attended = 0
+                        for slot, seq in sched.active():
+                            owners[slot] = seq
+                            attended = max(attended, len(prompts[seq]) + launched[seq])
+                        picked, logp = self._decode(batch, attended, params, vocab_size, tempered_log_probs,
+                                                    sampler)
+                        launched_step(picked, logp, owners + [None] * (len(picked) - batch))
+                        drain(depth)
+                    elif flight:
+                        drain(0)
+                    elif sched.done:
+                        break
                 self._collect_log_probs(results, rows, log_probs, tempered=tempered_log_probs)
         finally:
             self.chunk.train(was_training)
+            self._generator = None
         for key in ("decode_steps", "idle_slot_steps"):
             self.stats[key] += getattr(sched, key)
         self.stats["max_active_slots"] = max(self.stats["max_active_slots"], sched.max_active)
@@ -353,7 +548,9 @@ class ReplicaGenerator:
 
     def _prefill_groups(self, admitted: list[tuple[int, int]], prompts) -> list[list[tuple[int, int]]]:
         """``admitted`` cut into prefill forwards of at most ``prefill_tokens`` prompt tokens (a longer prompt
-        alone)."""
+        alone). With graphs, prompts of similar lengths go together (less padding)."""
+        if self.graphs is not None:
+            admitted = sorted(admitted, key=lambda item: len(prompts[item[0]]))
         groups: list[list[tuple[int, int]]] = [[]]
         size = 0
         for item in admitted:
@@ -396,6 +593,9 @@ class ReplicaGenerator:
         out["kv_cache_bytes"] = self.geometry.nbytes
         out["kv_cache_mapped_bytes"] = self.cache.mapped_bytes if self.cache is not None else 0
         out["kv_cache_address"] = self.cache.data_ptr() if self.cache is not None else 0
+        out["sampling_noise_mapped_bytes"] = self.noise.mapped_bytes if self.noise is not None else 0
+        out["overlap_host"] = self.overlap
+        out["attention_reads_lengths"] = self.reads_lengths
         return out
 
     def close(self) -> None:
@@ -406,3 +606,6 @@ class ReplicaGenerator:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
+        if self.noise is not None:
+            self.noise.close()
+            self.noise = None
