@@ -14,23 +14,13 @@ Triton's CPU interpreter, which must be switched on before the kernels are defin
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_hybrid.inference import kernels
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-TRITON_DEVICE = "cuda" if CUDA else "cpu"
-needs_triton = pytest.mark.skipif(
-    not (kernels.HAVE_TRITON and (CUDA or INTERPRET)),
-    reason="needs Triton and a GPU, or TRITON_INTERPRET=1 (test_interpreter_subprocess runs these interpreted)")
+from tests.triton_support import CUDA, TRITON_DEVICE, needs_triton, run_interpreted
 
 POISON = float("nan")  # in unfilled cache positions: a kernel that reads one returns NaN
 
@@ -194,51 +184,6 @@ def test_bad_shapes_raise() -> None:
 # Triton paths against the references
 
 
-@pytest.fixture
-def triton_interpreter_fixes(monkeypatch) -> None:
-    """Work around three defects of Triton 3.5's CPU interpreter (none affects compiled kernels):
-
-    - it turns a loaded scalar (a one-element array) into a loop bound with ``int(array)``, which numpy >= 2.4
-      refuses (triton-lang/triton#9171);
-    - it multiplies bfloat16 tiles in ``tl.dot`` as their uint16 bit patterns;
-    - it truncates float32 -> bfloat16 casts, where compiled Triton (and PyTorch) round to nearest even.
-    """
-    if not INTERPRET:
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, *args):
-        patch_tensor(tensor, *args)
-        # Stays on tl.tensor after the test, like the interpreter's own patches (3.5 never undoes them).
-        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-
-    convert_float = interpreter._convert_float
-
-    def convert_float_rtne(data, src, dst, rounding):
-        if src == tl.float32 and dst == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
-        return convert_float(data, src, dst, rounding)
-
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot_bf16(self, a, b, *args):
-        def fp32(h):
-            if h.dtype != tl.bfloat16:
-                return h
-            return interpreter.TensorHandle(convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32),
-                                            tl.float32)
-        return create_dot(self, fp32(a), fp32(b), *args)
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-    monkeypatch.setattr(interpreter, "_convert_float", convert_float_rtne)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_bf16)
-
-
 # The kernel rounds the probabilities to the cache's dtype before p . v (the reference keeps them fp32): each weight
 # is off by at most 2**-8 (bf16) / 2**-11 (fp16) relative, so the output by at most that times max |v| (~4 for
 # these randn caches), plus one unit in the last place of each rounded output (the rtol). Seen over three seeds:
@@ -367,12 +312,4 @@ def test_triton_rms_norm_within_one_unit(dtype: torch.dtype, H: int) -> None:
 
 def test_interpreter_subprocess() -> None:
     """The ``test_triton_*`` tests in Triton's CPU interpreter, in a child process (see the module docstring)."""
-    pytest.importorskip("triton")
-    if CUDA or INTERPRET:
-        pytest.skip("the Triton tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
-                          capture_output=True, text=True, timeout=600, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
+    run_interpreted(__file__)

@@ -17,22 +17,12 @@ runs them in a child pytest with ``TRITON_INTERPRET=1``. Without Triton they are
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from megatron_hybrid.inference import sampling, topp_kernel
+from tests.triton_support import CUDA, INTERPRET, TRITON_DEVICE, needs_triton, run_interpreted
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-TRITON_DEVICE = "cuda" if CUDA else "cpu"
-needs_triton = pytest.mark.skipif(
-    not (topp_kernel.HAVE_TRITON and (CUDA or INTERPRET)),
-    reason="needs Triton and a GPU, or TRITON_INTERPRET=1 (test_interpreter_subprocess runs these interpreted)")
 
 TINY = torch.finfo(torch.float32).tiny
 # Rows whose boundary mass lies closer than this to top_p are left out. The two paths' fp32 masses differ by well
@@ -222,25 +212,6 @@ def test_cpu_tensors_take_the_reference_outside_the_interpreter(monkeypatch) -> 
 # The Triton kernel against the reference
 
 
-@pytest.fixture
-def interpreter_scalar_index(monkeypatch) -> None:
-    """Triton 3.5's CPU interpreter takes a scalar kernel argument (a one-element array) as a loop bound with
-    ``int(array)``, which numpy >= 2.4 refuses (triton-lang/triton#9171): read the element instead. Compiled kernels
-    are unaffected."""
-    if not INTERPRET:
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, *args):
-        original(tensor, *args)
-        # Stays on tl.tensor after the test, like the interpreter's own patches (3.5 never undoes them).
-        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-
-
 def kernel_case(*, V: int, V_padded: int, dtype: torch.dtype, temperature: float, layout: str,
                 seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Five rows, each its own test: peaked with Exp(1) draws; peaked, nearly uniform and tied (values in halves)
@@ -283,7 +254,7 @@ def check_kernel(*, V: int, V_padded: int, dtype: torch.dtype, top_p: float, tem
 
 
 @needs_triton
-@pytest.mark.usefixtures("interpreter_scalar_index")
+@pytest.mark.usefixtures("triton_interpreter_fixes")
 @pytest.mark.parametrize("dtype,top_p,temperature,layout", [
     (torch.float32, 0.1, 1.0, "rows"),
     (torch.float32, 0.9, 0.7, "columns"),
@@ -298,7 +269,7 @@ def test_triton_top_p_race_matches_reference(dtype: torch.dtype, top_p: float, t
 
 
 @needs_triton
-@pytest.mark.usefixtures("interpreter_scalar_index")
+@pytest.mark.usefixtures("triton_interpreter_fixes")
 @pytest.mark.parametrize("max_rounds", [0, 1])
 def test_triton_top_p_race_threshold_search_fallback(monkeypatch, max_rounds: int) -> None:
     # After _MAX_ROUNDS rejections the kernel searches for the threshold instead: forced here from the start (0) and
@@ -309,7 +280,7 @@ def test_triton_top_p_race_threshold_search_fallback(monkeypatch, max_rounds: in
 
 
 @needs_triton
-@pytest.mark.usefixtures("interpreter_scalar_index")
+@pytest.mark.usefixtures("triton_interpreter_fixes")
 def test_triton_top_p_race_many_steps(monkeypatch) -> None:
     # Steps of 256 columns: four steps of every pass over V = 1000, the last one short.
     monkeypatch.setattr(topp_kernel, "_BLOCK", 256)
@@ -317,7 +288,7 @@ def test_triton_top_p_race_many_steps(monkeypatch) -> None:
 
 
 @needs_triton
-@pytest.mark.usefixtures("interpreter_scalar_index")
+@pytest.mark.usefixtures("triton_interpreter_fixes")
 @pytest.mark.parametrize("dtype,top_p,temperature", [(torch.float32, 0.9, 0.7), (torch.bfloat16, 0.1, 1.0),
                                                      (torch.bfloat16, 0.999, 0.7)])
 def test_triton_top_p_race_large_vocabulary(monkeypatch, dtype: torch.dtype, top_p: float,
@@ -361,12 +332,4 @@ def test_triton_top_p_race_replays_in_a_cuda_graph() -> None:
 
 def test_interpreter_subprocess() -> None:
     """The ``test_triton_*`` tests in Triton's CPU interpreter, in a child process (see the module docstring)."""
-    pytest.importorskip("triton")
-    if CUDA or INTERPRET:
-        pytest.skip("the Triton tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
-                          capture_output=True, text=True, timeout=600, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
+    run_interpreted(__file__)

@@ -54,7 +54,8 @@ _SPLIT_MIN_POSITIONS = 128  # a split covers at least this many positions: its q
 _NO_SPLIT_LENGTH = 256  # at or below this max_length a slot is one program: the combine would cost more than it saves
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_warned_fallback = False
+_warned_fallbacks: set[str] = set()
+_DECODE_FALLBACK = "the KV-cache decode kernels run their PyTorch reference"
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -73,12 +74,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _warn_cuda_fallback(t: torch.Tensor) -> None:
-    global _warned_fallback
-    if t.is_cuda and not _warned_fallback:
-        _warned_fallback = True
-        warnings.warn(f"megatron_hybrid: Triton is not available ({_TRITON_ERROR}); the KV-cache decode kernels run "
-                      "their PyTorch reference", RuntimeWarning, stacklevel=3)
+def warn_cuda_fallback(t: torch.Tensor, what: str) -> None:
+    """Warn once per ``what`` (what runs instead) that a CUDA tensor takes a PyTorch reference: Triton is missing."""
+    if t.is_cuda and what not in _warned_fallbacks:
+        _warned_fallbacks.add(what)
+        warnings.warn(f"megatron_hybrid: Triton is not available ({_TRITON_ERROR}); {what}", RuntimeWarning,
+                      stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,7 +155,7 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
         raise ValueError(f"decode_attention: out is {tuple(out.shape)} {out.dtype}, expected "
                          f"{tuple(q_BGRD.shape)} {q_BGRD.dtype}")
     if not use_triton(q_BGRD):
-        _warn_cuda_fallback(q_BGRD)
+        warn_cuda_fallback(q_BGRD, _DECODE_FALLBACK)
         return _decode_attention_reference(q_BGRD, keys_NGLD, values_NGLD, lengths_B, scale=scale,
                                            max_length=max_length, out=out)
     if D > _MAX_HEAD_DIM or R > _MAX_RATIO or q_BGRD.dtype not in _KERNEL_DTYPES:
@@ -273,7 +274,7 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
         raise ValueError(f"rope_kv_write: out_q is {tuple(out_q.shape)} {out_q.dtype}, expected ({T}, {G * R}, {D}) "
                          f"{dtype}")
     if not use_triton(mixed_qkv_TX):
-        _warn_cuda_fallback(mixed_qkv_TX)
+        warn_cuda_fallback(mixed_qkv_TX, _DECODE_FALLBACK)
         return _rope_kv_write_reference(mixed_qkv_TX, cos_TDr, sin_TDr, slots_T, positions_T, keys_NGLD,
                                         values_NGLD, groups=G, ratio=R, head_dim=D, out_q=out_q)
     if dtype not in _KERNEL_DTYPES:

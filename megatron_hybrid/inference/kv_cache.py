@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -114,7 +114,7 @@ class RolloutMemory:
             self.buffer.close()
 
 
-class KVCache:
+class KVCache(RolloutMemory):
     """Keys and values of every attention layer of one stage, as views of one :class:`RolloutMemory`.
 
     Args:
@@ -125,27 +125,10 @@ class KVCache:
     """
 
     def __init__(self, geometry: CacheGeometry, device: torch.device, *, engine: Optional[Any] = None) -> None:
+        super().__init__(geometry.numel, geometry.dtype, device, engine=engine)
         self.geometry = geometry
-        self.memory = RolloutMemory(geometry.numel, geometry.dtype, device, engine=engine)
-        self.buffer = self.memory.buffer
-        flat = self.memory.tensor()
+        flat = self.tensor()
         n, shape = geometry.layer_numel, (geometry.cache_slots, geometry.kv_heads, geometry.slot_tokens,
                                           geometry.head_dim)
         self.keys = [flat[(2 * i) * n: (2 * i + 1) * n].view(shape) for i in range(geometry.num_layers)]
         self.values = [flat[(2 * i + 1) * n: (2 * i + 2) * n].view(shape) for i in range(geometry.num_layers)]
-
-    def backed(self) -> ContextManager[None]:
-        """Memory behind the cache for the body (mapped by the engine's rollout, or here)."""
-        return self.memory.backed()
-
-    def data_ptr(self) -> int:
-        """Address of the cache (the same for its whole life)."""
-        return self.memory.data_ptr()
-
-    @property
-    def mapped_bytes(self) -> int:
-        return self.memory.mapped_bytes
-
-    def close(self) -> None:
-        """Give the reservation back (only one this cache made itself; the engine frees its own)."""
-        self.memory.close()

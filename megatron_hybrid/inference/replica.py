@@ -258,11 +258,28 @@ class ReplicaGenerator:
 
     # -- graph steps: the forward and, on the last stage, the sampling --------------------------------------
 
+    def _noise(self, rows: int, vocab: int) -> torch.Tensor:
+        """The race's draws of a graph step over ``rows`` rows, ``[rows, vocab]`` at a fixed address."""
+        return self.noise.tensor()[: rows * vocab].view(rows, vocab)
+
     def _sampled(self, logits_nV: torch.Tensor, params, vocab: int, tempered: bool) -> tuple[torch.Tensor, ...]:
-        rows = logits_nV.shape[0]
-        noise = None if is_greedy(params) else self.noise.tensor()[: rows * vocab].view(rows, vocab)
+        noise = None if is_greedy(params) else self._noise(logits_nV.shape[0], vocab)
         tokens, logp = sample(logits_nV, params, vocab_size=vocab, noise_nV=noise, tempered_log_probs=tempered)
         return logits_nV, tokens, logp
+
+    def _replay(self, key: tuple) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Run graph ``key`` (its draws made first); returns its tokens and a copy of its log-probs on the last
+        stage (the graph's outputs are overwritten by the next replay), ``(None, None)`` on the others after
+        sending the hidden states on."""
+        _, rows, _, sig = key
+        params, vocab, _ = self._signatures[sig]
+        if self.is_last and not is_greedy(params):
+            draw_noise(self._noise(rows, vocab), params, self._generator)
+        out = self.graphs.run(key, self.graph_step(key))
+        if not self.is_last:
+            self._send(out[0])
+            return None, None
+        return out[1], out[2].clone()
 
     def graph_step(self, key: tuple) -> Callable[[], tuple[torch.Tensor, ...]]:
         """The capturable step of graph ``key``: ``(logits, tokens, log_probs)`` on the last stage, ``(hidden,)``
@@ -319,7 +336,7 @@ class ReplicaGenerator:
         lengths = [len(p) for p in prompts]
         key = self._prefill_key(lengths, params, vocab, tempered)
         if key is not None:
-            picked, logp, rows = self._graph_prefill(key, prompts, slots, params)
+            picked, logp, rows = self._graph_prefill(key, prompts, slots)
         else:
             picked, logp = self._eager_prefill(prompts, slots, sampler)
             rows = len(prompts)
@@ -354,20 +371,13 @@ class ReplicaGenerator:
         last = [r * length + (len(prompts[r]) if r < len(prompts) else 1) - 1 for r in range(rows)]
         self.staging[: 3 * T + rows].copy_(self._to_device(tokens + positions + where + last))
 
-    def _graph_prefill(self, key: tuple, prompts: list[list[int]], slots: list[int], params):
+    def _graph_prefill(self, key: tuple, prompts: list[list[int]], slots: list[int]):
         _, rows, length, _ = key
         T = rows * length
         self.stage_prefill(rows, length, prompts, slots)
         self._receive(self.prefill_hidden[:T] if self.prefill_hidden is not None else None, T)
-        if self.is_last and not is_greedy(params):
-            draw_noise(self.noise.tensor()[: rows * key[3][4]], params, self._generator)
-        out = self.graphs.run(key, self.graph_step(key))
+        picked, logp = self._replay(key)
         self.stats["prefill_graph_forwards"] += 1
-        picked = logp = None
-        if self.is_last:
-            picked, logp = out[1], out[2].clone()
-        else:
-            self._send(out[0])
         picked = self._share(picked, rows, torch.long)
         return picked, logp, rows
 
@@ -403,14 +413,7 @@ class ReplicaGenerator:
         self._receive(self.hidden_in[:batch] if self.hidden_in is not None else None, batch)
         picked = logp = None
         if self.graphs is not None:
-            key = ("decode", batch, attended, self._signature(params, vocab, tempered))
-            if self.is_last and not is_greedy(params):
-                draw_noise(self.noise.tensor()[: batch * vocab], params, self._generator)
-            out = self.graphs.run(key, self.graph_step(key))
-            if self.is_last:
-                picked, logp = out[1], out[2].clone()
-            else:
-                self._send(out[0])
+            picked, logp = self._replay(("decode", batch, attended, self._signature(params, vocab, tempered)))
         else:
             out = self._decode_forward(batch, attended)
             if self.is_last:

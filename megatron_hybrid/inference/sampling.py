@@ -56,9 +56,12 @@ def sample(logits_nV: torch.Tensor, params, *, vocab_size: int, generator: Optio
     logits = logits_nV[:, :vocab_size].float()
     log_probs = torch.log_softmax(logits, dim=-1)
     temperature = float(params.temperature)
-    x = logits / temperature if temperature not in (0.0, 1.0) else logits
+    # The tempered logits, made where a path reads them (at temperature 1, or 0: greedy, they are the logits).
+    x = logits if temperature in (0.0, 1.0) else None
     tempered = None
-    if tempered_log_probs:  # at temperature 1 (or 0: greedy on the logits) x is the logits: the same log-probs
+    if tempered_log_probs:  # at temperature 1 (or 0) x is the logits: the same log-probs
+        if x is None:
+            x = logits / temperature
         tempered = log_probs if temperature in (0.0, 1.0) else torch.log_softmax(x, dim=-1)
     top_k, top_p = int(params.top_k or 0), float(params.top_p or 0.0)
     tokens = None
@@ -73,6 +76,8 @@ def sample(logits_nV: torch.Tensor, params, *, vocab_size: int, generator: Optio
         except Exception as exc:  # a Triton that cannot build the kernel: the sort below, for the process's life
             _disable_top_p_kernel(exc)
     if tokens is None and not is_greedy(params):
+        if x is None:
+            x = logits / temperature
         if top_k > 1:
             kth = x.topk(top_k, dim=-1).values[:, -1:]
             x = x.masked_fill(x < kth, float("-inf"))

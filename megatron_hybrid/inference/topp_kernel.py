@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import math
 import struct
-import warnings
 from typing import Optional
 
 import torch
 
-from megatron_hybrid.inference.kernels import HAVE_TRITON, use_triton
+from megatron_hybrid.inference.kernels import HAVE_TRITON, use_triton, warn_cuda_fallback
 
 if HAVE_TRITON:
     import triton
@@ -61,8 +60,6 @@ _NUM_WARPS = 8
 _MAX_ROUNDS = 6
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_warned_fallback = False
-
 
 def _fp32(value: float) -> float:
     """``value`` rounded to the nearest float32."""
@@ -73,14 +70,6 @@ def _inverse_temperature(temperature: float) -> float:
     # 1 / t correctly rounded to fp32, as CUDA PyTorch computes it for logits / t: the double quotient of two floats
     # rounds to the same float32 as an fp32 division (double has more than 2 * 24 + 2 bits).
     return _fp32(1.0 / _fp32(temperature))
-
-
-def _warn_cuda_fallback(t: torch.Tensor) -> None:
-    global _warned_fallback
-    if t.is_cuda and not _warned_fallback:
-        _warned_fallback = True
-        warnings.warn("megatron_hybrid: Triton is not available; top-p sampling runs its PyTorch reference (a sort "
-                      "of the vocabulary per row)", RuntimeWarning, stacklevel=3)
 
 
 def top_p_race(logits_nV: torch.Tensor, noise_nV: torch.Tensor, *, vocab_size: int, temperature: float,
@@ -127,7 +116,7 @@ def top_p_race(logits_nV: torch.Tensor, noise_nV: torch.Tensor, *, vocab_size: i
         raise ValueError(f"top_p_race: out is {tuple(out.shape)} {out.dtype} on {out.device}, expected ({n},) "
                          f"torch.int64 on {logits_nV.device}")
     if not use_triton(logits_nV):
-        _warn_cuda_fallback(logits_nV)
+        warn_cuda_fallback(logits_nV, "top-p sampling runs its PyTorch reference (a sort of the vocabulary per row)")
         return _top_p_race_reference(logits_nV, noise_nV, vocab_size=vocab_size, temperature=temperature,
                                      top_p=top_p, out=out)
     if n == 0:
@@ -185,6 +174,34 @@ if HAVE_TRITON:
         return tl.load(logits_row + cols * stride_v, mask=valid, other=0.0).to(tl.float32) * inv_temperature
 
     @triton.jit
+    def _race_above(logits_row, noise_row, logits_stride_v, noise_stride_v, vocab_size, inv_temperature, x_max, tiny,
+                    bound, BLOCK: tl.constexpr):
+        # The race's winner over the tokens with key > bound (the lowest column on a tie), and the row's total mass
+        # sum exp(x - x_max) over every token.
+        lanes = tl.arange(0, BLOCK)
+        lane_best = tl.full([BLOCK], -1.0, tl.float32)
+        lane_token = tl.zeros([BLOCK], tl.int32)
+        lane_total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + lanes
+            valid = cols < vocab_size
+            x = _scaled_row(logits_row, logits_stride_v, cols, valid, inv_temperature)
+            e = tl.where(valid, tl.exp(x - x_max), 0.0)
+            lane_total += e
+            draw = tl.load(noise_row + cols * noise_stride_v, mask=valid, other=1.0)
+            # IEEE division, as PyTorch's (Triton's `/` on fp32 is approximate). It flushes results below the smallest
+            # normal float to 0: such values cannot beat the most probable token's 1 / E.
+            race = tl.math.div_rn(e, tl.maximum(draw, tiny))
+            race = tl.where(valid & (_order_key(x) > bound), race, -1.0)
+            # Per lane the first best (later steps of a lane hold larger columns), then the lowest column.
+            better = race > lane_best
+            lane_best = tl.where(better, race, lane_best)
+            lane_token = tl.where(better, cols, lane_token)
+        best = tl.max(lane_best, axis=0)
+        token = tl.min(tl.where(lane_best == best, lane_token, 2147483647), axis=0)
+        return token, tl.sum(lane_total, axis=0)
+
+    @triton.jit
     def _top_p_race_kernel(
         logits_ptr, noise_ptr, out_ptr,
         logits_stride_n, logits_stride_v, noise_stride_n, noise_stride_v, out_stride,
@@ -221,27 +238,8 @@ if HAVE_TRITON:
         total = tl.zeros([], tl.float32)
         while (done == 0) & (rounds < MAX_ROUNDS):
             rounds += 1
-            lane_best = tl.full([BLOCK], -1.0, tl.float32)
-            lane_token = tl.zeros([BLOCK], tl.int32)
-            lane_total = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab_size, BLOCK):
-                cols = start + lanes
-                valid = cols < vocab_size
-                x = _scaled_row(logits_row, logits_stride_v, cols, valid, inv_temperature)
-                e = tl.where(valid, tl.exp(x - x_max), 0.0)
-                lane_total += e
-                draw = tl.load(noise_row + cols * noise_stride_v, mask=valid, other=1.0)
-                # IEEE division, as PyTorch's (Triton's `/` on fp32 is approximate). It flushes results below the
-                # smallest normal float to 0: such values cannot beat the most probable token's 1 / E.
-                race = tl.math.div_rn(e, tl.maximum(draw, tiny))
-                race = tl.where(valid & (_order_key(x) > bound), race, -1.0)
-                # Per lane the first best (later steps of a lane hold larger columns), then the lowest column.
-                better = race > lane_best
-                lane_best = tl.where(better, race, lane_best)
-                lane_token = tl.where(better, cols, lane_token)
-            total = tl.sum(lane_total, axis=0)  # every valid token, whatever the bound: the same each round
-            best = tl.max(lane_best, axis=0)
-            token = tl.min(tl.where(lane_best == best, lane_token, 2147483647), axis=0)
+            token, total = _race_above(logits_row, noise_row, logits_stride_v, noise_stride_v, vocab_size,
+                                       inv_temperature, x_max, tiny, bound, BLOCK)
             winner_key = _order_key(_scaled_row(logits_row, logits_stride_v, token, True, inv_temperature))
             lane_above = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab_size, BLOCK):
@@ -276,19 +274,7 @@ if HAVE_TRITON:
                 new_hi = tl.min(tl.where(meets, candidates, hi), axis=0)
                 lo = tl.max(tl.where(meets, lo, candidates), axis=0)
                 hi = new_hi
-            threshold = hi.to(tl.int32)
-            lane_best = tl.full([BLOCK], -1.0, tl.float32)
-            lane_token = tl.zeros([BLOCK], tl.int32)
-            for start in range(0, vocab_size, BLOCK):
-                cols = start + lanes
-                valid = cols < vocab_size
-                x = _scaled_row(logits_row, logits_stride_v, cols, valid, inv_temperature)
-                draw = tl.load(noise_row + cols * noise_stride_v, mask=valid, other=1.0)
-                race = tl.math.div_rn(tl.exp(x - x_max), tl.maximum(draw, tiny))
-                race = tl.where(valid & (_order_key(x) >= threshold), race, -1.0)
-                better = race > lane_best
-                lane_best = tl.where(better, race, lane_best)
-                lane_token = tl.where(better, cols, lane_token)
-            best = tl.max(lane_best, axis=0)
-            token = tl.min(tl.where(lane_best == best, lane_token, 2147483647), axis=0)
+            # The race over key >= t*, i.e. key > t* - 1 (t* > the smallest key - 1 >= -2**31: no overflow).
+            token, _ = _race_above(logits_row, noise_row, logits_stride_v, noise_stride_v, vocab_size,
+                                   inv_temperature, x_max, tiny, hi.to(tl.int32) - 1, BLOCK)
         tl.store(out_ptr + row * out_stride, token.to(tl.int64))
