@@ -8,6 +8,8 @@ chi-square goodness-of-fit test, for following the model's softmax.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -253,3 +255,13 @@ def test_noise_drawn_ahead_gives_the_same_tokens():
         draw_noise(buffer[: 7 * 40], params, torch.Generator().manual_seed(9))
         ahead, ahead_logp = sample(logits, params, vocab_size=40, noise_nV=buffer[: 7 * 40].view(7, 40))
         assert torch.equal(own, ahead) and torch.equal(own_logp, ahead_logp)
+
+
+@pytest.mark.parametrize("bad", [dict(prefill_graph_granule=0), dict(prefill_graph_granule=2.5),
+                                 dict(overlap_host="yes")])
+def test_generation_config_rejects_bad_values(bad):
+    from megatron_hybrid.inference import GenerationConfig
+
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=re.escape(f"GenerationConfig.{name} ({value!r})")):
+        GenerationConfig(**bad)

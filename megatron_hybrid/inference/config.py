@@ -50,6 +50,8 @@ class GenerationConfig:
                                                      or self.max_sequence_length < 2):
             raise ValueError(f"GenerationConfig.max_sequence_length ({self.max_sequence_length!r}) must be an "
                              "integer >= 2 (a prompt token and a generated one)")
+        if self.overlap_host not in (None, True, False):
+            raise ValueError(f"GenerationConfig.overlap_host ({self.overlap_host!r}) must be True, False or None")
         if self.cache_tokens is not None and self.cache_gib is not None:
             raise ValueError(f"give cache_tokens ({self.cache_tokens}) or cache_gib ({self.cache_gib}), not both")
         if self.cache_tokens is not None and (not isinstance(self.cache_tokens, int) or self.cache_tokens < 1):
