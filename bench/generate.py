@@ -8,10 +8,18 @@ Rows, written as one JSON list to ``--out`` (compare them run to run)::
 
 - ``ours``: ``RolloutGenerator`` (KV cache, continuous batching, CUDA graphs on a GPU) on
   ``HybridEngine(model, RolloutLayout(1, 1))``: B slots; variants ``greedy`` (B prompts of P tokens, N new tokens
-  each), ``top_p`` (the same with temperature 1, top_p 0.9), ``mixed`` (4·B prompts of lengths uniform in
-  [P/4, 7P/4], top_p 0.9 and a stop set of 1/64 of the vocabulary, so sequences end at different steps and slots
-  are refilled). tok/s = generated tokens / wall time of the call (median of ``--runs`` after ``--warmup``; the
-  warm-up captures the CUDA graphs).
+  each), ``top_p`` (the same with temperature 1, top_p 0.9), and two of mixed lengths, where sequences end at
+  different steps on stop tokens and slots are refilled as they free up (4·B prompts of lengths uniform in
+  [P/4, 7P/4], top_p 0.9):
+
+  - ``mixed``: at most 2·N new tokens and a stop set of 1/160 of the vocabulary, so ~N new tokens per prompt on
+    average (127.7 if the stop tokens carried their share of the mass): the fixed runs' work per generated token
+    (P prompt tokens per N new ones), so the ratio to ``top_p`` measures what ragged lengths and refills cost;
+  - ``mixed_prompt_heavy``: at most N new tokens and a stop set of 1/64 (~56 per prompt): 2.3 prompt tokens
+    prefilled per generated token, against 1 in the fixed runs, so prefill compute bounds its tok/s below theirs.
+
+  tok/s = generated tokens / wall time of the call (median of ``--runs`` after ``--warmup``; the warm-up captures
+  the CUDA graphs). ``new_tokens`` is the cap; ``mean_new_tokens`` what the prompts got.
 - ``transformers``: ``LlamaForCausalLM`` with the same shape and random weights, in the same dtype, its defaults
   (``attn_implementation="sdpa"``, dynamic cache, no compile); greedy, ``min_new_tokens = max_new_tokens = N``.
 - ``roofline``: per decode step, the weight bytes plus the KV-cache bytes read (on average P + N/2 positions per
@@ -106,32 +114,41 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
     model = arch.build().to(device)
     engine = HybridEngine(model, RolloutLayout(1, 1))
     P, vocab = args.prompt_len, arch.vocab_size
-    longest = max(7 * P // 4 + max(args.new_tokens), P + max(args.new_tokens))
+    longest = 7 * P // 4 + max(max(args.new_tokens), 2 * args.new_tokens[0])
     rows = []
     for B in args.batch:
         generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=B, max_sequence_length=longest))
-        stops = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[: max(1, vocab // 64)].tolist()
+        order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1)).tolist()
         variants = [("greedy", N, prompts_of(B, P, P, vocab, 10), SamplingParams(top_k=1, num_tokens_to_generate=N),
                      []) for N in args.new_tokens]
         n0 = args.new_tokens[0]
         variants.append(("top_p", n0, prompts_of(B, P, P, vocab, 10),
                          SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=n0), []))
-        variants.append(("mixed", n0, prompts_of(4 * B, max(1, P // 4), 7 * P // 4, vocab, 11),
-                         SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=n0), stops))
+        mixed_prompts = prompts_of(4 * B, max(1, P // 4), 7 * P // 4, vocab, 11)
+        variants.append(("mixed", 2 * n0, mixed_prompts,
+                         SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=2 * n0),
+                         order[: max(1, vocab // 160)]))
+        variants.append(("mixed_prompt_heavy", n0, mixed_prompts,
+                         SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=n0),
+                         order[: max(1, vocab // 64)]))
         for variant, N, prompts, params, stop_ids in variants:
             def run():
                 return generator.generate(prompts, params, vocab_size=vocab, stop_token_ids=stop_ids, seed=5)
 
+            before = generator.report()
             out, times = timed(run, device, runs=args.runs, warmup=args.warmup)
             tokens = sum(len(r.generated_tokens) for r in out)
             rep = generator.report()
+            # Per call: the counters are the generator's totals.
+            per_call = {key: (rep[key] - before[key]) / (args.runs + args.warmup) for key in
+                        ("decode_steps", "mixed_steps", "prefill_forwards", "prefill_graph_forwards", "dropped_rows",
+                         "idle_slot_steps", "slot_moves")}
             rows.append({"method": "ours", "variant": variant, "batch": B, "new_tokens": N, "prompt_len": P,
-                         "num_prompts": len(prompts), "tokens": tokens,
+                         "num_prompts": len(prompts), "tokens": tokens, "mean_new_tokens": tokens / len(prompts),
+                         "prompt_tokens_per_new_token": sum(map(len, prompts)) / tokens,
                          "tok_s": tokens / statistics.median(times), "seconds": statistics.median(times),
                          "runs": times, "cuda_graph_captures": rep["cuda_graph_captures"],
-                         "idle_slot_steps": rep["idle_slot_steps"], "dropped_rows": rep["dropped_rows"],
-                         "prefill_graph_forwards": rep["prefill_graph_forwards"],
-                         "attention_reads_lengths": rep["attention_reads_lengths"],
+                         "per_call": per_call, "attention_reads_lengths": rep["attention_reads_lengths"],
                          "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"]})
             print(json.dumps(rows[-1]), flush=True)
             if args.profile and device.type == "cuda" and variant in args.profile:
@@ -243,8 +260,8 @@ def targets(rows: list[dict], args) -> dict[str, float]:
                             ("roofline", tok_s("roofline", "greedy", B, n0))):
             if ours and other:
                 out[f"ours/{name} B={B} N={n0}"] = ours / other
-        for variant, base in (("mixed", "top_p"), ("top_p", "greedy")):
-            a, b = tok_s("ours", variant, B, n0), tok_s("ours", base, B, n0)
+        for variant, base in (("mixed", "top_p"), ("mixed_prompt_heavy", "top_p"), ("top_p", "greedy")):
+            a, b = tok_s("ours", variant, B, 2 * n0 if variant == "mixed" else n0), tok_s("ours", base, B, n0)
             if a and b:
                 out[f"ours {variant}/{base} B={B} N={n0}"] = a / b
         for N in args.new_tokens[1:]:
@@ -267,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--bandwidth-bytes", type=int, default=2**31, help="size of the copy that measures bandwidth")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (gloo): checks the bench runs")
     ap.add_argument("--out", required=True, help="JSON list of rows")
-    ap.add_argument("--profile", nargs="*", default=[], choices=["greedy", "top_p", "mixed"],
+    ap.add_argument("--profile", nargs="*", default=[], choices=["greedy", "top_p", "mixed", "mixed_prompt_heavy"],
                     help="print a torch.profiler table of one more call of these variants (GPU)")
     args = ap.parse_args(argv)
     smoke = args.smoke

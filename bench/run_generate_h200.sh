@@ -26,6 +26,8 @@ for s in ${STEPS:-kernels graphs graphs_distopt generate}; do
     graphs_distopt) step graphs_distopt 150 python3 tests/gpu_inference.py --graph-pool reserved \
         --optimizer distributed --output "$OUT/gpu_inference_distopt_h200.json" ;;
     generate) step generate 330 python3 bench/generate.py --out "$OUT/generate_h200.json" ${GEN_ARGS:-} ;;
+    topp_rounds) step topp_rounds 150 python3 bench/probe/topp_rounds.py --out "$OUT/topp_rounds_h200.json" ;;
+    topp) step topp 150 python3 bench/topp.py --out "$OUT/topp_h200.json" --vocab 32000 ;;
     profile) step profile 150 python3 bench/generate.py --out "$OUT/generate_profile.json" --methods ours \
         --batch 128 --new-tokens 128 --runs 1 --profile greedy top_p ;;
   esac

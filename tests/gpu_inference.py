@@ -66,6 +66,7 @@ def _check_buckets(generator, cycle: int) -> dict:
     with torch.no_grad(), replica.cache.backed(), replica.graphs.backed():
         for key in replica.graphs.keys():
             kind, rows, length, _ = key
+            assert kind in ("decode", "prefill"), f"no check written for graph {key}"  # these calls make no others
             g = torch.Generator(device="cuda").manual_seed(1000 + rows + length)  # the same inputs every rollout
             if kind == "decode":
                 replica.slot_tokens[:rows] = torch.randint(0, VOCAB, (rows,), generator=g, device="cuda")
@@ -195,6 +196,12 @@ def run_variant(graph_pool: str, optimizer: str = "sgd") -> dict:
     num_buffers = 4  # KV cache, graph pool, sampling noise, decode-state tensors
     first = cycles[0]
     generator.close()
+    # close() clears torch's cuBLAS workspaces (DecodeGraphs.close: the capture stream's lives in the graph pool),
+    # those of the training stream too, which its next GEMM makes again: as here, before the measure.
+    x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, x, x[0])
+    x.float() @ x.float()
+    del x
     # What stays after the generator is gone (its graphs, pool and cache freed) is not inference state: kernel
     # modules first loaded by the captured shapes, cuBLAS and Triton handles. Held while training, less that.
     after_close = base - _free_bytes()

@@ -6,6 +6,8 @@ full forward over every whole sequence at every step (no cache), greedy argmax o
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -100,8 +102,10 @@ def stop_probe(state: dict, dp_ranks: list[int], count: int) -> list[list[int]]:
 
 
 def layout_case(rollout_tp: int, rollout_pp: int, mode: str, state: dict, stops: list[int], count: int,
-                slots: int) -> dict:
-    """Greedy KV-cache generation on the rollout layout against the training layout's recompute."""
+                slots: int, mixed: Optional[int] = None) -> dict:
+    """Greedy KV-cache generation on the rollout layout against the training layout's recompute (``mixed``: the
+    config's ``mixed_prefill_tokens``, refills riding along decode steps, and then slots compacted in the tail too:
+    what a GPU does by default)."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
@@ -110,7 +114,9 @@ def layout_case(rollout_tp: int, rollout_pp: int, mode: str, state: dict, stops:
 
     model = _training_model(state)
     engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode)
-    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN,
+                                                          mixed_prefill_tokens=mixed,
+                                                          compact_slots=True if mixed else None))
     prompts = prompts_for(ps.get_data_parallel_rank(), count)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, return_log_probs=True)
     results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)
@@ -293,7 +299,8 @@ def bucketed_case(state: dict, stops: list[int]) -> dict:
     model = _training_model(state)
     engine = HybridEngine(model, RolloutLayout(1, ps.get_pipeline_model_parallel_world_size()))
     generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=5, max_sequence_length=MAX_LEN,
-                                                          prefill_graph_granule=16, overlap_host=True))
+                                                          prefill_graph_granule=16, overlap_host=True,
+                                                          mixed_prefill_tokens=48, compact_slots=True))
     replica = generator.replica
     engine.switch_to_rollout()
     replica.use_graphs = True

@@ -40,22 +40,23 @@ def stops(state) -> list[int]:
     return found[:3]
 
 
-# (t, p, d) -> (t_g, p_g), weight mode, prompts per training rank, decode slots: every rollout replica gets 3x as
-# many prompts as it has slots.
+# (t, p, d) -> (t_g, p_g), weight mode, prompts per training rank, decode slots, mixed_prefill_tokens: every rollout
+# replica gets 3x as many prompts as it has slots. With 64, a refill of one prompt (1-60 tokens) rides along a decode
+# step and the first fill, or a refill of two long prompts, is a prefill of its own: both paths run.
 LAYOUTS = [
-    ((2, 1, 2), (1, 1), "aliased", 12, 2),     # t_g < t, micro-DP of 2
-    ((2, 2, 1), (1, 2), "canonical", 12, 2),   # p_g > 1, t_g < t
-    ((2, 2, 1), (1, 1), "aliased", 24, 2),     # p_g < p, micro-DP of 4
-    ((2, 1, 2), (4, 1), "aliased", 6, 4),      # t_g > t: one rollout replica serves both training replicas
-    ((2, 1, 2), (4, 1), "canonical", 6, 4),
+    ((2, 1, 2), (1, 1), "aliased", 12, 2, None),     # t_g < t, micro-DP of 2
+    ((2, 2, 1), (1, 2), "canonical", 12, 2, 64),     # p_g > 1, t_g < t
+    ((2, 2, 1), (1, 1), "aliased", 24, 2, None),     # p_g < p, micro-DP of 4
+    ((2, 1, 2), (4, 1), "aliased", 6, 4, 64),        # t_g > t: one rollout replica serves both training replicas
+    ((2, 1, 2), (4, 1), "canonical", 6, 4, None),
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS,
-                         ids=lambda v: f"t{v[0][0]}p{v[0][1]}d{v[0][2]}-tg{v[1][0]}pg{v[1][1]}-{v[2]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: f"t{v[0][0]}p{v[0][1]}d{v[0][2]}-tg{v[1][0]}pg{v[1][1]}-"
+                                                       f"{v[2]}{'-mixed' if v[5] else ''}")
 def test_greedy_matches_training_layout(layout, state, stops):
-    (t, p, d), (t_g, p_g), mode, count, slots = layout
-    runs = run_distributed(cases.layout_case, t * p * d, t_g, p_g, mode, state, stops, count, slots,
+    (t, p, d), (t_g, p_g), mode, count, slots, mixed = layout
+    runs = run_distributed(cases.layout_case, t * p * d, t_g, p_g, mode, state, stops, count, slots, mixed,
                            tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
     lengths = []
     for r in runs:
@@ -72,7 +73,12 @@ def test_greedy_matches_training_layout(layout, state, stops):
         # Continuous batching: more prompts than slots, and no decode step ran with a free slot while one waited.
         rep = r["report"]
         assert rep["idle_slot_steps"] == 0 and rep["max_active_slots"] == slots == rep["kv_cache_slots"]
+        assert rep["prefill_forwards"] > 0 and (mixed or rep["mixed_steps"] == 0)  # mixed steps: off on the CPU
         lengths += [len(g) for g in r["generated"]]
+    # Where asked for, refills rode along decode steps (on the replicas where a sequence ended before another), and
+    # the last sequences moved to low slots.
+    assert (sum(r["report"]["mixed_steps"] for r in runs) > 0) == bool(mixed)
+    assert (sum(r["report"]["slot_moves"] for r in runs) > 0) == bool(mixed)
     # Stop tokens ended some sequences mid-batch while others ran to num_tokens_to_generate.
     assert min(lengths) < cases.NEW_TOKENS == max(lengths)
     assert max(len(x) for r in runs for x in r["prompts"]) - min(len(x) for r in runs for x in r["prompts"]) >= 40
@@ -196,6 +202,40 @@ def test_scheduler_fills_free_slots_before_each_step():
     assert sched.done and sched.idle_slot_steps == 0 and sched.decode_steps == 2
 
 
+def test_scheduler_compacts_into_the_lowest_free_slots():
+    from megatron_hybrid.inference.scheduler import SlotScheduler
+
+    sched = SlotScheduler(6, 6)
+    sched.admit()
+    for seq in (0, 2, 3):
+        sched.finish(seq)
+    assert sched.extent() == 6 and sched.active() == [(1, 1), (4, 4), (5, 5)]
+    # Into slots 0 and 2, lowest first; the sequence below the extent stays where it is.
+    assert sched.compact(4) == [(4, 0), (5, 2)]
+    assert sched.active() == [(0, 4), (1, 1), (2, 5)] and sched.extent() == 3
+    assert sched.slot_of == {4: 0, 1: 1, 5: 2} and sched.compact(3) == []
+    sched.finish(5)
+    assert sched.extent() == 2
+
+
+def test_kv_cache_moves_slots_in_every_layer():
+    from megatron_hybrid.inference.kv_cache import CacheGeometry, KVCache
+
+    g = CacheGeometry(num_layers=3, num_slots=4, slot_tokens=8, kv_heads=2, head_dim=4, dtype=torch.float32,
+                      spare_slots=1)
+    cache = KVCache(g, torch.device("cpu"))
+    with cache.backed():
+        for t in (*cache.keys, *cache.values):
+            t.copy_(torch.randn(t.shape))
+        before = [t.clone() for t in (*cache.keys, *cache.values)]
+        cache.move_slots(torch.tensor([3, 2]), torch.tensor([0, 1]), 5)
+        for old, new in zip(before, (*cache.keys, *cache.values)):
+            expected = old.clone()
+            expected[0, :, :5], expected[1, :, :5] = old[3, :, :5], old[2, :, :5]  # the rest stays as it was
+            assert torch.equal(new, expected)
+    cache.close()
+
+
 def test_rotary_embedding_is_megatrons_bit_for_bit():
     assert run_distributed(cases.rotary_case, 1)[0]
 
@@ -213,6 +253,12 @@ def test_graph_bucketing_pads_batch_and_length(state, stops):
         assert {k[1] for k in decode} == {2, 5} and all(k[2] % 16 == 0 for k in decode)
         assert prefill and all((k[1] <= 8 or k[1] % 8 == 0) and k[2] % 16 == 0 for k in prefill)
         assert any(k[1] > 1 for k in prefill) and r["report"]["prefill_graph_forwards"] > 0
+        # Refills of at most 48 tokens rode along decode steps: their tokens padded to 32 or 48 rows.
+        mixed = [k for k in r["buckets"] if k[0] == "mixed"]
+        assert mixed and {k[2] for k in mixed} <= {32, 48} and {k[1] for k in mixed} <= {2, 5}
+        assert r["report"]["mixed_steps"] > 0
+        # With no prompt left, the sequences of high slots moved down: the last steps ran at batch 2.
+        assert r["report"]["slot_moves"] > 0
         # One step behind on the host: a stop token is seen a step late, and that step's row of it is dropped.
         stopped = sum(1 for g in r["generated"] if g[-1] in stops and len(g) < 40)  # ended by a stop, not length
         assert stopped > 0 and 0 < r["report"]["dropped_rows"] <= stopped
@@ -258,7 +304,8 @@ def test_noise_drawn_ahead_gives_the_same_tokens():
 
 
 @pytest.mark.parametrize("bad", [dict(prefill_graph_granule=0), dict(prefill_graph_granule=2.5),
-                                 dict(overlap_host="yes")])
+                                 dict(overlap_host="yes"), dict(mixed_prefill_tokens=-1),
+                                 dict(mixed_prefill_tokens=1.5), dict(compact_slots="on")])
 def test_generation_config_rejects_bad_values(bad):
     from megatron_hybrid.inference import GenerationConfig
 

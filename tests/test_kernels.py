@@ -1,7 +1,7 @@
 """The KV-cache decode kernels (megatron_hybrid.inference.kernels): references and Triton paths.
 
 The PyTorch references, which every CPU run and every run without Triton uses, are checked against independent
-computations: ``scaled_dot_product_attention`` slot by slot on the sliced cache, and megatron-core's own
+computations: ``scaled_dot_product_attention`` row by row on its slot's sliced cache, and megatron-core's own
 ``_apply_rotary_pos_emb_bshd``. The Triton kernels are checked against the references: the rotary embedding and
 cache write bit for bit, the attention within a tolerance of its dtype.
 
@@ -14,6 +14,7 @@ Triton's CPU interpreter, which must be switched on before the kernels are defin
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -34,23 +35,29 @@ def _generator(seed: int) -> torch.Generator:
 
 
 def attention_case(*, B: int, G: int, R: int, D: int, N: int, L: int, lengths: list[int], dtype: torch.dtype,
-                   device: str = "cpu", seed: int = 0) -> dict:
-    """Queries as a strided view (a column slice of a wider tensor), random caches, ragged lengths."""
+                   device: str = "cpu", seed: int = 0, slots: list[int] | None = None) -> dict:
+    """Queries as a strided view (a column slice of a wider tensor), random caches, ragged lengths; ``slots``: each
+    row's cache slot (``slots_B``), None for row b in slot b."""
     g = _generator(seed)
     q_wide = torch.randn(B, G * R + 1, D, generator=g).to(dtype=dtype, device=device)
     keys = torch.randn(N, G, L, D, generator=g).to(dtype=dtype, device=device)
     values = torch.randn(N, G, L, D, generator=g).to(dtype=dtype, device=device)
     return {"q": q_wide[:, 1:].unflatten(1, (G, R)), "keys": keys, "values": values,
             "lengths": torch.tensor(lengths, dtype=torch.int64, device=device), "scale": 1.0 / math.sqrt(D),
-            "max_length": max(lengths)}
+            "max_length": max(lengths),
+            "slots": None if slots is None else torch.tensor(slots, dtype=torch.int32, device=device)}
 
 
-def poisoned(cache_NGLD: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """A copy of the cache with every position that no slot attends to (past the lengths, slots >= B) set to NaN."""
+def poisoned(cache_NGLD: torch.Tensor, lengths_B: torch.Tensor, slots_B: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of the cache with every position that no row attends to set to NaN: in each slot those past the
+    longest length of the rows that read it (all of a slot no row reads). Row b reads slot ``slots_B[b]``, or b."""
     out = cache_NGLD.clone()
-    filled = torch.arange(out.shape[2], device=out.device) < lengths_B[:, None]
-    out[:len(lengths_B)][~filled.unsqueeze(1).expand(-1, out.shape[1], -1)] = POISON
-    out[len(lengths_B):] = POISON
+    if slots_B is None:
+        slots_B = torch.arange(len(lengths_B), device=out.device)
+    filled_N = torch.zeros(out.shape[0], dtype=lengths_B.dtype, device=out.device)
+    filled_N.scatter_reduce_(0, slots_B.long(), lengths_B, reduce="amax")
+    unfilled_NL = torch.arange(out.shape[2], device=out.device) >= filled_N[:, None]
+    out[unfilled_NL.unsqueeze(1).expand(-1, out.shape[1], -1)] = POISON
     return out
 
 
@@ -91,16 +98,26 @@ def run_rope(fn, case: dict, *, G: int, R: int, D: int, out_q: torch.Tensor | No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [1, 2, 4])
-def test_decode_reference_matches_sdpa_per_slot(dtype: torch.dtype, ratio: int) -> None:
-    B, G, D = 5, 2, 32
-    case = attention_case(B=B, G=G, R=ratio, D=D, N=7, L=40, lengths=[1, 33, 7, 16, 17], dtype=dtype)
+@pytest.mark.parametrize("N,slots,lengths", [
+    (7, None, [1, 33, 7, 16, 17]),  # row b reads slot b
+    (5, [3, 0, 4, 1, 2], [1, 33, 7, 16, 17]),  # slots_B a permutation
+    # A prefill chunk of three tokens in slot 2 riding along decode rows; slot 0 read twice, at other lengths; 4
+    # slots for 6 rows.
+    (4, [2, 0, 2, 2, 3, 0], [31, 1, 32, 33, 16, 7]),
+], ids=["row_slots", "permuted_slots", "shared_slots"])
+def test_decode_reference_matches_sdpa_per_row(dtype: torch.dtype, ratio: int, N: int, slots: list[int] | None,
+                                               lengths: list[int]) -> None:
+    B, G, D = len(lengths), 2, 32
+    case = attention_case(B=B, G=G, R=ratio, D=D, N=N, L=40, lengths=lengths, dtype=dtype, slots=slots)
     out = torch.empty(B, G, ratio, D + 3, dtype=dtype)[..., 3:]  # a strided out
     result = kernels._decode_attention_reference(case["q"], case["keys"], case["values"], case["lengths"],
-                                                 scale=case["scale"], max_length=case["max_length"], out=out)
+                                                 scale=case["scale"], max_length=case["max_length"], out=out,
+                                                 slots_B=case["slots"])
     assert result is out
     for b, length in enumerate(case["lengths"].tolist()):
-        expected = F.scaled_dot_product_attention(case["q"][b].float(), case["keys"][b, :, :length].float(),
-                                                  case["values"][b, :, :length].float(), scale=case["scale"])
+        slot = b if slots is None else slots[b]
+        expected = F.scaled_dot_product_attention(case["q"][b].float(), case["keys"][slot, :, :length].float(),
+                                                  case["values"][slot, :, :length].float(), scale=case["scale"])
         # Both in fp32 from the same inputs, summed in other orders (~1e-7). In bf16 both round that once to the
         # dtype, so they may differ by one bf16 unit in the last place (at most 2**-7 relative) where a value falls
         # near a rounding boundary.
@@ -165,6 +182,7 @@ def test_split_plan() -> None:
         kernels._split_plan(1, 100, 132, 0)
 
 
+@pytest.mark.usefixtures("triton_interpreter_fixes")  # its last call runs the kernel under TRITON_INTERPRET=1
 def test_bad_shapes_raise() -> None:
     case = attention_case(B=2, G=2, R=1, D=8, N=2, L=4, lengths=[1, 4], dtype=torch.float32)
     with pytest.raises(ValueError, match=r"\[N >= B, G, L, D\]"):
@@ -172,6 +190,17 @@ def test_bad_shapes_raise() -> None:
                                  max_length=4)
     with pytest.raises(ValueError, match="max_length=5"):
         kernels.decode_attention(case["q"], case["keys"], case["values"], case["lengths"], scale=1.0, max_length=5)
+    for bad_slots in (torch.zeros(2, 1, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), torch.zeros(2)):
+        with pytest.raises(ValueError, match=re.escape(f"slots_B is {tuple(bad_slots.shape)} {bad_slots.dtype}, "
+                                                       "expected (2,) of an integer dtype")):
+            kernels.decode_attention(case["q"], case["keys"], case["values"], case["lengths"], scale=1.0,
+                                     max_length=4, slots_B=bad_slots)
+    # With slots_B, rows may outnumber the cache's slots.
+    slots = torch.tensor([0, 0])
+    result = kernels.decode_attention(case["q"], case["keys"][:1], case["values"][:1], case["lengths"], scale=1.0,
+                                      max_length=4, slots_B=slots)
+    torch.testing.assert_close(result, kernels._decode_attention_reference(
+        case["q"], case["keys"][:1], case["values"][:1], case["lengths"], scale=1.0, max_length=4, slots_B=slots))
     rope = rope_case(G=2, R=1, D=8, rotary_percent=1.0, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"2 \* \(2 \+ 2\) \* 8 = 64"):
         run_rope(kernels.rope_kv_write, rope, G=2, R=2, D=8)
@@ -201,19 +230,27 @@ ATTENTION_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16:
     (torch.bfloat16, 1, 64, 200, 1),
     (torch.bfloat16, 4, 32, 200, 4),
 ])
+@pytest.mark.parametrize("with_slots", [False, True], ids=["row_slots", "slots_B"])
 def test_triton_decode_attention_matches_reference(dtype: torch.dtype, R: int, D: int, max_length: int,
-                                                   num_splits: int | None) -> None:
-    B, G = 5, 2
-    # Ragged: one position, the whole max_length, exactly one 64-step, one past it; slots 5 .. 7 unused.
-    lengths = [1, max_length, 64, 65, 130]
-    case = attention_case(B=B, G=G, R=R, D=D, N=8, L=max_length + 11, lengths=lengths, dtype=dtype,
-                          device=TRITON_DEVICE)
+                                                   num_splits: int | None, with_slots: bool) -> None:
+    G = 2
+    if with_slots:
+        # A prefill chunk of three tokens in slot 3, across a 64-step boundary, riding along decode rows of the
+        # other slots (one position, the whole max_length, one 64-step, one past it): 7 rows, 5 slots.
+        slots, N, lengths = [3, 0, 3, 3, 1, 4, 2], 5, [128, 1, 129, 130, max_length, 64, 65]
+    else:
+        # Ragged: one position, the whole max_length, exactly one 64-step, one past it; slots 5 .. 7 unused.
+        slots, N, lengths = None, 8, [1, max_length, 64, 65, 130]
+    B = len(lengths)
+    case = attention_case(B=B, G=G, R=R, D=D, N=N, L=max_length + 11, lengths=lengths, dtype=dtype,
+                          device=TRITON_DEVICE, slots=slots)
     expected = kernels._decode_attention_reference(case["q"], case["keys"], case["values"], case["lengths"],
-                                                   scale=case["scale"], max_length=max_length)
+                                                   scale=case["scale"], max_length=max_length, slots_B=case["slots"])
     out = torch.full((B, G, R, D + 5), POISON, dtype=dtype, device=TRITON_DEVICE)[..., 5:]
-    result = kernels.decode_attention(case["q"], poisoned(case["keys"], case["lengths"]),
-                                      poisoned(case["values"], case["lengths"]), case["lengths"],
-                                      scale=case["scale"], max_length=max_length, out=out, num_splits=num_splits)
+    result = kernels.decode_attention(case["q"], poisoned(case["keys"], case["lengths"], case["slots"]),
+                                      poisoned(case["values"], case["lengths"], case["slots"]), case["lengths"],
+                                      scale=case["scale"], max_length=max_length, out=out, num_splits=num_splits,
+                                      slots_B=case["slots"])
     assert result is out
     torch.testing.assert_close(result, expected, **ATTENTION_TOLERANCE[dtype])
 

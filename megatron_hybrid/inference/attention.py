@@ -48,13 +48,17 @@ class KVStep:
     rotary_T11D: Optional[tuple[torch.Tensor, torch.Tensor]]
     """Cosines and sines of the rotary angles at each token's position, or None without rotary embeddings."""
     decode: bool
-    """One token per slot ``0 .. B-1`` (T = B); otherwise a prefill of whole prompts from position 0."""
+    """One query token per row over the cache: a decode step (row b is slot b, T = B), or with ``read_slots_B`` a
+    decode step with prompt tokens riding along; otherwise a prefill of whole prompts from position 0."""
     attended: int = 0
     """Decode: cached positions read per slot (at least every slot's position + 1)."""
     mask_B11L: Optional[torch.Tensor] = None
     """Decode: which of the ``attended`` positions each slot may read (None with ``lengths_B``)."""
     lengths_B: Optional[torch.Tensor] = None
-    """Decode: positions each slot reads (its position + 1), for the attention kernel that reads only those."""
+    """Decode: positions each row reads (its position + 1), for the attention kernel that reads only those."""
+    read_slots_B: Optional[torch.Tensor] = None
+    """Decode with ``lengths_B``: the slot each row reads (rows may share one: a prompt's tokens riding along a
+    decode step, each reading its slot up to its own position); None: row b reads slot b."""
     prompts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     """Prefill: ``(length, token indices)`` per prompt length: the packed tokens of all prompts of that length,
     prompt after prompt (one attention call per length, so repeated prompts cost one call)."""
@@ -100,7 +104,7 @@ class KVCacheSelfAttention(SelfAttention):
             query = kernels.rope_kv_write(mixed.reshape(T, -1), cos, sin, step.slots_T, step.positions_T, keys,
                                           values, groups=groups, ratio=ratio, head_dim=head_dim)
             out = kernels.decode_attention(query.view(T, groups, ratio, head_dim), keys, values, step.lengths_B,
-                                           scale=scale, max_length=step.attended)
+                                           scale=scale, max_length=step.attended, slots_B=step.read_slots_B)
             return self.linear_proj(out.reshape(T, 1, groups * ratio * head_dim))
         # q [T, 1, G*R, D], k/v [T, 1, G, D]; query heads are group-major (head g*R + r uses key head g).
         query, key, value = self.get_query_key_value_tensors(hidden_T1H, None)
@@ -114,7 +118,8 @@ class KVCacheSelfAttention(SelfAttention):
         if step.decode and step.lengths_B is not None:
             T = query.shape[0]
             out = kernels.decode_attention(query[:, 0].reshape(T, groups, ratio, head_dim), keys, values,
-                                           step.lengths_B, scale=scale, max_length=step.attended)
+                                           step.lengths_B, scale=scale, max_length=step.attended,
+                                           slots_B=step.read_slots_B)
             return self.linear_proj(out.reshape(T, 1, groups * ratio * head_dim))
         if step.decode:
             B, L = query.shape[0], step.attended

@@ -32,6 +32,16 @@ class GenerationConfig:
     prefill_graph_granule: int = 32
     """With CUDA graphs, prefills run from graphs too, keyed by rows (exact up to 8, then whole eights) and the
     longest prompt rounded up to a multiple of this: right-padded prompts, padded rows written to a spare slot."""
+    mixed_prefill_tokens: Optional[int] = None
+    """Prompts admitted while other slots decode ride along the next decode step when they hold at most this many
+    tokens (and are at most 8): one forward, the weights read once, instead of a prefill forward and a decode step.
+    Larger refills, and the first fill, are prefills of their own. Default: 512 where decode attention is the
+    kernel that reads each row's own length (Triton on a GPU), else 0 (off); a positive value on the CPU runs the
+    kernel's PyTorch reference."""
+    compact_slots: Optional[bool] = None
+    """Once no prompt waits, move the sequences of high slots into free low ones (their cache positions copied)
+    when that lets decode steps run at a smaller batch bucket: the last sequences of a call then decode in a small
+    batch rather than across the whole cache. Default: with CUDA graphs."""
     overlap_host: Optional[bool] = None
     """Launch each step before reading the previous one's tokens on the host, so stop detection and refills
     overlap the device's work (a sequence ending on a stop token costs one dropped row); default: on a GPU."""
@@ -50,6 +60,12 @@ class GenerationConfig:
                                                      or self.max_sequence_length < 2):
             raise ValueError(f"GenerationConfig.max_sequence_length ({self.max_sequence_length!r}) must be an "
                              "integer >= 2 (a prompt token and a generated one)")
+        if self.mixed_prefill_tokens is not None and (not isinstance(self.mixed_prefill_tokens, int)
+                                                      or self.mixed_prefill_tokens < 0):
+            raise ValueError(f"GenerationConfig.mixed_prefill_tokens ({self.mixed_prefill_tokens!r}) must be an "
+                             "integer >= 0")
+        if self.compact_slots not in (None, True, False):
+            raise ValueError(f"GenerationConfig.compact_slots ({self.compact_slots!r}) must be True, False or None")
         if self.overlap_host not in (None, True, False):
             raise ValueError(f"GenerationConfig.overlap_host ({self.overlap_host!r}) must be True, False or None")
         if self.cache_tokens is not None and self.cache_gib is not None:

@@ -118,6 +118,11 @@ class DecodeGraphs:
                 warnings.warn(f"decode graphs: no reserved memory pool ({exc}); their memory stays allocated "
                               "between generate calls", RuntimeWarning, stacklevel=2)
         self.pool = self.reserved.id if self.reserved is not None else torch.cuda.graph_pool_handle()
+        # Captures run on a stream of these graphs' own. cuBLAS keeps a workspace per (handle, stream), allocated at
+        # the stream's first GEMM, here inside a capture, so from this pool: on a stream shared with other graphs
+        # (torch.cuda.graph's default one) their captures would write into this pool's memory, unmapped between
+        # calls and freed at close (and the workspace would outlive it, see close()).
+        self.stream = torch.cuda.Stream(device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0
         self.replays = 0
@@ -141,7 +146,7 @@ class DecodeGraphs:
             step()
             graph = torch.cuda.CUDAGraph()
             # thread_local, as megatron-core's own graphs: the NCCL watchdog thread queries events meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 out = step()
             entry = self._graphs[key] = (graph, out)
             self.captures += 1
@@ -164,5 +169,12 @@ class DecodeGraphs:
 
     def close(self) -> None:
         self._graphs.clear()
+        # torch keeps the capture stream's cuBLAS workspace, which lives in this pool, in a process-wide table: drop
+        # it with the pool (pytorch#95668). Left there, it dangled; a later pool reserved at the same addresses had
+        # its tensors overwritten by that stream's GEMMs (seen on an H200: two rows of the next generator's KV cache
+        # turned NaN). The table is cleared for every stream: the others allocate a new workspace at their next GEMM.
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch.cuda.synchronize()
+            torch._C._cuda_clearCublasWorkspaces()
         if self.reserved is not None:
             self.reserved.close()

@@ -1,12 +1,13 @@
 """Triton kernels of the KV-cache decode step: attention over each slot's filled positions, and the rotary
 embedding fused with the write of K/V into the cache.
 
-- :func:`decode_attention`: one query token per slot against that slot's cached positions, flash-decoding style.
-  A program handles one (slot, key/value head, split) and loops over the slot's filled positions only (its length
-  is loaded on the device), so the cost follows the real lengths, not the padded ``max_length``. The R query heads
-  of a group are R rows of one ``tl.dot`` (padded to 16 rows for the tensor cores), so a key is read once per
-  group. When slots times heads are too few to fill the GPU, the positions are split into chunks whose partial
-  softmax statistics a second small kernel combines.
+- :func:`decode_attention`: one query token per row against its slot's cached positions, flash-decoding style. Row
+  b reads slot b, or slot ``slots_B[b]``: rows may then share a slot with different lengths, as a prefill chunk's
+  tokens riding along a decode step do. A program handles one (row, key/value head, split) and loops over the row's
+  filled positions only (its length is loaded on the device), so the cost follows the real lengths, not the padded
+  ``max_length``. The R query heads of a group are R rows of one ``tl.dot`` (padded to 16 rows for the tensor
+  cores), so a key is read once per group. When rows times heads are too few to fill the GPU, the positions are
+  split into chunks whose partial softmax statistics a second small kernel combines.
 - :func:`rope_kv_write`: splits megatron-core's ``linear_qkv`` output into query, key and value, applies
   megatron-core's unfused rotary embedding to query and key with the same rounding as eager PyTorch (bit for
   bit), writes key and value into each token's cache slot and position, and returns the rotated queries.
@@ -17,9 +18,9 @@ says no: Triton is not importable, or the tensors are on the CPU outside Triton'
 from shapes and host ints only. A shape the kernels do not handle raises ValueError on the Triton path, naming the
 condition, so that a caller can fall back to the reference.
 
-Legend: B decode slots, G key/value heads and R query heads per key/value head on this tensor-parallel rank, D head
-dimension, N slots of the cache, L positions per slot, T tokens, X = G * (R + 2) * D the width of ``linear_qkv``'s
-output, Dr the rotary dimensions (D * rotary_percent), S splits of a slot's positions.
+Legend: B decode rows (query tokens), G key/value heads and R query heads per key/value head on this tensor-parallel
+rank, D head dimension, N slots of the cache, L positions per slot, T tokens, X = G * (R + 2) * D the width of
+``linear_qkv``'s output, Dr the rotary dimensions (D * rotary_percent), S splits of a slot's positions.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _num_sms(device: torch.device) -> int:
 def _split_plan(programs: int, max_length: int, num_sms: int, num_splits: Optional[int]) -> tuple[int, int]:
     """``(splits, chunk)``: the positions ``0 .. max_length-1`` of a slot in ``splits`` chunks of ``chunk``.
 
-    Without ``num_splits``: one chunk when the ``programs`` (slots times heads) already give every SM two programs,
+    Without ``num_splits``: one chunk when the ``programs`` (rows times heads) already give every SM two programs,
     or when the context is short; otherwise enough chunks for ~2 programs per SM, each at least
     ``_SPLIT_MIN_POSITIONS`` long. Chunks are whole ``_BLOCK_N`` steps, so a given ``num_splits`` is an upper bound.
     """
@@ -113,21 +114,23 @@ def _split_plan(programs: int, max_length: int, num_sms: int, num_splits: Option
 
 def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD: torch.Tensor,
                      lengths_B: torch.Tensor, *, scale: float, max_length: int, out: Optional[torch.Tensor] = None,
-                     num_splits: Optional[int] = None) -> torch.Tensor:
-    """Attention of one query token per slot over the slot's cached keys and values.
+                     num_splits: Optional[int] = None, slots_B: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one query token per row over its slot's cached keys and values.
 
     Args:
-        q_BGRD: the queries of slots ``0 .. B-1``, query head ``g * R + r`` at ``[b, g, r]``; any strides.
-        keys_NGLD: the key cache (N >= B); any strides.
+        q_BGRD: the queries of rows ``0 .. B-1``, query head ``g * R + r`` at ``[b, g, r]``; any strides.
+        keys_NGLD: the key cache (N >= B without ``slots_B``); any strides.
         values_NGLD: the value cache, like the keys.
-        lengths_B: integer tensor on the queries' device: slot b attends to positions ``0 .. lengths_B[b] - 1``
-            (``1 <= lengths_B[b] <= max_length``; not checked, it lives on the device).
+        lengths_B: integer tensor on the queries' device: row b attends to positions ``0 .. lengths_B[b] - 1`` of
+            its slot (``1 <= lengths_B[b] <= max_length``; not checked, it lives on the device).
         scale: multiplies the scores ``q . k``.
         max_length: a host bound on ``lengths_B`` (``<= L``). The kernels read only the filled positions and use
             it to size the splits; the reference reads (and masks) ``max_length`` positions per slot.
         out: written with the result if given, ``[B, G, R, D]`` of the queries' dtype, any strides.
         num_splits: overrides the heuristic for how many chunks a slot's positions are split into (an upper bound:
             chunks are whole steps of 64 positions).
+        slots_B: integer tensor on the queries' device: row b reads cache slot ``slots_B[b]`` (``0 <= slots_B[b] <
+            N``; not checked). Rows may share a slot, each with its own length. Without it row b reads slot b.
 
     Returns:
         ``[B, G, R, D]`` in the queries' dtype (``out`` if given). Softmax and accumulation are fp32; the Triton
@@ -139,14 +142,20 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
     """
     B, G, R, D = q_BGRD.shape
     N, G_k, L, D_k = keys_NGLD.shape
-    if values_NGLD.shape != keys_NGLD.shape or (G_k, D_k) != (G, D) or N < B:
+    if values_NGLD.shape != keys_NGLD.shape or (G_k, D_k) != (G, D) or (slots_B is None and N < B):
+        slot_count = "N >= B" if slots_B is None else "N"
         raise ValueError(f"decode_attention: queries {tuple(q_BGRD.shape)} [B, G, R, D] need key and value caches "
-                         f"[N >= B, G, L, D]; got keys {tuple(keys_NGLD.shape)}, values {tuple(values_NGLD.shape)}")
+                         f"[{slot_count}, G, L, D]; got keys {tuple(keys_NGLD.shape)}, values "
+                         f"{tuple(values_NGLD.shape)}")
     if not q_BGRD.dtype == keys_NGLD.dtype == values_NGLD.dtype:
         raise ValueError(f"decode_attention: queries ({q_BGRD.dtype}), keys ({keys_NGLD.dtype}) and values "
                          f"({values_NGLD.dtype}) must share a dtype")
     if lengths_B.shape != (B,):
         raise ValueError(f"decode_attention: lengths_B has shape {tuple(lengths_B.shape)}, expected ({B},)")
+    if slots_B is not None and (slots_B.shape != (B,) or slots_B.dtype.is_floating_point or slots_B.dtype.is_complex
+                                or slots_B.dtype == torch.bool):
+        raise ValueError(f"decode_attention: slots_B is {tuple(slots_B.shape)} {slots_B.dtype}, expected ({B},) of an "
+                         f"integer dtype")
     if not 1 <= max_length <= L:
         raise ValueError(f"decode_attention: max_length={max_length} must be in 1 .. L={L}")
     if out is None:
@@ -157,7 +166,7 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
     if not use_triton(q_BGRD):
         warn_cuda_fallback(q_BGRD, _DECODE_FALLBACK)
         return _decode_attention_reference(q_BGRD, keys_NGLD, values_NGLD, lengths_B, scale=scale,
-                                           max_length=max_length, out=out)
+                                           max_length=max_length, out=out, slots_B=slots_B)
     if D > _MAX_HEAD_DIM or R > _MAX_RATIO or q_BGRD.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"decode_attention: the Triton kernel needs head_dim D <= {_MAX_HEAD_DIM}, query heads per "
                          f"key/value head R <= {_MAX_RATIO} and a dtype in {_KERNEL_DTYPES}; got D={D}, R={R}, "
@@ -169,10 +178,11 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
     # fp32 inputs: full-precision products (Triton's default for fp32 tl.dot is TF32); ignored for 16-bit inputs.
     precision = "ieee" if q_BGRD.dtype == torch.float32 else "tf32"
     launch = dict(HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_PRECISION=precision,
-                  num_warps=4, num_stages=3 if block_d <= 128 else 2)
+                  HAS_SLOTS=slots_B is not None, num_warps=4, num_stages=3 if block_d <= 128 else 2)
+    slots = lengths_B if slots_B is None else slots_B  # a pointer the kernel never reads without HAS_SLOTS
     if splits == 1:
         _decode_split_kernel[(B, G, 1)](
-            q_BGRD, keys_NGLD, values_NGLD, lengths_B, out, out, out, *q_BGRD.stride(), *keys_NGLD.stride(),
+            q_BGRD, keys_NGLD, values_NGLD, lengths_B, slots, out, out, out, *q_BGRD.stride(), *keys_NGLD.stride(),
             *values_NGLD.stride(), out.stride(0), out.stride(1), 0, out.stride(2), out.stride(3), R, chunk,
             scale * _LOG2E, PARTIAL=False, **launch)
         return out
@@ -181,7 +191,7 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
     max_BGSR = torch.empty(B, G, splits, R, device=q_BGRD.device, dtype=torch.float32)
     sum_BGSR = torch.empty_like(max_BGSR)
     _decode_split_kernel[(B, G, splits)](
-        q_BGRD, keys_NGLD, values_NGLD, lengths_B, part_BGSRD, max_BGSR, sum_BGSR, *q_BGRD.stride(),
+        q_BGRD, keys_NGLD, values_NGLD, lengths_B, slots, part_BGSRD, max_BGSR, sum_BGSR, *q_BGRD.stride(),
         *keys_NGLD.stride(), *values_NGLD.stride(), *part_BGSRD.stride(), R, chunk, scale * _LOG2E,
         PARTIAL=True, **launch)
     _decode_combine_kernel[(B, G)](
@@ -192,11 +202,14 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
 
 def _decode_attention_reference(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD: torch.Tensor,
                                 lengths_B: torch.Tensor, *, scale: float, max_length: int,
-                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                out: Optional[torch.Tensor] = None,
+                                slots_B: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`decode_attention` in PyTorch: one fp32 softmax over ``max_length`` positions, masked by the lengths."""
     B = q_BGRD.shape[0]
-    k_BGLD = keys_NGLD[:B, :, :max_length].float()
-    v_BGLD = values_NGLD[:B, :, :max_length].float()
+    # long(): PyTorch indexes with int64 or int32 only, and would take uint8 for a mask.
+    slots = slice(B) if slots_B is None else slots_B.long()
+    k_BGLD = keys_NGLD[slots, :, :max_length].float()
+    v_BGLD = values_NGLD[slots, :, :max_length].float()
     scores_BGRL = torch.matmul(q_BGRD.float(), k_BGLD.transpose(-1, -2)) * scale
     filled_B11L = (torch.arange(max_length, device=q_BGRD.device) < lengths_B[:, None])[:, None, None, :]
     probs_BGRL = torch.softmax(scores_BGRL.masked_fill(~filled_B11L, float("-inf")), dim=-1)
@@ -351,22 +364,27 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, max_ptr, sum_ptr,
+        q_ptr, k_ptr, v_ptr, lengths_ptr, slots_ptr, out_ptr, max_ptr, sum_ptr,
         q_stride_b, q_stride_g, q_stride_r, q_stride_d,
         k_stride_n, k_stride_g, k_stride_l, k_stride_d,
         v_stride_n, v_stride_g, v_stride_l, v_stride_d,
         out_stride_b, out_stride_g, out_stride_s, out_stride_r, out_stride_d,
         num_rows, chunk, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr,
     ):
-        # Program (slot b, key/value head g, split s): positions [s * chunk, min((s + 1) * chunk, length)).
+        # Program (row b, key/value head g, split s): positions [s * chunk, min((s + 1) * chunk, length)) of the
+        # row's slot (slots_ptr[b] with HAS_SLOTS, else b).
         # PARTIAL: write the unnormalised output and the row statistics of this split for the combine kernel;
         # otherwise (one split) the normalised output. Offsets of slots and heads in int64: a cache passes 2**31
         # elements. HEAD_DIM is a constexpr: a mask along the contiguous dimension with a runtime bound would stop
         # vectorised loads.
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
+        if HAS_SLOTS:
+            slot = tl.load(slots_ptr + b).to(tl.int64)
+        else:
+            slot = b
         split = tl.program_id(2)
         length = tl.load(lengths_ptr + b).to(tl.int32)
         start = split * chunk
@@ -378,8 +396,8 @@ if HAVE_TRITON:
         dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + b * q_stride_b + g * q_stride_g + rows[:, None] * q_stride_r + dims[None, :] * q_stride_d,
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        k_slot = k_ptr + b * k_stride_n + g * k_stride_g
-        v_slot = v_ptr + b * v_stride_n + g * v_stride_g
+        k_slot = k_ptr + slot * k_stride_n + g * k_stride_g
+        v_slot = v_ptr + slot * v_stride_n + g * v_stride_g
         row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)  # log2 domain
         row_sum = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -417,7 +435,7 @@ if HAVE_TRITON:
         num_splits, num_rows,
         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        # Program (slot b, head g): out = sum_s w_s * part_s / sum_s w_s * sum_s, w_s = 2 ** (max_s - max over s).
+        # Program (row b, head g): out = sum_s w_s * part_s / sum_s w_s * sum_s, w_s = 2 ** (max_s - max over s).
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         splits = tl.arange(0, BLOCK_S)

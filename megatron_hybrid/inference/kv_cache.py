@@ -132,3 +132,10 @@ class KVCache(RolloutMemory):
                                           geometry.head_dim)
         self.keys = [flat[(2 * i) * n: (2 * i + 1) * n].view(shape) for i in range(geometry.num_layers)]
         self.values = [flat[(2 * i + 1) * n: (2 * i + 2) * n].view(shape) for i in range(geometry.num_layers)]
+
+    def move_slots(self, sources: torch.Tensor, targets: torch.Tensor, positions: int) -> None:
+        """Copy the first ``positions`` keys and values of slots ``sources`` into slots ``targets`` (int64 on the
+        cache's device, disjoint), in every layer: a gather and a scatter per layer's keys or values (one over the
+        whole cache would need a copy of every moved slot of every layer at once)."""
+        for cache in (*self.keys, *self.values):
+            cache[targets, :, :positions] = cache[sources, :, :positions]

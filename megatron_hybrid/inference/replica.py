@@ -10,11 +10,19 @@ A step drives the GPTModel stage's own modules (embedding, decoder, output layer
 prefill then computes logits only at each prompt's last token, and megatron-core's inference-context code paths
 (global groups, one offset per batch) stay out of the way.
 
+Refills of a few prompts, while other slots decode, ride along the next decode step ("mixed" steps, where the
+attention reads each row's own slot and length): their tokens are extra rows of that step, each attending to its
+slot up to its own position, and the logits are read at the decode rows and at each prompt's last token. One
+forward then reads the weights once for both, where a prefill of two prompts would cost about as much as the decode
+step itself. The first fill, and refills of more tokens than ``GenerationConfig.mixed_prefill_tokens``, are
+prefills of their own.
+
 Legend: T packed tokens, B decode slots, H hidden, V vocabulary (padded).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from contextlib import nullcontext
@@ -33,6 +41,10 @@ from .norms import install_step_norms
 from .sampling import draw_noise, is_greedy, sample
 from .scheduler import SlotScheduler
 from .validation import Limits
+
+# Mixed steps (prompts riding along a decode step): at most this many prompts, and by default this many tokens.
+_MIXED_PROMPTS = 8
+_MIXED_TOKENS = 512
 
 
 @dataclass
@@ -103,12 +115,16 @@ class ReplicaGenerator:
             raise ValueError(f"GenerationConfig.cuda_graphs=True needs a model on a GPU; it is on {self.device}")
         self.use_graphs = on_gpu if config.cuda_graphs is None else config.cuda_graphs
         self.overlap = on_gpu if config.overlap_host is None else config.overlap_host
+        self.compact = self.use_graphs if config.compact_slots is None else config.compact_slots
+        # Whether the attention reads each slot's own filled length (a kernel of ours) rather than a masked window
+        # of the longest: decode graphs then need no length bucket, and prompts can ride along decode steps.
+        self.reads_lengths = all(a.decode_kernel_ok(self.device) for a in self.attention)
+        mixed = config.mixed_prefill_tokens
+        self.mixed_tokens = (_MIXED_TOKENS if self.reads_lengths else 0) if mixed is None else mixed
         self.geometry = self._geometry(chunk)
+        self.mixed_prompts = min(_MIXED_PROMPTS, self.geometry.num_slots) if self.mixed_tokens else 0
         self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
         self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
-        # Whether the attention reads each slot's own filled length (a kernel of ours) rather than a masked window
-        # of the longest: decode graphs then need no length bucket.
-        self.reads_lengths = all(a.decode_kernel_ok(self.device) for a in self.attention)
         self.cache: Optional[KVCache] = None
         self.noise: Optional[RolloutMemory] = None
         self.graphs: Optional[DecodeGraphs] = None
@@ -116,7 +132,8 @@ class ReplicaGenerator:
         self._signatures: dict[tuple, tuple] = {}  # a graph's sampling settings, by the key part naming them
         self._generator: Optional[torch.Generator] = None  # the call's sampling stream
         self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "idle_slot_steps": 0,
-                      "max_active_slots": 0, "dropped_rows": 0, "calls": 0}
+                      "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
+                      "slot_moves": 0}
 
     def _geometry(self, chunk) -> CacheGeometry:
         cfg, attn = self.config, self.attention[0]
@@ -140,7 +157,7 @@ class ReplicaGenerator:
                              f"max_sequence_length ({slot_tokens})")
         return CacheGeometry(num_layers=len(self.attention), num_slots=slots, slot_tokens=slot_tokens,
                              kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                             spare_slots=1 if self.use_graphs else 0)
+                             spare_slots=1 if self.use_graphs or self.mixed_tokens else 0)
 
     # -- fixed-address state (made once, at the first call) ------------------------------------------------
 
@@ -168,15 +185,17 @@ class ReplicaGenerator:
             # index of its last token, its slot and its prompt length; filled by one host-to-device copy.
             self.prefill_rows = g.num_slots if g.num_slots <= 8 else -(-g.num_slots // 8) * 8
             self.prefill_tokens = max(self.config.prefill_tokens, self.config.prefill_graph_granule)
-            self.staging = torch.zeros(3 * 2 * self.prefill_tokens + self.prefill_rows, dtype=torch.long,
+            # A mixed step's: see _stage_mixed.
+            self.staging = torch.zeros(max(3 * 2 * self.prefill_tokens + self.prefill_rows,
+                                           3 * self.mixed_tokens + 3 * self.mixed_prompts), dtype=torch.long,
                                        device=dev)
             self.token_index = torch.arange(2 * self.prefill_tokens, device=dev)
-            self.prefill_hidden = (torch.zeros(2 * self.prefill_tokens, 1, self.hidden_size,
-                                               dtype=self.hidden_dtype, device=dev)
+            self.prefill_hidden = (torch.zeros(max(2 * self.prefill_tokens, g.num_slots + self.mixed_tokens), 1,
+                                               self.hidden_size, dtype=self.hidden_dtype, device=dev)
                                    if self.prev_rank is not None else None)
             if self.is_last:
                 # The sampling race's draws of a graph step (made eagerly before the replay, read by the graph).
-                rows = max(self.prefill_rows, g.num_slots)
+                rows = max(self.prefill_rows, g.num_slots + self.mixed_prompts)
                 self.noise = RolloutMemory(rows * int(self.chunk.vocab_size), torch.float32, dev,
                                            engine=self.engine)
 
@@ -246,6 +265,25 @@ class ReplicaGenerator:
         hidden = self.hidden_in[:batch] if self.hidden_in is not None else None
         return self._forward(self.slot_tokens[:batch], hidden, step, None)
 
+    def _mixed_forward(self, batch: int, chunk: int, rows: int, staged: torch.Tensor,
+                       hidden_T1H: Optional[torch.Tensor], attended: int) -> torch.Tensor:
+        """A decode step over slots ``0 .. batch-1`` with ``chunk`` prompt tokens riding along (``staged``, laid out
+        by :meth:`_stage_mixed`). Every row reads its own slot up to its own position, so a prompt's tokens attend
+        causally to each other (all rows write K/V before any reads). Logits at the decode rows, then at the last
+        token of each of ``rows`` prompt rows."""
+        tokens, positions, slots = (staged[i * chunk: (i + 1) * chunk] for i in range(3))
+        last = staged[3 * chunk: 3 * chunk + rows]
+        # An idle decode row writes (and reads) the spare slot: the slot it stands for may be taking a prompt in
+        # this very step, whose tokens write its position 0.
+        decode_slots = torch.where(self.slot_running[:batch] > 0, self.slot_index[:batch], self.geometry.num_slots)
+        slots_T = torch.cat([decode_slots, slots])
+        positions_T = torch.cat([self.slot_positions[:batch], positions])
+        step = KVStep(self.cache.keys, self.cache.values, slots_T=slots_T, positions_T=positions_T,
+                      rotary_T11D=self._rotary(positions_T), decode=True, attended=attended,
+                      lengths_B=positions_T + 1, read_slots_B=slots_T)
+        sampled = torch.cat([self.slot_index[:batch], last + batch])
+        return self._forward(torch.cat([self.slot_tokens[:batch], tokens]), hidden_T1H, step, sampled)
+
     def _prefill_forward(self, rows: int, length: int) -> torch.Tensor:
         """A graph prefill: ``rows`` prompts right-padded to ``length`` tokens, from the staging buffer."""
         T = rows * length
@@ -271,7 +309,8 @@ class ReplicaGenerator:
         """Run graph ``key`` (its draws made first); returns its tokens and a copy of its log-probs on the last
         stage (the graph's outputs are overwritten by the next replay), ``(None, None)`` on the others after
         sending the hidden states on."""
-        _, rows, _, sig = key
+        kind, rows, _, sig = key
+        rows += self.mixed_prompts if kind == "mixed" else 0  # sampled rows
         params, vocab, _ = self._signatures[sig]
         if self.is_last and not is_greedy(params):
             draw_noise(self._noise(rows, vocab), params, self._generator)
@@ -286,8 +325,14 @@ class ReplicaGenerator:
         on the others."""
         kind, rows, length, sig = key
         params, vocab, tempered = self._signatures[sig]
-        forward = (lambda: self._decode_forward(rows, length)) if kind == "decode" else (
-            lambda: self._prefill_forward(rows, length))
+        if kind == "decode":
+            forward = functools.partial(self._decode_forward, rows, length)
+        elif kind == "mixed":  # rows: the decode batch; length: the prompt tokens riding along
+            hidden = self.prefill_hidden[: rows + length] if self.prefill_hidden is not None else None
+            forward = functools.partial(self._mixed_forward, rows, length, self.mixed_prompts, self.staging, hidden,
+                                        self.geometry.slot_tokens)
+        else:
+            forward = functools.partial(self._prefill_forward, rows, length)
         if not self.is_last:
             return lambda: (forward(),)
         return lambda: self._sampled(forward(), params, vocab, tempered)
@@ -425,6 +470,96 @@ class ReplicaGenerator:
         self.slot_positions[:batch] += self.slot_running[:batch]
         return picked, logp
 
+    def _mixed_fits(self, admitted: list[tuple[int, int]], prompts) -> bool:
+        """Whether the ``admitted`` prompts can ride along the next decode step."""
+        return (0 < len(admitted) <= self.mixed_prompts
+                and sum(len(prompts[seq]) for seq, _ in admitted) <= self.mixed_tokens)
+
+    def _mixed_chunk(self, total: int) -> int:
+        """Prompt-token rows of a graph mixed step carrying ``total`` tokens: 32, 48, 64, 96, 128, ... (at most a
+        third of them padding), at most ``mixed_tokens``."""
+        size = 32
+        while size < total:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        return min(size, self.mixed_tokens)
+
+    def _stage_mixed(self, chunk: int, rows: int, prompts: list[list[int]], slots: list[int]) -> list[int]:
+        """A mixed step's inputs, flat: ``chunk`` prompt tokens (the prompts one after another, then padding that
+        writes position 0 of the spare slot), their positions, their slots; per prompt row (``rows``, padded rows
+        point at the last token) the index of its last token; then the prompts' slots and their lengths."""
+        spare = self.geometry.num_slots
+        tokens, positions, where = [], [], []
+        for prompt, slot in zip(prompts, slots):
+            tokens += prompt
+            positions += range(len(prompt))
+            where += [slot] * len(prompt)
+        pad = chunk - len(tokens)
+        ends = list(itertools.accumulate(len(p) for p in prompts))
+        last = [end - 1 for end in ends] + [chunk - 1] * (rows - len(prompts))
+        return (tokens + [0] * pad + positions + [0] * pad + where + [spare] * pad + last + list(slots)
+                + [len(p) for p in prompts])
+
+    def _mixed(self, batch: int, attended: int, prompts: list[list[int]], slots: list[int], params, vocab: int,
+               tempered: bool, sampler) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
+        """A decode step over slots ``0 .. batch-1`` with ``prompts`` riding along into their ``slots``. Returns
+        the tokens (every stage: the decode rows', then one per prompt row), the log-probs (last stage), and the
+        decode and prompt rows computed (graphs pad both)."""
+        total = sum(len(p) for p in prompts)
+        if self.graphs is not None:
+            batch = self.graphs.bucket(batch, self.geometry.slot_tokens)[0]
+            chunk, rows = self._mixed_chunk(total), self.mixed_prompts
+            values = self._stage_mixed(chunk, rows, prompts, slots)
+            staged = self.staging
+            staged[: len(values)].copy_(self._to_device(values))
+            self._receive(self.prefill_hidden[: batch + chunk] if self.prefill_hidden is not None else None,
+                          batch + chunk)
+            picked, logp = self._replay(("mixed", batch, chunk, self._signature(params, vocab, tempered)))
+        else:
+            chunk, rows = total, len(prompts)
+            staged = self._to_device(self._stage_mixed(chunk, rows, prompts, slots))
+            out = self._mixed_forward(batch, chunk, rows, staged, self._receive(None, batch + chunk),
+                                      max(attended, max(len(p) for p in prompts)))
+            picked = logp = None
+            if self.is_last:
+                picked, logp = sampler(out)
+            else:
+                self._send(out)
+        picked = self._share(picked, batch + rows, torch.long)
+        self.slot_tokens[:batch] = picked[:batch]
+        self.slot_positions[:batch] += self.slot_running[:batch]
+        k, at = len(prompts), 3 * chunk + rows
+        taken, lengths = staged[at: at + k], staged[at + k: at + 2 * k]
+        self.slot_tokens[taken] = picked[batch: batch + k]
+        self.slot_positions[taken] = lengths
+        self.slot_running[taken] = 1
+        self.stats["mixed_steps"] += 1
+        return picked, logp, batch, rows
+
+    def _batch_bucket(self, batch: int) -> int:
+        """The decode batch a step over slots ``0 .. batch-1`` runs at (a power of two without graphs)."""
+        if self.graphs is not None:
+            return self.graphs.bucket(batch, self.geometry.slot_tokens)[0]
+        return min(1 << (batch - 1).bit_length(), self.geometry.num_slots)
+
+    def _compact(self, sched: SlotScheduler, filled: Callable[[int], int]) -> None:
+        """Move the sequences of high slots into free low ones when the running ones fit a smaller batch bucket
+        than the slots they span (``filled(seq)``: cache positions a sequence's in-flight steps will have written,
+        at most). Every rank of the replica moves its own stage's cache: the schedule is the same on all."""
+        running = len(sched.slot_of)
+        extent = sched.extent()
+        if not running or self._batch_bucket(extent) <= self._batch_bucket(running):
+            return
+        moves = sched.compact(self._batch_bucket(running))
+        positions = max(filled(sched.slots[to]) for _, to in moves)
+        sources, targets = self._to_device([a for a, _ in moves]), self._to_device([b for _, b in moves])
+        # Queued behind the steps in flight: they write the old slots first, then this copies them.
+        self.cache.move_slots(sources, targets, min(positions, self.geometry.slot_tokens))
+        for state in (self.slot_tokens, self.slot_positions, self.slot_running):
+            state[targets] = state[sources]
+        self.slot_running[sources] = 0
+        self.slot_positions[sources] = 0
+        self.stats["slot_moves"] += len(moves)
+
     def _release(self, slots: list[int]) -> None:
         for slot in slots:  # scalar fills: no host-to-device copy, so no sync with the steps in flight
             self.slot_running[slot] = 0
@@ -513,7 +648,26 @@ class ReplicaGenerator:
             noise_memory = self.noise.backed() if self.noise is not None else nullcontext()
             with torch.no_grad(), self.cache.backed(), graph_memory, noise_memory:
                 while True:
+                    if self.compact and not sched.waiting:
+                        self._compact(sched, lambda seq: len(prompts[seq]) + launched[seq])
+                    extent = sched.extent()  # the slots decoding, before this step's admissions
                     admitted = sched.admit()
+                    if admitted and extent and self._mixed_fits(admitted, prompts):
+                        sched.decode_batch()  # counts the step: every slot decodes or takes a prompt in it
+                        new = {seq for seq, _ in admitted}
+                        owners = [None] * extent
+                        attended = 0
+                        for slot, seq in sched.active():
+                            if seq not in new:
+                                owners[slot] = seq
+                                attended = max(attended, len(prompts[seq]) + launched[seq])
+                        picked, logp, batch, n = self._mixed(
+                            extent, attended, [prompts[seq] for seq, _ in admitted], [slot for _, slot in admitted],
+                            params, vocab_size, tempered_log_probs, sampler)
+                        launched_step(picked, logp, owners + [None] * (batch - extent)
+                                      + [seq for seq, _ in admitted] + [None] * (n - len(admitted)))
+                        drain(depth)
+                        continue
                     while admitted:  # a prompt whose first token ends it frees its slot for the next at once
                         for group in self._prefill_groups(admitted, prompts):
                             seqs, slots = [s for s, _ in group], [slot for _, slot in group]

@@ -52,6 +52,10 @@ class SlotScheduler:
         """``[(slot, sequence), ...]`` of the running sequences, by slot."""
         return [(slot, seq) for slot, seq in enumerate(self.slots) if seq is not None]
 
+    def extent(self) -> int:
+        """Slots up to the highest taken one (0 when none is)."""
+        return max((slot + 1 for slot, seq in enumerate(self.slots) if seq is not None), default=0)
+
     def decode_batch(self) -> int:
         """Slots a decode step covers now: up to the highest running one (0 when nothing runs); counts the step."""
         running = [slot for slot, seq in enumerate(self.slots) if seq is not None]
@@ -61,6 +65,20 @@ class SlotScheduler:
         if self.waiting:
             self.idle_slot_steps += len(self.slots) - len(running)
         return running[-1] + 1
+
+    def compact(self, extent: int) -> list[tuple[int, int]]:
+        """Move the sequences in slots from ``extent`` on into free slots below it (lowest first), so that decode
+        steps cover fewer slots; ``[(from, to), ...]``. The caller makes sure the free slots below suffice."""
+        free = [slot for slot in range(extent) if self.slots[slot] is None]
+        moves = []
+        for slot in range(extent, len(self.slots)):
+            seq = self.slots[slot]
+            if seq is not None:
+                to = free.pop(0)
+                self.slots[to], self.slots[slot] = seq, None
+                self.slot_of[seq] = to
+                moves.append((slot, to))
+        return moves
 
     @property
     def done(self) -> bool:

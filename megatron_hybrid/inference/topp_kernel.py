@@ -236,19 +236,21 @@ if HAVE_TRITON:
         done = tl.zeros([], tl.int32)
         rounds = tl.zeros([], tl.int32)
         total = tl.zeros([], tl.float32)
-        while (done == 0) & (rounds < MAX_ROUNDS):
-            rounds += 1
-            token, total = _race_above(logits_row, noise_row, logits_stride_v, noise_stride_v, vocab_size,
-                                       inv_temperature, x_max, tiny, bound, BLOCK)
-            winner_key = _order_key(_scaled_row(logits_row, logits_stride_v, token, True, inv_temperature))
-            lane_above = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab_size, BLOCK):
-                cols = start + lanes
-                valid = cols < vocab_size
-                x = _scaled_row(logits_row, logits_stride_v, cols, valid, inv_temperature)
-                lane_above += tl.where(valid & (_order_key(x) > winner_key), tl.exp(x - x_max), 0.0)
-            done = (tl.sum(lane_above, axis=0) <= top_p * total).to(tl.int32)
-            bound = winner_key
+        # A constexpr condition, resolved at compile time: with MAX_ROUNDS = 0 the loop fails the GPU compile (MLIR).
+        if MAX_ROUNDS > 0:
+            while (done == 0) & (rounds < MAX_ROUNDS):
+                rounds += 1
+                token, total = _race_above(logits_row, noise_row, logits_stride_v, noise_stride_v, vocab_size,
+                                           inv_temperature, x_max, tiny, bound, BLOCK)
+                winner_key = _order_key(_scaled_row(logits_row, logits_stride_v, token, True, inv_temperature))
+                lane_above = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, vocab_size, BLOCK):
+                    cols = start + lanes
+                    valid = cols < vocab_size
+                    x = _scaled_row(logits_row, logits_stride_v, cols, valid, inv_temperature)
+                    lane_above += tl.where(valid & (_order_key(x) > winner_key), tl.exp(x - x_max), 0.0)
+                done = (tl.sum(lane_above, axis=0) <= top_p * total).to(tl.int32)
+                bound = winner_key
         if done == 0:
             # Still outside after MAX_ROUNDS (draws that favour improbable tokens, round after round): the threshold
             # t* itself, by a 16-way search over (bound, key(max)] (mass(key > bound) > top_p * total: the last
