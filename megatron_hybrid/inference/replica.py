@@ -22,6 +22,7 @@ Legend: T packed tokens, B decode slots, H hidden, V vocabulary (padded).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections import deque
@@ -178,9 +179,7 @@ class ReplicaGenerator:
                           if self.prev_rank is not None else None)
         self.inv_freq = self.rotary.inv_freq.to(dev).clone() if self.rotary is not None else None
         if self.use_graphs:
-            sizes = self.config.graph_batch_sizes or [2**i for i in range(g.num_slots.bit_length())]
-            sizes = sorted({min(b, g.num_slots) for b in sizes} | {g.num_slots})
-            self.graphs = self._new_graphs(sizes)
+            self.graphs = self._new_graphs(self._batch_sizes())
             # A graph prefill's inputs: rows x padded length tokens, their positions and slots, then per row the
             # index of its last token, its slot and its prompt length; filled by one host-to-device copy.
             self.prefill_rows = g.num_slots if g.num_slots <= 8 else -(-g.num_slots // 8) * 8
@@ -535,11 +534,20 @@ class ReplicaGenerator:
         self.stats["mixed_steps"] += 1
         return picked, logp, batch, rows
 
+    def _batch_sizes(self) -> list[int]:
+        """The decode batch buckets: ``graph_batch_sizes``, or powers of two below the slot count; and the slot
+        count."""
+        n = self.geometry.num_slots
+        sizes = self.config.graph_batch_sizes or [2**i for i in range(n.bit_length())]
+        return sorted({min(b, n) for b in sizes} | {n})
+
     def _batch_bucket(self, batch: int) -> int:
-        """The decode batch a step over slots ``0 .. batch-1`` runs at (a power of two without graphs)."""
+        """The decode batch a step over slots ``0 .. batch-1`` runs at with graphs (their bucket), and the bucket
+        slot compaction aims at without them (eager steps run at ``batch`` itself)."""
         if self.graphs is not None:
             return self.graphs.bucket(batch, self.geometry.slot_tokens)[0]
-        return min(1 << (batch - 1).bit_length(), self.geometry.num_slots)
+        sizes = self._batch_sizes()
+        return sizes[bisect.bisect_left(sizes, batch)]
 
     def _compact(self, sched: SlotScheduler, filled: Callable[[int], int]) -> None:
         """Move the sequences of high slots into free low ones when the running ones fit a smaller batch bucket
