@@ -1,7 +1,7 @@
 """How many rejection rounds the top-p kernel's rows take in a real generation (one GPU): every graph replay's
 logits and draws are read back, the rejection is simulated in PyTorch, and rows with non-finite logits are counted.
 
-    python3 bench/probe/topp_rounds.py --batch 32 128 --out /tmp/topp_rounds.json
+    python3 bench/probe/topp_rounds.py --out /tmp/topp_rounds.json
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ def rounds(logits_nV: torch.Tensor, noise_nV: torch.Tensor, top_p: float, cap: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from megatron.core import parallel_state as ps
@@ -56,6 +55,7 @@ def main() -> None:
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
     from megatron_hybrid.inference.replica import ReplicaGenerator
+    from megatron_hybrid.inference.sampling import is_greedy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +71,7 @@ def main() -> None:
     stats: dict = {}
     original = ReplicaGenerator._replay
 
-    def record(self, kind, logits, noise, params, greedy):
+    def record(self, kind, logits, noise, params):
         sampled = logits.shape[0]
         bad = ~torch.isfinite(logits.float()).all(-1)
         entry = stats.setdefault(kind, collections.Counter())
@@ -83,7 +83,7 @@ def main() -> None:
             stats["bad"].append({"kind": kind, "step": entry["steps"], "rows": rows[:8],
                                  "positions": self.slot_positions[rows[:8]].tolist(),
                                  "tokens": self.slot_tokens[rows[:8]].tolist()})
-        if not greedy:
+        if not is_greedy(params):
             r = rounds(logits, noise, float(params.top_p))
             for k, v in zip(*torch.unique(r, return_counts=True)):
                 entry[f"rounds_{int(k)}"] += int(v)
@@ -91,31 +91,13 @@ def main() -> None:
 
     def replay(self, key):
         out = original(self, key)
-        kind, rows, _, sig = key
+        kind, _, _, sig = key
         params, vocab, _ = self._signatures[sig]
         logits = self.graphs._graphs[key][1][0][:, :vocab]
-        greedy = float(params.temperature) == 0 or int(params.top_k or 0) == 1
-        record(self, kind, logits, None if greedy else self._noise(logits.shape[0], vocab), params, greedy)
+        record(self, kind, logits, None if is_greedy(params) else self._noise(logits.shape[0], vocab), params)
         return out
 
     ReplicaGenerator._replay = replay
-    from megatron_hybrid.inference import replica as replica_module
-    original_sample = replica_module.sample
-
-    def eager_sample(logits_nV, params, *, vocab_size, generator=None, noise_nV=None, tempered_log_probs=False):
-        if torch.cuda.is_current_stream_capturing() or current[0].graphs is not None:  # graphs: see replay()
-            return original_sample(logits_nV, params, vocab_size=vocab_size, generator=generator, noise_nV=noise_nV,
-                                   tempered_log_probs=tempered_log_probs)
-        greedy = float(params.temperature) == 0 or int(params.top_k or 0) == 1
-        if noise_nV is None and not greedy:  # draw here so the simulation sees the same draws
-            noise_nV = torch.empty(logits_nV.shape[0], vocab_size, device=logits_nV.device).exponential_(
-                generator=generator)
-        record(current[0], "eager", logits_nV[:, :vocab_size], noise_nV, params, greedy)
-        return original_sample(logits_nV, params, vocab_size=vocab_size, noise_nV=noise_nV,
-                               tempered_log_probs=tempered_log_probs)
-
-    replica_module.sample = eager_sample
-    current = [None]
     result = {}
     top_p = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=128)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=128)
@@ -126,7 +108,6 @@ def main() -> None:
     for name, B, params, extra in variants:
         stats.clear()
         gen = RolloutGenerator(engine, GenerationConfig(max_batch_size=B, max_sequence_length=512, **extra))
-        current[0] = gen.replica
         g = torch.Generator().manual_seed(10)
         prompts = [torch.randint(0, arch.vocab_size, (128,), generator=g).tolist() for _ in range(B)]
         gen.generate(prompts, params, vocab_size=arch.vocab_size, seed=5)

@@ -124,6 +124,8 @@ class ReplicaGenerator:
         self.mixed_tokens = (_MIXED_TOKENS if self.reads_lengths else 0) if mixed is None else mixed
         self.geometry = self._geometry(chunk)
         self.mixed_prompts = min(_MIXED_PROMPTS, self.geometry.num_slots) if self.mixed_tokens else 0
+        # No more than its prompts can hold: the staging and hidden buffers are sized by it.
+        self.mixed_tokens = min(self.mixed_tokens, self.mixed_prompts * self.geometry.slot_tokens)
         self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
         self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
         self.cache: Optional[KVCache] = None
@@ -364,6 +366,13 @@ class ReplicaGenerator:
         dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
         return tensor
 
+    def _sample_or_send(self, out: torch.Tensor, sampler) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """An eager step's end: the last stage samples ``out`` (its logits), the others send it (hidden states)."""
+        if self.is_last:
+            return sampler(out)
+        self._send(out)
+        return None, None
+
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """``values`` on the device without a host sync (a pinned staging copy on a GPU)."""
         host = torch.tensor(values, dtype=torch.long)
@@ -384,10 +393,7 @@ class ReplicaGenerator:
         else:
             picked, logp = self._eager_prefill(prompts, slots, sampler)
             rows = len(prompts)
-        index = self._to_device(slots)
-        self.slot_tokens[index] = picked[: len(prompts)]
-        self.slot_positions[index] = self._to_device(lengths)
-        self.slot_running[index] = 1
+        self._start(self._to_device(slots), picked[: len(prompts)], self._to_device(lengths))
         return picked, logp, rows
 
     def _prefill_key(self, lengths: list[int], params, vocab: int, tempered: bool) -> Optional[tuple]:
@@ -440,11 +446,7 @@ class ReplicaGenerator:
         last = self._to_device([s + n - 1 for s, n in zip(starts, lengths)])
         out = self._forward(tokens, self._receive(None, len(tokens)), step, last)
         self.stats["prefill_forwards"] += 1
-        picked = logp = None
-        if self.is_last:
-            picked, logp = sampler(out)
-        else:
-            self._send(out)
+        picked, logp = self._sample_or_send(out, sampler)
         picked = self._share(picked, len(prompts), torch.long)
         return picked, logp
 
@@ -455,19 +457,26 @@ class ReplicaGenerator:
             batch, attended = self.graphs.bucket(batch, self.geometry.slot_tokens if self.reads_lengths
                                                  else attended)
         self._receive(self.hidden_in[:batch] if self.hidden_in is not None else None, batch)
-        picked = logp = None
         if self.graphs is not None:
             picked, logp = self._replay(("decode", batch, attended, self._signature(params, vocab, tempered)))
         else:
-            out = self._decode_forward(batch, attended)
-            if self.is_last:
-                picked, logp = sampler(out)
-            else:
-                self._send(out)
+            picked, logp = self._sample_or_send(self._decode_forward(batch, attended), sampler)
         picked = self._share(picked, batch, torch.long)
-        self.slot_tokens[:batch] = picked
-        self.slot_positions[:batch] += self.slot_running[:batch]
+        self._advance(batch, picked)
         return picked, logp
+
+    def _advance(self, batch: int, picked: torch.Tensor) -> None:
+        """After a step over slots ``0 .. batch-1``: their next inputs are the tokens just picked, one position on
+        (idle slots stay at position 0)."""
+        self.slot_tokens[:batch] = picked[:batch]
+        self.slot_positions[:batch] += self.slot_running[:batch]
+
+    def _start(self, slots: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Prompts of ``lengths`` now fill ``slots`` (device index tensors): they decode from their ``first``
+        tokens, at the position after each prompt."""
+        self.slot_tokens[slots] = first
+        self.slot_positions[slots] = lengths
+        self.slot_running[slots] = 1
 
     def _mixed_fits(self, admitted: list[tuple[int, int]], prompts) -> bool:
         """Whether the ``admitted`` prompts can ride along the next decode step."""
@@ -518,19 +527,11 @@ class ReplicaGenerator:
             staged = self._to_device(self._stage_mixed(chunk, rows, prompts, slots))
             out = self._mixed_forward(batch, chunk, rows, staged, self._receive(None, batch + chunk),
                                       max(attended, max(len(p) for p in prompts)))
-            picked = logp = None
-            if self.is_last:
-                picked, logp = sampler(out)
-            else:
-                self._send(out)
+            picked, logp = self._sample_or_send(out, sampler)
         picked = self._share(picked, batch + rows, torch.long)
-        self.slot_tokens[:batch] = picked[:batch]
-        self.slot_positions[:batch] += self.slot_running[:batch]
+        self._advance(batch, picked)
         k, at = len(prompts), 3 * chunk + rows
-        taken, lengths = staged[at: at + k], staged[at + k: at + 2 * k]
-        self.slot_tokens[taken] = picked[batch: batch + k]
-        self.slot_positions[taken] = lengths
-        self.slot_running[taken] = 1
+        self._start(staged[at: at + k], picked[batch: batch + k], staged[at + k: at + 2 * k])
         self.stats["mixed_steps"] += 1
         return picked, logp, batch, rows
 
@@ -554,10 +555,12 @@ class ReplicaGenerator:
         than the slots they span (``filled(seq)``: cache positions a sequence's in-flight steps will have written,
         at most). Every rank of the replica moves its own stage's cache: the schedule is the same on all."""
         running = len(sched.slot_of)
-        extent = sched.extent()
-        if not running or self._batch_bucket(extent) <= self._batch_bucket(running):
+        if not running:
             return
-        moves = sched.compact(self._batch_bucket(running))
+        target = self._batch_bucket(running)
+        if self._batch_bucket(sched.extent()) <= target:
+            return
+        moves = sched.compact(target)
         positions = max(filled(sched.slots[to]) for _, to in moves)
         sources, targets = self._to_device([a for a, _ in moves]), self._to_device([b for _, b in moves])
         # Queued behind the steps in flight: they write the old slots first, then this copies them.
@@ -615,6 +618,17 @@ class ReplicaGenerator:
         rows: list[list[Optional[int]]] = []
         log_probs: list[torch.Tensor] = []
 
+        def decoding(width: int, new: frozenset = frozenset()) -> tuple[list[Optional[int]], int]:
+            """Per slot ``0 .. width-1``, the sequence it decodes (None: idle, or taking one of the ``new``
+            prompts), and the most cache positions any of them reads."""
+            owners: list[Optional[int]] = [None] * width
+            attended = 0
+            for slot, seq in sched.active():
+                if seq not in new:
+                    owners[slot] = seq
+                    attended = max(attended, len(prompts[seq]) + launched[seq])
+            return owners, attended
+
         def close(seq: int) -> None:
             closed[seq] = True
             self._release([sched.finish(seq)])
@@ -662,13 +676,7 @@ class ReplicaGenerator:
                     admitted = sched.admit()
                     if admitted and extent and self._mixed_fits(admitted, prompts):
                         sched.decode_batch()  # counts the step: every slot decodes or takes a prompt in it
-                        new = {seq for seq, _ in admitted}
-                        owners = [None] * extent
-                        attended = 0
-                        for slot, seq in sched.active():
-                            if seq not in new:
-                                owners[slot] = seq
-                                attended = max(attended, len(prompts[seq]) + launched[seq])
+                        owners, attended = decoding(extent, frozenset(seq for seq, _ in admitted))
                         picked, logp, batch, n = self._mixed(
                             extent, attended, [prompts[seq] for seq, _ in admitted], [slot for _, slot in admitted],
                             params, vocab_size, tempered_log_probs, sampler)
@@ -686,11 +694,7 @@ class ReplicaGenerator:
                         admitted = sched.admit()
                     batch = sched.decode_batch()
                     if batch:
-                        owners: list[Optional[int]] = [None] * batch
-                        attended = 0
-                        for slot, seq in sched.active():
-                            owners[slot] = seq
-                            attended = max(attended, len(prompts[seq]) + launched[seq])
+                        owners, attended = decoding(batch)
                         picked, logp = self._decode(batch, attended, params, vocab_size, tempered_log_probs,
                                                     sampler)
                         launched_step(picked, logp, owners + [None] * (len(picked) - batch))
