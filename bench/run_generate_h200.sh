@@ -27,6 +27,7 @@ for s in ${STEPS:-kernels graphs graphs_distopt generate}; do
         --optimizer distributed --output "$OUT/gpu_inference_distopt_h200.json" ;;
     generate) step generate 330 python3 bench/generate.py --out "$OUT/generate_h200.json" ${GEN_ARGS:-} ;;
     topp_rounds) step topp_rounds 150 python3 bench/probe/topp_rounds.py --out "$OUT/topp_rounds_h200.json" ;;
+    step_times) step step_times 200 python3 bench/probe/step_times.py --out "$OUT/step_times_h200.json" ;;
     topp) step topp 150 python3 bench/topp.py --out "$OUT/topp_h200.json" --vocab 32000 ;;
     profile) step profile 150 python3 bench/generate.py --out "$OUT/generate_profile.json" --methods ours \
         --batch 128 --new-tokens 128 --runs 1 --profile greedy top_p ;;

@@ -18,6 +18,12 @@ step on the training parameters → switch_to_rollout(). Checked, per rollout:
   one granule per buffer (KV cache, graph pool, sampling noise, decode state); the KV cache's address is the same
   in every rollout. The baseline follows one throwaway eager generation, which loads most kernels; the held bytes
   against a baseline before it are reported too (``held_bytes_with_kernel_modules``).
+- host syncs: one more generate call, with refills, stop tokens, mixed steps and slot compaction (48 prompts on 16
+  slots, top-p), makes at most 3 synchronizing CUDA calls (torch's sync debug mode) besides the step events the host
+  waits on, however many steps it runs: the ranks' agreement on bad input, the rotary state, the log-probs' copy.
+  (An index assignment of a Python scalar, ``t[index] = 0``, is a synchronizing copy: one per finished sequence
+  and per refill stalled the device until the host's next launch.) After it, every graph (now also mixed steps')
+  replays an eager run's logits bit for bit.
 
 ``--optimizer distributed`` trains instead through Megatron DDP with ``use_distributed_optimizer=True`` and
 megatron-core's mixed-precision distributed Adam (bf16 parameters, fp32 main parameters): each step is a real
@@ -66,13 +72,21 @@ def _check_buckets(generator, cycle: int) -> dict:
     with torch.no_grad(), replica.cache.backed(), replica.graphs.backed():
         for key in replica.graphs.keys():
             kind, rows, length, _ = key
-            assert kind in ("decode", "prefill"), f"no check written for graph {key}"  # these calls make no others
+            assert kind in ("decode", "prefill", "mixed"), f"no check written for graph {key}"
             g = torch.Generator(device="cuda").manual_seed(1000 + rows + length)  # the same inputs every rollout
-            if kind == "decode":
+            if kind in ("decode", "mixed"):
                 replica.slot_tokens[:rows] = torch.randint(0, VOCAB, (rows,), generator=g, device="cuda")
-                replica.slot_positions[:rows] = torch.randint(0, length, (rows,), generator=g, device="cuda")
+                top = length if kind == "decode" else 64  # a mixed key's length is its prompt rows
+                replica.slot_positions[:rows] = torch.randint(0, top, (rows,), generator=g, device="cuda")
                 replica.slot_running[:rows] = 1
-            else:
+            if kind == "mixed":  # rows: the decode batch; length: the prompt tokens riding along
+                # Two prompts into slots 0 and 1, whose decode rows are then idle (they write the spare slot).
+                half = max(1, length // 4)
+                prompts = torch.randint(0, VOCAB, (2, half), generator=g, device="cuda").tolist()
+                replica.slot_running[:2] = 0
+                values = replica._stage_mixed(length, replica.mixed_prompts, prompts, [0, 1])
+                replica.staging[: len(values)].copy_(torch.tensor(values, device="cuda"))
+            elif kind == "prefill":
                 n = min(rows, num_slots)
                 prompts = torch.randint(0, VOCAB, (n, length), generator=g, device="cuda").tolist()
                 replica.stage_prefill(rows, length, prompts, list(range(n)))
@@ -85,6 +99,41 @@ def _check_buckets(generator, cycle: int) -> dict:
         replica.slot_running.zero_()
         replica.slot_positions.zero_()
     return out
+
+
+def _host_syncs(engine, generator, prompts: list[list[int]]) -> dict:
+    """The synchronizing CUDA calls (torch's sync debug mode) of one generate call with refills, stop tokens, mixed
+    steps and slot compaction (48 prompts on 16 slots, top-p), besides the step events the host waits on, by the
+    line that made them. Run once before, so that its graphs are captured (a capture synchronizes)."""
+    import collections
+    import warnings
+
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    engine.switch_to_rollout()
+    top_p = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=48)
+    many = (prompts * 3)[:48]
+
+    def run():
+        return generator.generate(many, top_p, vocab_size=VOCAB, stop_token_ids=list(range(0, VOCAB, 97)), seed=3)
+
+    run()
+    before = generator.report()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    report = generator.report()
+    buckets = _check_buckets(generator, -1)  # now with mixed graphs, and batch buckets of compacted slots
+    engine.switch_to_training()
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "synchronizing CUDA operation" in str(w.message))
+    return {"count": sum(where.values()), "where": dict(where), "buckets": buckets,
+            "steps": {key: report[key] - before[key] for key in ("decode_steps", "mixed_steps", "slot_moves")}}
 
 
 def _megatron_distributed(model):
@@ -205,19 +254,28 @@ def run_variant(graph_pool: str, optimizer: str = "sgd") -> dict:
     # What stays after the generator is gone (its graphs, pool and cache freed) is not inference state: kernel
     # modules first loaded by the captured shapes, cuBLAS and Triton handles. Held while training, less that.
     after_close = base - _free_bytes()
+    # Last, on a generator of its own: the kernels its calls load first would otherwise count as "after close".
+    generator = RolloutGenerator(engine, config)
+    syncs = _host_syncs(engine, generator, prompts)
+    generator.close()
     checks = {
         "bit_exact": all(b["bit_exact"] for c in cycles for b in c["buckets"].values()),
         "buckets_at_least_3": len(first["buckets"]) >= 3,
         "captures_equal_buckets": all(c["captures"] == len(first["buckets"]) for c in cycles),
         "weights_changed_each_cycle": len({c["weight_checksum"] for c in cycles}) == len(cycles),
         "kv_cache_address_fixed": len({c["kv_cache_address"] for c in cycles}) == 1,
+        # Per call, whatever its steps: the ranks' agreement on bad input, the rotary state, the log-probs' copy.
+        "host_syncs_per_call_at_most_3": syncs["count"] <= 3,
+        # Every graph after that call, mixed steps' included, replays an eager run's logits bit for bit.
+        "bit_exact_with_mixed_graphs": (any(k.startswith("mixed:") for k in syncs["buckets"])
+                                        and all(b["bit_exact"] for b in syncs["buckets"].values())),
         "memory_held_within_granules": all(c["held_bytes_while_training"] - after_close <= num_buffers * granule
                                            for c in cycles),
     }
     engine.close()  # the distributed optimizer was given at construction: its views move back too
     dist.destroy_process_group()
     return {"graph_pool": graph_pool, "optimizer": optimizer, "checks": checks, "ok": all(checks.values()), "granule": granule,
-            "held_bound_bytes": num_buffers * granule, "held_after_close_bytes": after_close, "cycles": cycles, "torch": torch.__version__,
+            "held_bound_bytes": num_buffers * granule, "held_after_close_bytes": after_close, "host_syncs": syncs, "cycles": cycles, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0)}
 
 
