@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from generate import SHAPES, prompts_of  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import prompts_of  # noqa: E402
+from one_gpu import engine_on_one_gpu  # noqa: E402
 
 
 class Recorder:
@@ -148,26 +147,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--variants", nargs="+", default=["top_p", "mixed"], choices=["top_p", "mixed"])
     args = ap.parse_args()
-    from megatron.core import parallel_state as ps
-    from megatron.core.inference.sampling_params import SamplingParams
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    with engine_on_one_gpu() as (arch, engine):
+        probe(arch, engine, args)
 
-    from megatron_hybrid import HybridEngine, RolloutLayout
+
+def probe(arch, engine, args) -> None:
+    from megatron.core.inference.sampling_params import SamplingParams
+
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
     from megatron_hybrid.inference.graphs import DecodeGraphs
     from megatron_hybrid.inference.replica import ReplicaGenerator
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(minutes=10))
-    torch.cuda.set_device(0)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    arch = SHAPES["gpu-1b"]
-    model = arch.build().cuda()
-    engine = HybridEngine(model, RolloutLayout(1, 1))
     rec = Recorder()
     DecodeGraphs.run = rec.wrap(lambda self, key, step: key[:3], DecodeGraphs.run)
     for name in ("_mixed", "_decode", "_prefill", "_stage_mixed", "_in_flight", "_start", "_advance"):
@@ -218,9 +208,6 @@ def main() -> None:
         print(json.dumps({f"B={B} replay_alone_ms": result[f"B={B} replay_alone_ms"]}), flush=True)
         gen.close()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    engine.switch_to_training()
-    engine.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shapes import SHAPES  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_gpu import engine_on_one_gpu  # noqa: E402
 
 
 def rounds(logits_nV: torch.Tensor, noise_nV: torch.Tensor, top_p: float, cap: int = 64) -> torch.Tensor:
@@ -48,26 +44,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from megatron.core import parallel_state as ps
-    from megatron.core.inference.sampling_params import SamplingParams
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    with engine_on_one_gpu() as (arch, engine):
+        probe(arch, engine, args.out)
 
-    from megatron_hybrid import HybridEngine, RolloutLayout
+
+def probe(arch, engine, out: str) -> None:
+    from megatron.core.inference.sampling_params import SamplingParams
+
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
     from megatron_hybrid.inference.replica import ReplicaGenerator
     from megatron_hybrid.inference.sampling import is_greedy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(minutes=10))
-    torch.cuda.set_device(0)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    arch = SHAPES["gpu-1b"]
-    model = arch.build().cuda()
-    engine = HybridEngine(model, RolloutLayout(1, 1))
     stats: dict = {}
     original = ReplicaGenerator._replay
 
@@ -114,10 +101,7 @@ def main() -> None:
         result[name] = {k: (dict(v) if isinstance(v, collections.Counter) else v) for k, v in stats.items()}
         print(json.dumps({name: result[name]}), flush=True)
         gen.close()
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    engine.switch_to_training()
-    engine.close()
-    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
