@@ -127,8 +127,9 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
         max_length: a host bound on ``lengths_B`` (``<= L``). The kernels read only the filled positions and use
             it to size the splits; the reference reads (and masks) ``max_length`` positions per slot.
         out: written with the result if given, ``[B, G, R, D]`` of the queries' dtype, any strides.
-        num_splits: overrides the heuristic for how many chunks a slot's positions are split into (an upper bound:
-            chunks are whole steps of 64 positions).
+        num_splits: overrides the heuristic for how many chunks a row's filled positions are split into (an upper
+            bound: chunks are whole steps of 64 positions). The heuristic plans the splits for ``max_length``, and
+            each row cuts its own length into that many chunks of at least 128 positions.
         slots_B: integer tensor on the queries' device: row b reads cache slot ``slots_B[b]`` (``0 <= slots_B[b] <
             N``; not checked). Rows may share a slot, each with its own length. Without it row b reads slot b.
 
@@ -190,9 +191,12 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
     part_BGSRD = torch.empty(B, G, splits, R, D, device=q_BGRD.device, dtype=torch.float32)
     max_BGSR = torch.empty(B, G, splits, R, device=q_BGRD.device, dtype=torch.float32)
     sum_BGSR = torch.empty_like(max_BGSR)
+    # Each row splits its own length (the plan's chunk is for max_length, a host bound that a graph bakes in):
+    # chunks of at least _SPLIT_MIN_POSITIONS, or of one step when num_splits is given.
+    min_chunk = _BLOCK_N if num_splits is not None else min(chunk, _SPLIT_MIN_POSITIONS)
     _decode_split_kernel[(B, G, splits)](
         q_BGRD, keys_NGLD, values_NGLD, lengths_B, slots, part_BGSRD, max_BGSR, sum_BGSR, *q_BGRD.stride(),
-        *keys_NGLD.stride(), *values_NGLD.stride(), *part_BGSRD.stride(), R, chunk, scale * _LOG2E,
+        *keys_NGLD.stride(), *values_NGLD.stride(), *part_BGSRD.stride(), R, min_chunk, scale * _LOG2E,
         PARTIAL=True, **launch)
     _decode_combine_kernel[(B, G)](
         part_BGSRD, max_BGSR, sum_BGSR, out, *part_BGSRD.stride(), *out.stride(), splits, R,
@@ -373,8 +377,8 @@ if HAVE_TRITON:
         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr,
     ):
-        # Program (row b, key/value head g, split s): positions [s * chunk, min((s + 1) * chunk, length)) of the
-        # row's slot (slots_ptr[b] with HAS_SLOTS, else b).
+        # Program (row b, key/value head g, split s): positions [s * c, min((s + 1) * c, length)) of the row's slot
+        # (slots_ptr[b] with HAS_SLOTS, else b), c the row's chunk (below).
         # PARTIAL: write the unnormalised output and the row statistics of this split for the combine kernel;
         # otherwise (one split) the normalised output. Offsets of slots and heads in int64: a cache passes 2**31
         # elements. HEAD_DIM is a constexpr: a mask along the contiguous dimension with a runtime bound would stop
@@ -387,8 +391,11 @@ if HAVE_TRITON:
             slot = b
         split = tl.program_id(2)
         length = tl.load(lengths_ptr + b).to(tl.int32)
-        start = split * chunk
-        end = tl.minimum(start + chunk, length)
+        # The row's own filled positions in as many chunks as there are splits (whole BLOCK_N steps, at least
+        # ``chunk``): a slot much longer than its filled part still spreads its reads over every split.
+        row_chunk = tl.maximum(tl.cdiv(tl.cdiv(length, tl.num_programs(2)), BLOCK_N) * BLOCK_N, chunk)
+        start = split * row_chunk
+        end = tl.minimum(start + row_chunk, length)
         rows = tl.arange(0, BLOCK_R)
         dims = tl.arange(0, BLOCK_D)
         cols = tl.arange(0, BLOCK_N)
