@@ -105,10 +105,9 @@ def _host_syncs(engine, generator, prompts: list[list[int]]) -> dict:
     """The synchronizing CUDA calls (torch's sync debug mode) of one generate call with refills, stop tokens, mixed
     steps and slot compaction (48 prompts on 16 slots, top-p), besides the step events the host waits on, by the
     line that made them. Run once before, so that its graphs are captured (a capture synchronizes)."""
-    import collections
-    import warnings
-
     from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid.inference.host_syncs import synchronizing_calls
 
     engine.switch_to_rollout()
     top_p = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=48)
@@ -119,19 +118,10 @@ def _host_syncs(engine, generator, prompts: list[list[int]]) -> dict:
 
     run()
     before = generator.report()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    _, where = synchronizing_calls(run)
     report = generator.report()
     buckets = _check_buckets(generator, -1)  # now with mixed graphs, and batch buckets of compacted slots
     engine.switch_to_training()
-    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                if "synchronizing CUDA operation" in str(w.message))
     return {"count": sum(where.values()), "where": dict(where), "buckets": buckets,
             "steps": {key: report[key] - before[key] for key in ("decode_steps", "mixed_steps", "slot_moves")}}
 

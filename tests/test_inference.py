@@ -276,6 +276,25 @@ def test_prefill_groups_fit_a_graph_once_padded():
     assert cut == [[1, 2], [0]] and not replica._prefill_graph_fits(*replica._prefill_shape(1, 100))
 
 
+def test_synchronizing_calls_counted_by_line():
+    # torch's sync debug mode warns "called a synchronizing CUDA operation" at each one (no CUDA here, so the
+    # warnings are made by hand): counted by the line that made them, other warnings left out, fn's result kept.
+    import inspect
+    import warnings
+
+    from megatron_hybrid.inference.host_syncs import synchronizing_calls
+
+    def fn():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation (Triggered internally at Copy.cu)", UserWarning)
+        warnings.warn("an unrelated warning", UserWarning)
+        return 7
+
+    line = inspect.getsourcelines(fn)[1] + 2
+    result, where = synchronizing_calls(fn)
+    assert result == 7 and dict(where) == {f"test_inference.py:{line}": 2}
+
+
 def test_rotary_embedding_is_megatrons_bit_for_bit():
     assert run_distributed(cases.rotary_case, 1)[0]
 

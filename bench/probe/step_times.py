@@ -43,12 +43,13 @@ class Recorder:
             if not self.on:
                 return fn(*a, **k)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            kind = kind_of(*a)
             t = time.perf_counter()
             start.record()
             out = fn(*a, **k)
             end.record()
-            self.steps.append((kind_of(*a), start, end, t))
-            self.host.setdefault(kind_of(*a)[0], []).append(time.perf_counter() - t)
+            self.steps.append((kind, start, end, t))
+            self.host.setdefault(kind[0], []).append(time.perf_counter() - t)
             return out
         return wrapped
 
@@ -86,23 +87,6 @@ class Recorder:
                 "gaps_by_neighbours": {k: {"count": v[0], "ms": v[1]} for k, v in around.items()},
                 "host_ms_in_calls": {k: {"count": len(v), "mean_ms": 1e3 * statistics.mean(v)}
                                      for k, v in self.host.items()}, "by_kind": by_kind}
-
-
-def synchronizing_calls(fn) -> dict[str, int]:
-    """What torch's sync debug mode flags during one more ``fn()`` (besides the events the loop waits on), by the
-    Python line that made it."""
-    import warnings
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return dict(collections.Counter(f"{Path(w.filename).name}:{w.lineno} {str(w.message).splitlines()[0][:60]}"
-                                    for w in caught if "synchroniz" in str(w.message)))
 
 
 def replay_alone(replica, repeats: int = 20) -> dict:
@@ -156,6 +140,7 @@ def probe(arch, engine, args) -> None:
 
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
     from megatron_hybrid.inference.graphs import DecodeGraphs
+    from megatron_hybrid.inference.host_syncs import synchronizing_calls
     from megatron_hybrid.inference.replica import ReplicaGenerator
 
     rec = Recorder()
@@ -201,7 +186,7 @@ def probe(arch, engine, args) -> None:
             rec.on = False
             tokens = sum(len(r.generated_tokens) for r in out)
             entry = dict(rec.summary(wall), tokens=tokens, tok_s=tokens / wall,
-                         synchronizing_calls=synchronizing_calls(run))
+                         synchronizing_calls=dict(synchronizing_calls(run)[1]))
             result[f"B={B} {name}"] = entry
             print(json.dumps({f"B={B} {name}": entry}), flush=True)
         result[f"B={B} replay_alone_ms"] = replay_alone(gen.replica)

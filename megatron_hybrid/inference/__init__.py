@@ -8,7 +8,7 @@ Pieces, one module each:
   top-p on the device; :mod:`.graphs`: decode steps captured once per bucket, replayed across rollouts;
 - :mod:`.replica`: the prefill/decode loop of one model replica (tensor and pipeline groups);
   :mod:`.generator`: the HybridEngine's micro-DP data flow around it; :mod:`.validation`: argument checks that
-  every rank agrees on before any generation collective.
+  every rank agrees on before any generation collective; :mod:`.host_syncs`: which host lines wait on the device.
 
 Why our own attention path rather than megatron-core's: its static ``inference_context`` keeps one offset for the
 whole batch (no ragged prompts, no slot reuse), its dynamic engine needs flash-attn for dynamic batching, and its
