@@ -186,8 +186,9 @@ def load_callable(spec: str) -> Callable:
         raise ValueError(f"--reward-fn ({spec!r}) must be 'module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--reward-fn ({spec!r}): cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # the user's module runs on import: a SyntaxError, a missing package, its own raise
+        raise ValueError(f"--reward-fn ({spec!r}): cannot import module {module_name!r}: {type(e).__name__}: "
+                         f"{e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"--reward-fn ({spec!r}): module {module_name!r} has no function {attr!r}")

@@ -89,3 +89,32 @@ def before_initialize_case(argv: list[str]) -> str:
         return fault_cases.recipe_error_case(argv)
     finally:
         rl.initialize = saved
+
+
+def reward_values_case() -> dict:
+    """:func:`megatron_hybrid.rl.reward_scores` of reward functions whose values are numbers of several kinds (every
+    rank), then of functions that return something else on rank 1 only: that rank's error, raised on every rank."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    import numpy as np
+
+    from megatron_hybrid import rl
+
+    def on_rank_1(value):
+        return lambda prompts, responses: [value if dist.get_rank() == 1 else 0.5] * len(responses)
+
+    expected = [0.5, 1.0, 2.0, 0.25, 3.0]
+    numbers = [lambda p, r: [0.5, 1, np.float32(2.0), Fraction(1, 4), Decimal(3)],
+               lambda p, r: torch.tensor(expected), lambda p, r: np.array(expected)]
+    prompts, responses = [[1]] * 5, [[2]] * 5
+    out: dict = {"accepted": [rl.reward_scores(fn, prompts, responses, step=3, name="n").tolist() for fn in numbers]}
+    for kind, value in [("strings", "0.5"), ("bools", True), ("nones", None), ("complex", 1 + 2j),
+                        ("numpy-bools", np.True_), ("huge", 10 ** 400)]:
+        try:
+            rl.reward_scores(on_rank_1(value), prompts[:4], responses[:4], step=3,
+                             name=f"--reward-fn tests.data_cases:{kind}")
+            out[kind] = ""
+        except rl.StepFailure as e:
+            out[kind] = f"{type(e).__name__}: {e}"
+    return out

@@ -1,7 +1,9 @@
 """Prompt data and rewards (issue 15, Build 3): JSONL and verl's parquet read with the chat template applied, every
 bad row a ValueError naming the file, line or row and field, the built-in rewards against hand-computed values,
 ``--reward-fn`` in each convention (ours, with answers, verl's ``compute_score``), the arithmetic task generator,
-and the recipe with ``--prompt-data`` and ``--eval-interval``."""
+and the recipe with ``--prompt-data`` and ``--eval-interval``. Issue 22: non-finite ground truths, token ids outside
+the vocabulary or not ids, bytes that are not UTF-8 and blank ``--prompt-file`` s refused at load (file and line);
+reward modules that fail to import and reward values that are not numbers refused by name."""
 
 from __future__ import annotations
 
@@ -88,8 +90,14 @@ def test_jsonl_and_parquet_prompts(tokenizer_dir, tmp_path):
      "line 2: 'reward_model.ground_truth' must be a string or a number, not NoneType"),
     ('{"prompt": "hi", "answer": "1", "extra_info": [1]}', "line 2: 'extra_info' must be an object, not list"),
     ('{"prompt": "hi", "answer": "1", "data_source": 5}', "line 2: 'data_source' must be a string, not int"),
+    # JSON's NaN and Infinity (and numbers past float's range) are numbers to Python's json, not ground truths.
+    ('{"prompt": "hi", "answer": NaN}', "line 2: 'answer' must be a finite number, not nan"),
+    ('{"prompt": "hi", "reward_model": {"ground_truth": -Infinity}}',
+     "line 2: 'reward_model.ground_truth' must be a finite number, not -inf"),
+    ('{"prompt": "hi", "answer": 1e400}', "line 2: 'answer' must be a finite number, not inf"),
 ], ids=["no-answer", "bad-json", "not-object", "no-prompt", "prompt-type", "empty-prompt", "content-type",
-        "message-type", "answer-type", "answer-bool", "ground-truth-null", "extra-info", "data-source"])
+        "message-type", "answer-type", "answer-bool", "ground-truth-null", "extra-info", "data-source", "answer-nan",
+        "ground-truth-infinity", "answer-overflow"])
 def test_bad_jsonl_rows_name_file_line_and_field(line, message, tokenizer_dir, tmp_path):
     path = _jsonl(tmp_path / "bad.jsonl", ['{"prompt": "fine", "answer": "1"}', line])
     with pytest.raises(ValueError) as e:
@@ -144,6 +152,105 @@ def test_other_bad_inputs(tokenizer_dir, tmp_path, monkeypatch):
         "is parquet, which needs pyarrow (pip install pyarrow)")
     assert data_file_error("--prompt-data", str(tmp_path / "x.csv")) == \
         f"--prompt-data ({str(tmp_path / 'x.csv')!r}) does not exist"
+
+
+def _task(*argv):
+    """:func:`rl.load_task` of the recipe's flags on a 96-token NullTokenizer (the start-up path: no process group)."""
+    return rl.load_task(recipe_args("--tensor-model-parallel-size", "1", "--vocab-size", "96", *argv))
+
+
+NOT_AN_ID = ("NullTokenizer takes token-id prompts (ids separated by spaces, as '5 17 3'): word {} ({!r}) is not a "
+             "token id (text needs --tokenizer-type HuggingFaceTokenizer or SentencePieceTokenizer)")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("4 99 5", "token 1 is 99, outside the vocabulary [0, 96) (--vocab-size 96)"),
+    ("-1 4", "token 0 is -1, outside the vocabulary [0, 96) (--vocab-size 96)"),
+    ("4 2.0", NOT_AN_ID.format(1, "2.0")),
+    ("true 4", NOT_AN_ID.format(0, "true")),
+    ("What is 2 plus 2?", NOT_AN_ID.format(0, "What")),
+    ("1_0", NOT_AN_ID.format(0, "1_0")),  # int() takes it as 10
+], ids=["past-vocab", "negative", "float", "bool", "text", "underscore"])
+def test_token_ids_are_checked_at_load_naming_file_and_line(prompt, message, tmp_path):
+    rows = [{"prompt": "1 2 3", "answer": "6"}, "", {"prompt": "7 8", "answer": "15"},
+            {"prompt": prompt, "answer": "9"}]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError) as e:
+        _task("--prompt-data", path)
+    assert str(e.value) == f"--prompt-data {path} line 4: 'prompt': {message}", str(e.value)
+
+
+def test_null_tokenizer_files_and_text_lines_are_checked_at_load(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = _jsonl(tmp_path / "good.jsonl", [{"prompt": "1 2 3", "answer": 1e20}, {"prompt": "4", "answer": 2.5}])
+    task = _task("--prompt-data", good)
+    # A float ground truth is kept as its digits: "1e+20" would read as the number 20.
+    assert [(e.tokens, e.answer) for e in task.prompts.examples] == [([1, 2, 3], "100000000000000000000"),
+                                                                     ([4], "2.5")]
+    # parquet: the row index (from 0); a NaN ground truth (pandas' missing value) is refused too.
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1 2", "answer": "3"}, {"prompt": "5", "answer": "5"},
+                                         {"prompt": "95 96", "answer": "1"}]), tmp_path / "ids.parquet")
+    with pytest.raises(ValueError, match=r"^--prompt-data \S+ids.parquet row 2: 'prompt': token 1 is 96, outside "
+                                         r"the vocabulary \[0, 96\)"):
+        _task("--prompt-data", str(tmp_path / "ids.parquet"))
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1 2", "answer": 3.0}, {"prompt": "5", "answer": float("nan")}]),
+                   tmp_path / "nan.parquet")
+    with pytest.raises(ValueError, match=r"nan.parquet row 1: 'answer' must be a finite number, not nan"):
+        _task("--prompt-data", str(tmp_path / "nan.parquet"))
+    # --eval-prompt-data: the same checks, naming its flag.
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1 2", "answer": "3"}, {"prompt": "3 99", "answer": "3"}])
+    with pytest.raises(ValueError) as e:
+        _task("--prompt-data", good, "--eval-prompt-data", bad, "--eval-interval", "1")
+    assert str(e.value) == f"--eval-prompt-data {bad} line 2: 'prompt': token 1 is 99, outside the vocabulary " \
+                           f"[0, 96) (--vocab-size 96)"
+    # A byte that is not UTF-8: the line and the byte's offset in the file (CRLF line ends count as one line end).
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "1", "answer": "1"}\r\n{"prompt": "2", "answer": "caf\xe9"}\n')
+    with pytest.raises(ValueError) as e:
+        _task("--prompt-data", str(tmp_path / "latin1.jsonl"))
+    assert str(e.value).startswith(f"--prompt-data {tmp_path / 'latin1.jsonl'} line 2: not UTF-8 text (byte 0xe9 at "
+                                   f"offset 62 of the file"), str(e.value)
+    # --prompt-file: token ids, non-UTF-8 bytes, and a file without a prompt.
+    for name, content, message in [
+            ("ids.txt", b"1 2\n\n3 99\n", "line 3: token 1 is 99, outside the vocabulary [0, 96)"),
+            ("words.txt", b"1 2\nhello\n", "line 2: NullTokenizer takes token-id prompts"),
+            ("binary.txt", b"1 2\n\xff\xfe\n", "line 2: not UTF-8 text (byte 0xff at offset 4 of the file"),
+            ("blank.txt", b"\n  \n", "holds no prompts (it is empty or blank)"),
+            ("empty.txt", b"", "holds no prompts (it is empty or blank)")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError) as e:
+            _task("--prompt-file", str(tmp_path / name))
+        assert str(e.value).startswith(f"--prompt-file {tmp_path / name} {message}"), str(e.value)
+
+
+def test_reward_fn_module_that_fails_to_import(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "i22_syntax_error.py").write_text("def reward(prompts, responses):\n    return [0.0 for r in]\n")
+    (tmp_path / "i22_raises.py").write_text("raise RuntimeError('needs a GPU')\n")
+    (tmp_path / "i22_imports.py").write_text("import i22_no_such_package\n")
+    for module, cause, message in [
+            ("i22_syntax_error", SyntaxError, "SyntaxError: invalid syntax (i22_syntax_error.py, line 2)"),
+            ("i22_raises", RuntimeError, "RuntimeError: needs a GPU"),
+            ("i22_imports", ModuleNotFoundError, "ModuleNotFoundError: No module named 'i22_no_such_package'")]:
+        with pytest.raises(ValueError) as e:
+            recipe_args("--tensor-model-parallel-size", "1", "--reward-fn", f"{module}:reward")
+        assert str(e.value) == f"--reward-fn ('{module}:reward'): cannot import module {module!r}: {message}"
+        assert isinstance(e.value.__cause__, cause)
+
+
+def test_reward_values_that_are_not_numbers_stop_every_rank():
+    expected = [0.5, 1.0, 2.0, 0.25, 3.0]
+    for r in run_distributed(data_cases.reward_values_case, 2):
+        assert r["accepted"] == [expected] * 3, r["accepted"]
+        for kind, shown in [("strings", "'0.5' (str)"), ("bools", "True (bool)"), ("nones", "None (NoneType)"),
+                            ("complex", "(1+2j) (complex)"), ("numpy-bools", "np.True_ (numpy.bool)")]:
+            assert r[kind] == (f"StepFailure: step 3: --reward-fn tests.data_cases:{kind} returned 4 of 4 values "
+                               f"that are not numbers (int or float): the first, {shown}, for response 0; a reward "
+                               f"is not converted from another type (rank 1); the run stops before anything of "
+                               f"this step is saved"), r[kind]
+        assert r["huge"].startswith("StepFailure: step 3: --reward-fn tests.data_cases:huge returned a value that "
+                                    "is not finite as a float (int too large to convert to float) (rank 1)"), r["huge"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -298,3 +405,10 @@ def test_recipe_with_prompt_data_and_held_out_accuracy(tokenizer_dir, tmp_path, 
     errors = run_distributed(data_cases.before_initialize_case, 2, argv)
     assert errors == [f"ValueError: --prompt-data {bad} line 2: no ground truth: the row has neither 'answer' nor "
                       "'reward_model.ground_truth' (fields: 'prompt')"] * 2, errors
+    # So is a byte that is not UTF-8 (a UnicodeDecodeError naming neither file nor line, before).
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "1 + 1 =", "answer": "2"}\n'
+                                            b'{"prompt": "caf\xe9", "answer": "2"}\n')
+    argv[argv.index("--prompt-data") + 1] = str(tmp_path / "latin1.jsonl")
+    errors = run_distributed(data_cases.before_initialize_case, 2, argv)
+    assert errors == [f"ValueError: --prompt-data {tmp_path / 'latin1.jsonl'} line 2: not UTF-8 text (byte 0xe9 at "
+                      "offset 52 of the file: invalid continuation byte); save the file as UTF-8"] * 2, errors

@@ -9,20 +9,25 @@ A data file holds one prompt a row:
   the ground truth in ``reward_model.ground_truth``, with optional ``data_source`` and ``extra_info``.
 
 Both formats take both spellings: the ground truth is ``answer`` or ``reward_model.ground_truth`` (a string, or a
-number that is kept as its text), ``prompt`` is text (tokenised as it is) or chat messages ``[{"role": ...,
+finite number that is kept as its digits), ``prompt`` is text (tokenised as it is) or chat messages ``[{"role": ...,
 "content": ...}, ...]`` (the tokenizer's chat template applied, with the assistant's turn opened), ``data_source``
 is a string and ``extra_info`` an object; other fields are ignored. Every row is checked when the file is read:
 a bad row is a ``ValueError`` naming the file, the line (JSONL, from 1) or row (parquet, from 0), and the field;
-a prompt that does not fit the model's positions with ``--max-new-tokens`` names the numbers.
+a prompt that does not fit the model's positions with ``--max-new-tokens`` names the numbers. Under
+``--tokenizer-type NullTokenizer`` a text prompt is token ids separated by spaces, each checked against
+``--vocab-size``. JSONL and ``--prompt-file`` are UTF-8: another byte names its line and offset in the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
+import math
 import os
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Iterator, Optional
 
 import torch
@@ -48,6 +53,22 @@ class Example:
     """verl's ``extra_info``, for ``compute_score`` functions."""
 
 
+def _text_lines(path: str, flag: str) -> Iterator[tuple[int, str]]:
+    """``(line number from 1, line)`` of a UTF-8 text file, its line ends as text mode reads them; ``ValueError``
+    naming the line and the byte's offset in the file for a byte that is not UTF-8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Everything before the bad byte decodes; its line ends (\n, \r\n or \r, as text mode reads them) count.
+        before = data[:e.start].decode("utf-8")
+        line = before.replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
+        raise ValueError(f"{flag} {path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start} "
+                         f"of the file: {e.reason}); save the file as UTF-8") from e
+    yield from enumerate(io.StringIO(text, newline=None), start=1)
+
+
 def _rows(path: str, flag: str) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for every row of ``path``: ``where`` is ``"FILE line N"`` or ``"FILE row N"``."""
     if path.endswith(PARQUET_SUFFIXES):
@@ -64,15 +85,14 @@ def _rows(path: str, flag: str) -> Iterator[tuple[str, Any]]:
         return
     if not path.endswith(JSONL_SUFFIXES):
         raise ValueError(f"{flag} {path}: the file must end in {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}")
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:  # without its newline, a truncated row is reported at its last column, not a next line's first
-                row = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {path} line {n}: not JSON ({e.msg} at column {e.colno})") from e
-            yield f"{flag} {path} line {n}", row
+    for n, line in _text_lines(path, flag):
+        if not line.strip():
+            continue
+        try:  # without its newline, a truncated row is reported at its last column, not a next line's first
+            row = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} {path} line {n}: not JSON ({e.msg} at column {e.colno})") from e
+        yield f"{flag} {path} line {n}", row
 
 
 def _ground_truth(row: dict, where: str) -> str:
@@ -85,14 +105,27 @@ def _ground_truth(row: dict, where: str) -> str:
                          f"(fields: {', '.join(map(repr, row)) or 'none'})")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{where}: {name} must be a string or a number, not {type(value).__name__} ({value!r})")
+    if isinstance(value, float):
+        # Python's json reads NaN, Infinity and 1e400 as floats (pandas writes a missing value as NaN): no answer.
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {name} must be a finite number, not {value}")
+        # Its digits, never an exponent: the rewards read "1e+20" as the number 20.
+        return format(Decimal(repr(value)), "f")
     return value if isinstance(value, str) else str(value)
+
+
+def _tokenize(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
+    try:
+        return tokenizer.tokenize(text)
+    except ValueError as e:  # NullTokenizer's: a word that is not a token id of the vocabulary
+        raise ValueError(f"{where}: {e}") from e
 
 
 def _prompt_tokens(prompt: Any, where: str, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"{where}: 'prompt' is empty")
-        return tokenizer.tokenize(prompt)
+        return _tokenize(tokenizer, prompt, f"{where}: 'prompt'")
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"{where}: 'prompt' must be text or a non-empty list of chat messages, not "
                          f"{type(prompt).__name__} ({prompt!r})")
@@ -175,12 +208,14 @@ class Prompts:
                                              max_positions=max_positions)
         elif args.prompt_file is not None:
             self.examples = []
-            with open(args.prompt_file, encoding="utf-8") as f:
-                for n, line in enumerate(f, start=1):
-                    if line.strip():
-                        self.examples.append(Example(tokenizer.tokenize(line.rstrip("\n"))))
-                        check_fits(self.examples[-1].tokens, f"--prompt-file {args.prompt_file} line {n}",
-                                   max_new_tokens=args.max_new_tokens, max_positions=max_positions)
+            for n, line in _text_lines(args.prompt_file, "--prompt-file"):
+                if line.strip():
+                    where = f"--prompt-file {args.prompt_file} line {n}"
+                    self.examples.append(Example(_tokenize(tokenizer, line.rstrip("\n"), where)))
+                    check_fits(self.examples[-1].tokens, where, max_new_tokens=args.max_new_tokens,
+                               max_positions=max_positions)
+            if not self.examples:  # every step cycles through the prompts
+                raise ValueError(f"--prompt-file {args.prompt_file} holds no prompts (it is empty or blank)")
 
     @property
     def has_answers(self) -> bool:

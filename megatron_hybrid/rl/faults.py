@@ -9,6 +9,8 @@ naming the step, the quantity and the ranks.
 
 from __future__ import annotations
 
+import numbers
+from decimal import Decimal
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -74,8 +76,8 @@ def reward_scores(reward_fn: Callable[..., Sequence[float]], prompts: list[list[
                   *, step: int, name: str) -> torch.Tensor:
     """``reward_fn(prompts, responses)`` as a ``[B]`` fp32 tensor, on every rank; ``name`` is how the user gave
     it (``--reward-fn module:function``). :class:`StepFailure` on every rank, naming ``step`` and ``name``, when
-    on some rank it raises, returns another number of values than responses, something that is not a number, or
-    a value that is not finite."""
+    on some rank it raises, returns another number of values than responses, something that is not a number
+    (:func:`_is_number`: a string, a bool or ``None`` is refused, not converted), or a value that is not finite."""
     error, scores = None, torch.zeros(len(responses))
     try:
         values = list(reward_fn(prompts, responses))
@@ -85,12 +87,34 @@ def reward_scores(reward_fn: Callable[..., Sequence[float]], prompts: list[list[
         if len(values) != len(responses):
             error = f"{name} returned {len(values)} values for {len(responses)} responses"
         else:
-            try:
-                scores = torch.tensor([float(v) for v in values])
-            except (TypeError, ValueError) as e:
-                error = f"{name} returned a value that is not a number ({e})"
-            else:
-                error = non_finite(f"the rewards of {name}", scores)
+            error = _not_numbers(values, name)
+            if error is None:
+                try:
+                    scores = torch.tensor([float(v) for v in values])
+                except (OverflowError, ValueError) as e:  # an int or a Fraction past float's range, Decimal's sNaN
+                    error = f"{name} returned a value that is not finite as a float ({e})"
+                else:
+                    error = non_finite(f"the rewards of {name}", scores)
     raise_on_every_rank(step, [] if error is None else [error])
     return scores
 
+
+def _is_number(value: Any) -> bool:
+    """A real number: Python's or numpy's ints and floats, a ``Fraction`` or ``Decimal``, a one-element real tensor
+    (what iterating a returned tensor gives). Not a bool, a string, ``None`` or a complex number: ``float()`` would
+    take ``"0.5"`` and ``True``, which are a reward function's bug, not its reward."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool
+    return isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, bool)
+
+
+def _not_numbers(values: Sequence[Any], name: str) -> Optional[str]:
+    bad = [i for i, v in enumerate(values) if not _is_number(v)]
+    if not bad:
+        return None
+    first = values[bad[0]]
+    kind = type(first).__qualname__ if type(first).__module__ == "builtins" else \
+        f"{type(first).__module__}.{type(first).__qualname__}"
+    shown = repr(first) if len(repr(first)) <= 40 else repr(first)[:37] + "..."
+    return (f"{name} returned {len(bad)} of {len(values)} values that are not numbers (int or float): the first, "
+            f"{shown} ({kind}), for response {bad[0]}; a reward is not converted from another type")

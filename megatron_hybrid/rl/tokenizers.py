@@ -7,7 +7,13 @@ Each has ``vocab_size``, ``eod`` (the end-of-document token, or ``None``), ``tok
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Sequence, Union
+
+
+# A token id as NullTokenizer's text spells it: ASCII digits (int() would also take "1_000", "+3" and other
+# scripts' digits), a minus sign let through so that a negative id is reported as outside the vocabulary.
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 class NullTokenizer:
@@ -17,7 +23,18 @@ class NullTokenizer:
         self.vocab_size, self.eod = vocab_size, None
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        """The ids of ``text``; ``ValueError`` for a word that is not an id in ``[0, vocab_size)``."""
+        ids = []
+        for i, word in enumerate(text.split()):
+            if not _TOKEN_ID.fullmatch(word):
+                raise ValueError(f"NullTokenizer takes token-id prompts (ids separated by spaces, as '5 17 3'): "
+                                 f"word {i} ({word!r}) is not a token id (text needs --tokenizer-type "
+                                 f"HuggingFaceTokenizer or SentencePieceTokenizer)")
+            ids.append(int(word))
+            if not 0 <= ids[-1] < self.vocab_size:
+                raise ValueError(f"token {i} is {ids[-1]}, outside the vocabulary [0, {self.vocab_size}) "
+                                 f"(--vocab-size {self.vocab_size})")
+        return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
