@@ -8,9 +8,13 @@ the culprit named and leave nothing behind, and conversion memory must not grow 
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -702,7 +706,159 @@ def test_cli_failure_is_one_line(tmp_path):
     assert done.stderr == f"convert_checkpoint.py: error: {bad}/config.json must hold a JSON object, not an array\n"
 
 
-# ---------------------------------------------------------------- 5. memory
+# ---------------------------------------------------------------- 5. corruption and killed conversions
+
+
+def _files_of(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fault", ["0xff", "zeros", "asset", "unlisted"])
+def test_corrupt_megatron_checkpoint_is_refused_naming_the_file(hf_models, tmp_path, fault):
+    """4 KiB of 0xFF inside a rank file exported 1,024 NaNs with exit 0, and zeros loaded silently: every file's
+    sha256 is in the manifest, checked whenever the checkpoint is read (export, load, --pretrained-checkpoint)."""
+    mg = tmp_path / "mg"
+    hf_to_megatron(hf_models[("llama", True)], mg, tensor_model_parallel_size=2, progress=False)
+    meta_path = mg / "megatron_hybrid_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    listed = sorted(meta.get("digests", {}))
+    shard = mg / "release/mp_rank_01/model.safetensors"
+    culprit, problem = shard, "does not match the sha256 recorded in"
+    if fault in ("0xff", "zeros"):
+        with open(shard, "r+b") as f:
+            header = int.from_bytes(f.read(8), "little")
+            f.seek(8 + header + 4096)  # inside the embedding's values: the header stays valid
+            f.write((b"\xff" if fault == "0xff" else b"\x00") * 4096)
+    elif fault == "asset":
+        culprit = mg / "hf_assets/generation_config.json"
+        culprit.write_text(culprit.read_text().replace("2", "3"))
+    else:
+        meta.get("digests", {}).pop("release/mp_rank_01/model.safetensors", None)
+        meta_path.write_text(json.dumps(meta))
+        problem = "has no digest in"
+    with pytest.raises(SystemExit) as e:
+        _tool_main("convert_checkpoint", "megatron-to-hf", "--megatron-dir", str(mg), "--hf-dir",
+                   str(tmp_path / "hf"), "--no-progress")
+    assert str(e.value).startswith(f"convert_checkpoint.py: error: {culprit}: {problem} {meta_path}"), str(e.value)
+    assert not (tmp_path / "hf").exists()
+    # The recipe opens it while validating its arguments: on every rank, before any collective.
+    from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(
+        ["--pretrained-checkpoint", str(mg)])
+    with pytest.raises(ValueError, match=re.escape(f"{culprit}: {problem}")):
+        validate_args(args, 2)
+    assert listed == sorted(set(_files_of(mg)) - {meta_path.name})  # every file but the manifest itself
+
+
+def test_manifest_without_digests_is_read_with_a_warning(hf_models, tmp_path):
+    """A checkpoint converted before digests existed (format version 1) still exports, with a warning."""
+    src = hf_models[("qwen2", False)]
+    hf_to_megatron(src, tmp_path / "mg", progress=False)
+    meta_path = tmp_path / "mg" / "megatron_hybrid_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta.pop("digests", None)
+    meta_path.write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.warns(UserWarning, match=f"{tmp_path / 'mg'} was written without file digests"):
+        megatron_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    a, b = _load_all(src), _load_all(tmp_path / "back")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# Each was read without complaint: a negative offset reads the header's own bytes as values, a shape [2.9, 4] is
+# taken as [2, 4]; a negative shape failed later with "length should not be negative", naming no file.
+@pytest.mark.parametrize("damage", ["overlap", "negative-offset", "fractional-shape", "boolean-shape",
+                                    "negative-shape"])
+def test_damaged_safetensors_header_names_the_file(tmp_path, damage):
+    from megatron_hybrid.convert.safetensors_io import read_header
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(2, 4), "b": torch.ones(2, 4)}, path, metadata={"room": "x" * 40})
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8:8 + n])
+    assert header["a"]["data_offsets"] == [0, 32] and header["b"]["data_offsets"] == [32, 64]
+    del header["__metadata__"]
+    change = {"overlap": ("b", "data_offsets", [16, 48]), "negative-offset": ("a", "data_offsets", [-8, 24]),
+              "fractional-shape": ("a", "shape", [2.9, 4]), "boolean-shape": ("a", "shape", [True, 8]),
+              "negative-shape": ("a", "shape", [-2, -4])}[damage]
+    header[change[0]][change[1]] = change[2]
+    _rewrite_header(path, json.dumps(header).encode())
+    message = r"b \(bytes \[16, 48\)\) overlaps a \(bytes \[0, 32\)\)" if damage == "overlap" else \
+        r"bad header entry for 'a'"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path))}: {message}"):
+        read_header(path)
+
+
+def test_non_finite_hf_weights_are_refused_unless_allowed(hf_models, tmp_path):
+    good = hf_models[("llama", True)]
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = load_file(good / "model.safetensors")
+    name = "model.layers.2.mlp.down_proj.weight"
+    tensors[name][5, 3], tensors[name][7, 1] = float("nan"), float("-inf")
+    tensors["model.layers.0.mlp.up_proj.weight"][0, :2] = 3e38  # finite, though their sum is not: read first
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(good / "config.json", src)
+    _expect_failure(tmp_path, src, f"^convert_checkpoint.py: error: {re.escape(str(src))}/model.safetensors: "
+                                   f"{re.escape(name)} holds non-finite values "
+                                   r"\(2 of the 6144 values read, e.g. nan at \[5, 3\]\); pass --allow-non-finite "
+                                   r"\(allow_non_finite=True\) to convert it as it is$")
+    _convert_cli("--hf-dir", str(src), "--megatron-dir", str(tmp_path / "mg"), "--allow-non-finite")
+    out = load_file(tmp_path / "mg/release/mp_rank_00/model.safetensors")["decoder.layers.2.mlp.linear_fc2.weight"]
+    assert out[5, 3].isnan() and out[7, 1].isneginf()  # kept as they were
+    assert torch.equal(out.nan_to_num(0.0, 1.0, -1.0), tensors[name].nan_to_num(0.0, 1.0, -1.0))
+
+
+def _convert_until_killed(src: Path, out: Path) -> None:
+    """A conversion (in a forked process) that SIGKILLs itself once it has written its first rank file."""
+    from megatron_hybrid.convert import conversions
+
+    write = conversions.write_safetensors
+
+    def write_then_die(path, *args, **kwargs):
+        write(path, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    conversions.write_safetensors = write_then_die
+    hf_to_megatron(src, out, tensor_model_parallel_size=2, progress=False)
+
+
+def test_killed_conversion_is_cleaned_up_by_the_next(hf_models, tmp_path):
+    """A SIGKILLed conversion leaves its hidden partial directory; the next conversion to the same target removes
+    it, but not those of conversions that may still be running (a live process here, or another host)."""
+    import multiprocessing
+
+    src, out = hf_models[("llama", True)], tmp_path / "mg"
+    child = multiprocessing.get_context("fork").Process(target=_convert_until_killed, args=(src, out))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL
+    (killed,) = tmp_path.iterdir()
+    assert killed.name.startswith(".mg.partial-") and (killed / "release/mp_rank_00/model.safetensors").is_file()
+    host = killed.name.removeprefix(".mg.partial-").rsplit("-", 2)[0]  # as the converter spells this host
+    live = tmp_path / f".mg.partial-{host}-{os.getpid()}-live1234"  # a conversion that is still running
+    remote = tmp_path / f".mg.partial-other-host-7-{child.pid}-remote12"
+    other_target = tmp_path / f".mg2.partial-{host}-{child.pid}-other123"
+    # The previous output, set aside by a --force run that died before its new output took its place.
+    set_aside = tmp_path / f".mg.old-{host}-{child.pid}-old12345"
+    for d in (live, remote, other_target, set_aside):
+        d.mkdir()
+    kept = [live.name, remote.name, other_target.name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_to_megatron(src, out, tensor_model_parallel_size=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mg", set_aside.name, *kept])
+    assert [str(w.message) for w in caught if "left" in str(w.message)] == [
+        f"left {tmp_path / remote.name} alone: it may belong to a conversion still running on other-host-7 (process "
+        f"{child.pid}); delete it if none is"]
+    hf_to_megatron(src, tmp_path / "ref", tensor_model_parallel_size=2, progress=False)
+    assert _files_of(out) == _files_of(tmp_path / "ref")
+    with pytest.warns(UserWarning, match="left"):  # once the target exists again, the set-aside copy goes too
+        hf_to_megatron(src, out, tensor_model_parallel_size=2, force=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mg", "ref", *kept])
+
+
+# ---------------------------------------------------------------- 6. memory
 
 # The child reports its own VmHWM as it exits; the parent's ru_maxrss would carry the pre-exec (forked) image's peak.
 _PEAK_SHIM = """

@@ -28,8 +28,10 @@ examples:
 
 Supported: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2/2.5, Qwen3. The Megatron side is Megatron-LM's
 release/mp_rank_TT_PPP/ layout holding model.safetensors files, plus megatron_hybrid_checkpoint.json (the
-GPTArchitecture and Megatron-LM arguments); megatron_hybrid.convert.load_megatron_checkpoint loads it into a
-GPTModel at any TP/PP. Memory stays at a few bands of 16 MiB whatever the model size.
+GPTArchitecture, the Megatron-LM arguments and a sha256 of every file, checked whenever it is read);
+megatron_hybrid.convert.load_megatron_checkpoint loads it into a GPTModel at any TP/PP. Memory stays at a few
+bands of 16 MiB whatever the model size. A Hugging Face input has no digests: its safetensors headers are checked,
+and its weights must be finite (--allow-non-finite to convert NaN or ±inf as they are).
 """
 
 
@@ -47,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="whose parameter names to write (default: %(default)s)")
     to_mg.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="pad the vocabulary to a multiple of this × TP (default: %(default)s)")
+    to_mg.add_argument("--allow-non-finite", action="store_true",
+                       help="convert weights that hold NaN or ±inf (by default they are an error naming the tensor)")
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron checkpoint → Hugging Face directory",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     to_hf.add_argument("--megatron-dir", required=True, help="a checkpoint written by hf-to-megatron")
@@ -92,7 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                   transformer_impl=args.transformer_impl,
                                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                  force=args.force, progress=not args.no_progress)
+                                  allow_non_finite=args.allow_non_finite, force=args.force,
+                                  progress=not args.no_progress)
             print(f"wrote {args.megatron_dir} ({arch.num_layers} layers, hidden {arch.hidden_size}, vocab "
                   f"{arch.vocab_size} → {arch.padded_vocab_size(args.tensor_model_parallel_size)}, "
                   f"TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size})")

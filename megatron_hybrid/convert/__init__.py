@@ -6,6 +6,7 @@
   their tensors ⇄ megatron-core's (QKV interleave, [gate; up], vocabulary padding).
 - ``layout.py``: the Megatron-side checkpoint (per-rank safetensors in Megatron-LM's directory layout), its
   metadata, and :func:`load_megatron_checkpoint` into a live GPTModel at any TP/PP.
+- ``digests.py``: the sha256 of every file of a Megatron checkpoint, in its manifest; checked on every read.
 - ``hf_checkpoint.py``: a Hugging Face directory: config, sharded weights, checks.
 - ``conversions.py``: :func:`hf_to_megatron`, :func:`megatron_to_hf`.
 - ``verify.py``: Hugging Face vs megatron-core logits.

@@ -1,8 +1,9 @@
 """The two conversions, Hugging Face → Megatron and back, each planned and checked in full before writing.
 
-Output goes to a hidden ``.<name>.partial-*`` directory next to the target and is renamed onto it at the end;
-on any failure (an exception or Ctrl-C) the partial directory is removed. An existing target is replaced only with
-``force=True``. (A killed process can leave a ``.partial-*`` directory; it is never mistaken for a checkpoint.)
+Output goes to a hidden ``.<name>.partial-<host>-<pid>-<random>`` directory next to the target and is renamed onto
+it at the end; on any failure (an exception or Ctrl-C) the partial directory is removed. An existing target is
+replaced only with ``force=True``. A killed process cannot clean up: the next conversion to the same target removes
+the partial directories of writers that are gone (:func:`remove_stale_partials`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -43,9 +47,10 @@ def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ..
     if (target.exists() or target.is_symlink()) and not force:
         raise CheckpointError(f"{target} exists; pass --force to overwrite it")
     created = [p for p in [target.parent, *target.parent.parents] if not p.exists()]
+    remove_stale_partials(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_staging_prefix(target, "partial"), dir=target.parent))
     except OSError as e:
         _remove_dirs(created)
         raise OSError(e.errno, e.strerror, str(target)) from e
@@ -53,7 +58,7 @@ def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ..
         yield tmp
         old = None
         if target.exists() or target.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=_staging_prefix(target, "old"), dir=target.parent))
             os.replace(target, old / "x")
         os.replace(tmp, target)
     except BaseException as e:
@@ -65,6 +70,54 @@ def staged_directory(target: Path, *, force: bool, keep_clear_of: tuple[Path, ..
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# Which process writes a staging directory is in its name, set atomically by mkdtemp (a file inside would leave a
+# window in which a killed writer's directory has no owner). The host: on a shared file system a PID says nothing
+# about another machine's processes. Characters outside [A-Za-z0-9-] are spelled "_", so that the name cannot run
+# into another target's (".mg" vs ".mg.partial-…": a dot never appears in the host part).
+_HOST = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname())
+
+
+def _staging_prefix(target: Path, kind: str) -> str:
+    return f".{target.name}.{kind}-{_HOST}-{os.getpid()}-"
+
+
+def remove_stale_partials(target: Path) -> None:
+    """Remove the staging directories that conversions to ``target`` left when they were killed: those named as
+    this module names them (:func:`_staging_prefix`) whose process, on this host, is gone. Not reused: which of
+    their files are whole is unknown, and rewriting them costs no more than checking them.
+
+    A live PID keeps its directory, even when the PID was reused by an unrelated process after the writer died
+    (a leak, never the loss of a running conversion's output). Another host's directories are kept, with a
+    warning. ``.old-*`` directories (the previous output, set aside while it is replaced) go only once ``target``
+    exists again: if a writer died between its two renames, that is the only copy left.
+    """
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(partial|old)-([A-Za-z0-9_-]*)-([0-9]+)-[a-z0-9_]+")
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:  # the conversion reports an unusable parent when it creates its own directory
+        return
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        kind, host, pid = m.group(1), m.group(2), int(m.group(3))
+        if host != _HOST:
+            warnings.warn(f"left {entry.path} alone: it may belong to a conversion still running on {host} "
+                          f"(process {pid}); delete it if none is", stacklevel=2)
+        elif not _alive(pid) and (kind == "partial" or target.exists()):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no PID can be
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove_dirs(created: list[Path]) -> None:
@@ -105,12 +158,14 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def hf_to_megatron(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
                    pipeline_model_parallel_size: int = 1, transformer_impl: str = "local",
-                   make_vocab_size_divisible_by: int = 128, force: bool = False,
+                   make_vocab_size_divisible_by: int = 128, allow_non_finite: bool = False, force: bool = False,
                    progress: bool = True) -> GPTArchitecture:
     """Convert a Hugging Face checkpoint directory into a Megatron checkpoint for the given TP/PP.
 
     Returns the architecture. Raises :class:`CheckpointError` (a ``ValueError``) before writing anything when
-    the input or the request is unusable.
+    the input or the request is unusable. Every weight is checked as it is read: a NaN or ±inf (which a Hugging
+    Face file has no digest to tell from damage) is a ``CheckpointError`` naming the tensor and the file, and
+    the output is not written, unless ``allow_non_finite``.
     """
     hf_dir, out = Path(hf_dir), Path(megatron_dir)
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -136,14 +191,16 @@ def hf_to_megatron(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *
                                                             pipeline_model_parallel_size=pp,
                                                             transformer_impl=transformer_impl))
     total = sum(v.nbytes for tensors in files.values() for v in tensors.values())
-    with staged_directory(out, force=force, keep_clear_of=(hf_dir,)) as tmp, TensorReader() as reader, \
+    digests = {}
+    with staged_directory(out, force=force, keep_clear_of=(hf_dir,)) as tmp, \
+            TensorReader(check_finite=not allow_non_finite) as reader, \
             _progress(total, f"{hf_dir.name} → Megatron TP{tp} PP{pp}", progress) as bar:
         for (t, p), tensors in files.items():
-            rank_dir = tmp / ITERATION_DIR / rank_dir_name(t, p, pp)
-            rank_dir.mkdir(parents=True)
-            write_safetensors(rank_dir / WEIGHTS_FILE, tensors, reader, progress=bar.update)
+            name = f"{ITERATION_DIR}/{rank_dir_name(t, p, pp)}/{WEIGHTS_FILE}"
+            (tmp / name).parent.mkdir(parents=True)
+            digests[name] = write_safetensors(tmp / name, tensors, reader, progress=bar.update)
         hfc.copy_assets(hf_dir, tmp / ASSETS_DIR)
-        write_meta(tmp, meta)
+        write_meta(tmp, meta, digests=digests)
     return arch
 
 
@@ -153,7 +210,8 @@ def megatron_to_hf(megatron_dir: str | os.PathLike, hf_dir: str | os.PathLike, *
     """Convert a Megatron checkpoint (as written by :func:`hf_to_megatron`) into a Hugging Face directory.
 
     The Hugging Face config is the one the checkpoint was converted from, or else one made from the stored
-    architecture for ``model_type`` (default: the stored family, else inferred from the architecture).
+    architecture for ``model_type`` (default: the stored family, else inferred from the architecture). Every file
+    is checked against its digest first (:class:`~.layout.MegatronCheckpoint`).
     """
     src, out = Path(megatron_dir), Path(hf_dir)
     if max_shard_bytes < 1:

@@ -1,8 +1,9 @@
 """A Hugging Face model directory: its config, its (possibly sharded) safetensors weights, its other files.
 
 Everything is checked before a conversion writes anything: the config's family and features, every shard file
-named by ``model.safetensors.index.json`` (present, header consistent with the file size), and the tensor names
-and shapes against what the config implies.
+named by ``model.safetensors.index.json`` (present, header consistent with itself and with the file size), and
+the tensor names and shapes against what the config implies. The values, which no digest vouches for, are checked
+as they are read (finite, unless allowed).
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@
 
     <dir>/latest_checkpointed_iteration.txt               "release", as Megatron-LM's converters write it
     <dir>/megatron_hybrid_checkpoint.json                 format, GPTArchitecture, TP/PP, names, Megatron-LM args,
-                                                          the Hugging Face config it came from
+                                                          the Hugging Face config it came from, and the sha256 of
+                                                          every other file (written last)
     <dir>/release/mp_rank_TT[_PPP]/model.safetensors      TP rank TT / PP rank PPP's parameters, under the names
                                                           its GPTModel stage has (stage-local layer numbers)
     <dir>/hf_assets/                                      the Hugging Face directory's other files (tokenizer, …)
 
-Each rank's file can be read (and written) as a stream, and by anyone with safetensors: no pickle. The TP/PP it
+Each rank's file can be read (and written) as a stream, and by anyone with safetensors: no pickle. Opening a
+checkpoint (:class:`MegatronCheckpoint`) checks every file against its digest (:mod:`.digests`) before any value
+is used; a checkpoint written before digests existed (format version 1) is read with a warning. The TP/PP it
 was written at is only the *stored* layout: :func:`load_megatron_checkpoint` reshards on the fly, so a checkpoint
 loads into a GPTModel at any TP/PP (and into a local- or Transformer-Engine-spec model, whatever names it holds).
 
@@ -21,7 +24,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import MISSING, dataclass, field
+import warnings
+from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -30,6 +34,7 @@ import torch
 from ..models import GPTArchitecture
 from ..sharding import TPSpec, global_name, layer_offset
 from .families import EMBEDDING, OUTPUT_LAYER, hf_shapes, infer_family, megatron_from_hf
+from .digests import check_digests, digest_files
 from .safetensors_io import CheckpointError, TensorReader, json_object, read_header
 from .virtual import Virtual, read_into, shard, unshard
 
@@ -39,7 +44,9 @@ ITERATION_DIR = "release"
 WEIGHTS_FILE = "model.safetensors"
 ASSETS_DIR = "hf_assets"
 FORMAT = "megatron-hybrid/per-rank-safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Version 1 had no ``digests``; it is still read.
+_READABLE_VERSIONS = (1, FORMAT_VERSION)
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the next linear layer.
@@ -155,6 +162,9 @@ class CheckpointMeta:
     """The Hugging Face ``config.json`` the checkpoint was converted from, written back on export."""
     megatron_lm_args: list[str] = field(default_factory=list)
     """Megatron-LM flags for this model, for reference."""
+    digests: Optional[dict[str, str]] = None
+    """``sha256:<hex>`` of every other file of the checkpoint, by its ``/``-separated path in the directory
+    (:func:`write_meta` fills it in); ``None`` only in format version 1."""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -166,9 +176,9 @@ class CheckpointMeta:
     @classmethod
     def from_json(cls, text: str | bytes, *, path: str = META_FILE) -> "CheckpointMeta":
         data = json_object(text, where=path)
-        if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+        if data.get("format") != FORMAT or data.get("format_version") not in _READABLE_VERSIONS:
             raise CheckpointError(f"{path}: format {data.get('format')!r} version {data.get('format_version')!r} "
-                                  f"is not {FORMAT!r} version {FORMAT_VERSION}")
+                                  f"is not {FORMAT!r} version {' or '.join(map(str, _READABLE_VERSIONS))}")
         fields = cls.__dataclass_fields__
         unknown = sorted(set(data) - set(fields))
         missing = sorted(n for n, f in fields.items()
@@ -182,6 +192,13 @@ class CheckpointMeta:
             data["architecture"] = GPTArchitecture.from_dict(data["architecture"])
         except (TypeError, ValueError) as e:  # unknown or missing GPTArchitecture fields
             raise CheckpointError(f"{path}: architecture: {e}") from None
+        digests = data.get("digests")
+        if data["format_version"] == 1 and digests is not None:
+            raise CheckpointError(f"{path}: format version 1 has no digests, but \"digests\" is given")
+        if data["format_version"] > 1 and not (isinstance(digests, dict) and digests and
+                                               all(isinstance(v, str) for v in digests.values())):
+            raise CheckpointError(f"{path}: \"digests\" must be an object of file name → \"sha256:<hex>\", not "
+                                  f"{digests!r}")
         return cls(**data)
 
 
@@ -231,7 +248,8 @@ def rank_tensors(global_tensors: dict[str, Virtual], arch: GPTArchitecture, *, t
 
 
 class MegatronCheckpoint:
-    """A converted checkpoint on disk, as global (canonical, unsharded) virtual tensors."""
+    """A converted checkpoint on disk, as global (canonical, unsharded) virtual tensors. Opening one reads every
+    file once to check it against the manifest's digests: a damaged file is a :class:`CheckpointError` naming it."""
 
     def __init__(self, megatron_dir: str | os.PathLike) -> None:
         self.root = Path(megatron_dir)
@@ -244,6 +262,11 @@ class MegatronCheckpoint:
         missing = [str(path) for path in paths.values() if not path.is_file()]
         if missing:
             raise CheckpointError(f"{self.root}: missing rank files: {missing}")
+        if self.meta.digests is None:
+            warnings.warn(f"{self.root} was written without file digests (format version 1): its files cannot be "
+                          "checked for damage; convert it again to add them", stacklevel=2)
+        else:  # every rank that opens it reads all of it: the same verdict everywhere, before any collective
+            check_digests(self.root, self.meta.digests, manifest=self.root / META_FILE, required=paths.values())
         parts: dict[str, dict[int, Virtual]] = {}
         tied_copies = set()
         for (t, p), path in paths.items():
@@ -286,7 +309,8 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_d
 
     The chunks' own layer numbers (``layer_number``) say which layers they hold, so pipeline stages and virtual
     pipeline chunks need no further arguments. Parameters may use local or Transformer Engine names. Tensors are
-    read band by band straight into the parameters. Returns the stored architecture.
+    read band by band straight into the parameters, after every file was checked against its digest. Returns the
+    stored architecture.
     """
     from .. import compat  # megatron-core only where a model is walked
 
@@ -324,9 +348,13 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_d
     return arch
 
 
-def write_meta(directory: Path, meta: CheckpointMeta) -> None:
-    (directory / META_FILE).write_text(meta.to_json() + "\n")
+def write_meta(directory: Path, meta: CheckpointMeta, *, digests: Optional[dict[str, str]] = None) -> None:
+    """Finish a checkpoint whose other files are written: the tracker file, then the manifest with the digest of
+    every file in ``directory`` (``digests``: those computed while writing; the rest are read here)."""
     (directory / TRACKER_FILE).write_text(ITERATION_DIR + "\n")
+    listed = digest_files(directory, skip=[META_FILE], known=digests or {})
+    meta = replace(meta, format_version=FORMAT_VERSION, digests=listed)
+    (directory / META_FILE).write_text(meta.to_json() + "\n")
 
 
 def json_ready(obj: Any) -> Any:
