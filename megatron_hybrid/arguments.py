@@ -16,6 +16,7 @@ import importlib.util
 import math
 import os
 import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -219,6 +220,18 @@ def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
+def output_dir_error(path: str) -> Optional[str]:
+    """Why ``path`` cannot be a directory the run writes into (``"is not a directory"``, ``"is inside F, which
+    is not a directory"``), or ``None`` when it is one or can be made."""
+    target = Path(os.path.abspath(path))
+    for above in (target, *target.parents):  # the nearest that exists ("/" does)
+        if os.path.lexists(above):
+            break
+    if os.path.isdir(above):
+        return None
+    return "is not a directory" if above == target else f"is inside {above}, which is not a directory"
+
+
 #: The range of every numeric flag, as :func:`check_number`'s bounds (and a hint where one helps).
 _RANGES: dict[str, dict] = {
     **dict.fromkeys(("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -255,6 +268,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for name, bounds in _RANGES.items():
         if getattr(args, name) is not None:
             check_number(_flag(name), getattr(args, name), **bounds)
+    # Megatron-LM seeds numpy with --seed (+ 100 × the pipeline rank), which takes [0, 2**32). Within it every seed
+    # derived from it fits the int64 that torch's generators and megatron-core's RNG tracker take, with room to
+    # spare: the prompts' seed × 1,000,003 + step, generation's seed × 7919 + step + 1,000,003 × replica, the
+    # tracker's seed + 2718 + TP rank (2**63 itself overflowed in megatron-core after the process groups were up).
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed ({args.seed}) must be in [0, {2**32 - 1}] (Megatron-LM's range: it seeds numpy "
+                         "with it)")
     # Megatron's OptimizerParamScheduler asserts these; a usage error names them instead.
     for flag, peak in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
         if peak is not None and args.min_lr > peak:
@@ -346,6 +366,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--load ({args.load!r}) has no latest_checkpointed_iteration.txt")
     if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file ({args.prompt_file!r}) does not exist")
+    # MetricsLogger makes them on rank 0 only, after the process groups exist: a file there failed that rank alone.
+    for flag, path in (("--log-dir", args.log_dir), ("--tensorboard-dir", args.tensorboard_dir)):
+        error = path is not None and output_dir_error(path)
+        if error:
+            raise ValueError(f"{flag} ({path!r}) {error}")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         # torch.utils.tensorboard needs it; without it the SummaryWriter would fail on rank 0 only, mid-run.
         raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "

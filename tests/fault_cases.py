@@ -48,6 +48,17 @@ def recipe_error_case(argv: list[str]) -> str:
     return ""
 
 
+def recipe_output_case(argv: list[str]) -> str:
+    """The recipe run as a script with ``argv``; what this rank printed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_recipe(argv + ["--no-progress"])
+    return out.getvalue()
+
+
 def update_fault_case(kind: str) -> str:
     """One :func:`megatron_hybrid.rl.update` on 2 pipeline stages whose loss is NaN (``kind="loss"``) or finite
     with NaN gradients (``"grad_norm"``: the square root of 0 · output, differentiated at 0)."""

@@ -67,6 +67,10 @@ def _validate(*argv: str, world_size: int = 4) -> None:
     (["--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
      "--lr-warmup-iters (5) must be less than --lr-decay-iters (5)"),
     (["--tis-imp-ratio-cap", "0"], "--tis-imp-ratio-cap (0.0) must be a finite number > 0"),
+    # Issue 22: an overflow inside megatron-core's seeding, after the process group was up.
+    (["--seed", str(2**63)], f"--seed ({2**63}) must be in [0, {2**32 - 1}] (Megatron-LM's range: it seeds numpy "
+                             "with it)"),
+    (["--seed", "-1"], f"--seed (-1) must be in [0, {2**32 - 1}] (Megatron-LM's range: it seeds numpy with it)"),
 ])
 def test_bad_numbers_are_named(argv, message):
     with pytest.raises(ValueError) as e:
@@ -99,6 +103,21 @@ def test_good_values_pass():
     with pytest.raises(ValueError, match=r"must exceed --max-new-tokens \(8\): the prompt takes positions too"):
         _validate("--prompt-file", __file__, "--max-position-embeddings", "8")
     _validate("--prompt-file", __file__, "--max-position-embeddings", "9")
+
+
+def test_log_dirs_must_be_directories(tmp_path):
+    """Issue 22: a --log-dir that is a file was a FileExistsError on rank 0 (and "Connection closed by peer" on
+    the others) after the process groups were up."""
+    _validate("--seed", str(2**32 - 1), "--log-dir", str(tmp_path / "new" / "logs"))  # made when the run starts
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    for flag in ("--log-dir", "--tensorboard-dir"):
+        with pytest.raises(ValueError) as e:
+            _validate(flag, str(a_file))
+        assert str(e.value) == f"{flag} ({str(a_file)!r}) is not a directory"
+        with pytest.raises(ValueError) as e:
+            _validate(flag, str(a_file / "logs"))
+        assert str(e.value) == f"{flag} ({str(a_file / 'logs')!r}) is inside {a_file}, which is not a directory"
 
 
 def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path):

@@ -123,6 +123,59 @@ def test_export_from_pipeline_stages_is_bit_exact_and_atomic(models, tmp_path):
     assert sorted(exported) == sorted(start)
     assert [k for k in start if not torch.equal(start[k], exported[k])] == []
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    # Issue 22: the export marks its directory; an earlier export may be replaced, not what else it holds. At
+    # start-up (argument validation) and again just before the rename onto it, on every rank.
+    marker = json.loads((out / "megatron_hybrid_export.json").read_text())
+    assert marker["format"] == "megatron_hybrid.export_hf" and "model.safetensors" in marker["files"]
+    _validated("--pretrained-checkpoint", str(mg), "--export-hf", str(out))
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(ValueError, match=r"^--export-hf \('.*'\) holds notes.txt, which no export wrote"):
+        _validated("--pretrained-checkpoint", str(mg), "--export-hf", str(out))
+    refused = run_distributed(real_model_cases.export_case, 2, str(mg), str(out), pipeline_model_parallel_size=2)
+    assert all(f"{out} holds notes.txt, which no export wrote" in r["error"] for r in refused), refused
+    assert (out / "notes.txt").read_text() == "mine\n" and sorted(_weights(out)) == sorted(start)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_export_hf_refuses_to_replace_anything_but_an_earlier_export(models, tmp_path):
+    """Issue 22: ``--export-hf DIR`` replaced whatever DIR was (other files, the --save directory, the directory
+    holding --prompt-data: all gone, exit 0). Refused at argument validation, before any process group."""
+    _, mg = models["llama"]
+    save, data, other = tmp_path / "ckpt", tmp_path / "data", tmp_path / "other"
+    for d in (save, data, other):
+        d.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("2\n")
+    (data / "train.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (other / "notes.txt").write_text("mine\n")
+    (tmp_path / "a_file").write_text("mine\n")
+    (tmp_path / "link").symlink_to(save)
+    pre = ["--pretrained-checkpoint", str(mg)]
+    for argv, message in [
+        (["--export-hf", str(other)], f"--export-hf ({str(other)!r}) holds notes.txt, which no export wrote "
+                                      "(an export replaces its whole directory): pick a new or empty directory"),
+        (["--export-hf", str(save), "--save", str(save)],
+         f"--export-hf ({str(save)!r}) and --save ({str(save)!r}) must not contain one another"),
+        (["--export-hf", str(tmp_path / "link" / "hf"), "--save", str(save)],  # the same, through a symlink
+         f"--export-hf ({str(tmp_path / 'link' / 'hf')!r}) and --save ({str(save)!r}) must not contain one another"),
+        (["--export-hf", str(data), "--prompt-data", str(data / "train.jsonl")],
+         f"--export-hf ({str(data)!r}) and --prompt-data ({str(data / 'train.jsonl')!r}) must not contain one "
+         "another"),
+        (["--export-hf", str(save / "hf"), "--load", str(save)],
+         f"--export-hf ({str(save / 'hf')!r}) and --load ({str(save)!r}) must not contain one another"),
+        (["--export-hf", str(tmp_path), "--log-dir", str(tmp_path / "logs")],
+         f"--export-hf ({str(tmp_path)!r}) and --log-dir ({str(tmp_path / 'logs')!r}) must not contain one another"),
+        (["--export-hf", str(tmp_path / "a_file")], f"--export-hf ({str(tmp_path / 'a_file')!r}) is not a directory"),
+        (["--export-hf", str(tmp_path / "a_file" / "hf")],
+         f"--export-hf ({str(tmp_path / 'a_file' / 'hf')!r}) is inside {tmp_path / 'a_file'}, which is not a "
+         "directory"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            _validated(*pre, *argv)
+        assert str(e.value).startswith(message), (argv, str(e.value))
+    (tmp_path / "empty").mkdir()
+    for fine in (tmp_path / "empty", tmp_path / "new" / "hf"):  # an empty or a new directory
+        _validated(*pre, "--export-hf", str(fine), "--save", str(save), "--log-dir", str(tmp_path / "logs"))
+    assert (other / "notes.txt").read_text() == "mine\n"
 
 
 # ---- errors, before any collective ---------------------------------------------------------------------------
@@ -139,6 +192,9 @@ def test_export_from_pipeline_stages_is_bit_exact_and_atomic(models, tmp_path):
     (["--export-hf", "out"], "--export-hf ('out') needs --pretrained-checkpoint"),
     (["--pretrained-checkpoint", "{mg}", "--export-hf-interval", "2"], "--export-hf-interval (2) needs --export-hf"),
     (["--pretrained-checkpoint", "{mg}", "--export-hf", "{mg}/x"], "must not contain one another"),
+    # The model the checkpoint was converted from is no export (issue 22: it would have been replaced).
+    (["--pretrained-checkpoint", "{mg}", "--export-hf", "{hf}"], "holds chat_template.jinja, config.json, "
+     "generation_config.json and 3 more, which no export wrote"),
 ])
 def test_bad_pretrained_arguments_fail_at_start_up(models, argv, message, monkeypatch, capsys):
     import torch.distributed as dist

@@ -40,6 +40,48 @@ def test_non_finite_reward_stops_before_the_save_and_a_damaged_checkpoint_names_
         assert e.endswith("(ranks 0, 1, 2, 3)")
 
 
+# The smallest recipe run: 2 ranks, training TP=2, one micro-batch of 4 a step.
+TINY = ["--train-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "4"]
+
+
+@pytest.mark.parametrize("flag, value, step, quantity", [
+    # Adam's first update moves every weight by ~--lr: the second epoch's gradients are not finite.
+    ("--lr", "1e30", 1, "the actor's gradient norm is not finite (nan)"),
+    # Step 1's KL is 0 (the actor is the reference); step 2's penalty overflows the advantages' whitening.
+    ("--kl-coef", "1e38", 2, "the advantages are not finite"),
+    # A subnormal temperature: the tempered logits overflow.
+    ("--temperature", "1e-39", 1, "the actor's log-probs are not finite"),
+], ids=["lr", "kl-coef", "temperature"])
+def test_non_finite_step_names_the_quantity_and_the_flags_that_scale_it(flag, value, step, quantity, tmp_path):
+    """Issue 22: values that pass the checks and end in a non-finite step. The failure names the step, the
+    quantity and the flags that scale it, on every rank; nothing of the step is saved."""
+    ckpt = tmp_path / "ckpt"
+    errors = run_distributed(fault_cases.recipe_error_case, 2, TINY + [flag, value, "--save", str(ckpt),
+                                                                       "--save-interval", "1"],
+                             tensor_model_parallel_size=2)
+    for e in errors:
+        assert e == errors[0]
+        assert e.startswith(f"StepFailure: step {step}: {quantity}"), e
+        assert f"scaled by {flag} ({float(value):g})" in e.split(" (rank")[0], e  # the first quantity's flags
+    if step == 1:
+        assert not ckpt.exists()
+    else:
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+
+
+def test_load_at_or_past_train_iters_says_why_no_step_ran(tmp_path):
+    """Issue 22: ``--load`` of a checkpoint at iteration 1 with ``--train-iters 1`` printed "no steps run" and no
+    reason."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(fault_cases.recipe_output_case, 2, TINY[2:] + ["--train-iters", "1", "--save", str(ckpt)],
+                    tensor_model_parallel_size=2)
+    out = run_distributed(fault_cases.recipe_output_case, 2, TINY[2:] + ["--train-iters", "1", "--load", str(ckpt)],
+                          tensor_model_parallel_size=2)
+    assert out[0].splitlines()[-1] == (f"no steps run: the iteration loaded from --load {ckpt}, 1, is already at or "
+                                       "past --train-iters 1"), out[0]
+    assert out[1] == ""  # rank 0 reports
+
+
 @pytest.mark.parametrize("fn, message", [
     ("raises_on_rank_1", "step 1: --reward-fn tests.fault_cases:raises_on_rank_1 raised ZeroDivisionError: "
                          "no reward for you (rank 1); the run stops"),

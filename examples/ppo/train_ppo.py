@@ -109,6 +109,17 @@ class Trainer:
         if a.offload_reference:
             self.reference.to("cpu")
         self.step = 0
+        # The flags that scale each quantity checked for NaN/inf, named when it is not finite (their values passed
+        # the checks, the step overflowed). PPO's rewards, and so its advantages and returns, carry the KL penalty.
+        kl = ("kl_coef",) if a.algorithm == "ppo" else ()
+        self.scaled_by = {
+            "the actor": rl.flag_values(a, "lr", "temperature", "clip_ratio", *kl),
+            "the critic": rl.flag_values(a, "lr" if a.critic_lr is None else "critic_lr", "value_loss_coef", *kl),
+            "the actor's log-probs": rl.flag_values(a, "temperature", "lr"),
+            "the reference's log-probs": rl.flag_values(a, "temperature"),
+            "the critic's values": rl.flag_values(a, "lr" if a.critic_lr is None else "critic_lr"),
+            "the token rewards": rl.flag_values(a, *kl),
+            "the advantages": rl.flag_values(a, *kl)}
         self.passes = rl.TrainingPasses(rl.PassConfig(  # with --sequence-parallel a multiple of TP
             rl.padded_seq_length(a.max_new_tokens + self.prompts.max_length, sequence_parallel=a.sequence_parallel),
             a.micro_batch_size, self.tokenizer.vocab_size, a.temperature))
@@ -205,6 +216,7 @@ class Trainer:
         with timer.phase("critic_values"):
             values = self.passes.values(self.critic.model, batch) if self.critic is not None else None
         mask = batch.mask_BN
+        checked: dict[str, Any] = {}  # the last stage's, checked on every rank before the updates
         if self.passes.last_stage:
             (old_logp, entropy), ref_logp = old, ref[0]
             local["kl"] = float(ppo.masked_mean(ppo.kl_per_token(old_logp, ref_logp, "k1"), mask))
@@ -214,6 +226,7 @@ class Trainer:
             if a.algorithm == "ppo":
                 penalty = ppo.kl_per_token(old_logp, ref_logp, a.kl_estimator)
                 rewards = ppo.token_rewards(scores.to(self.device), penalty, mask, kl_coef=self.kl_ctl.value)
+                checked.update({"the token rewards": rewards, "the critic's values": values})
                 advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=a.gamma, lam=a.lam)
                 batch.data.update(old_values=values, returns=returns)
                 local["value_mean"] = float(ppo.masked_mean(values, mask))
@@ -223,17 +236,21 @@ class Trainer:
             if not a.no_whiten_advantages:
                 advantages = ppo.masked_whiten(advantages, mask, group=self.dp_group)
             batch.data.update(old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
+            checked = {"the actor's log-probs": old_logp, "the reference's log-probs": ref_logp, **checked,
+                       "the advantages": advantages}
         else:  # the earlier stages never read them, but every stage slices the same micro-batch keys
             zeros = torch.zeros_like(mask)
             batch.data.update(old_logp=zeros, ref_logp=zeros, advantages=zeros, old_values=zeros, returns=zeros)
+        rl.check_finite(step + 1, {k: v[mask > 0] for k, v in checked.items()}, scaled_by=self.scaled_by)
         local["lr"] = self.actor.optimizer.param_groups[0]["lr"]
         epochs: dict[str, list[float]] = {}
         for _ in range(a.ppo_epochs):
             with timer.phase("update", tokens=batch.num_tokens):
                 actor = rl.update(self.actor, batch, self.actor_loss, passes=self.passes, step=step + 1,
-                                  name="the actor")
+                                  name="the actor", scaled_by=self.scaled_by["the actor"])
                 critic = None if self.critic is None else rl.update(
-                    self.critic, batch, self.critic_loss, passes=self.passes, step=step + 1, name="the critic")
+                    self.critic, batch, self.critic_loss, passes=self.passes, step=step + 1, name="the critic",
+                    scaled_by=self.scaled_by["the critic"])
             epochs.setdefault("actor_grad_norm", []).append(actor.grad_norm)
             out = actor.stats
             if critic is not None:
@@ -272,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         trainer = Trainer(args, task)
         if args.load is not None:
             trainer.load_state_dict(rl.load_checkpoint(args.load, trainer.models()))
+        loaded_step = trainer.step
         logger = rl.MetricsLogger(args, start=trainer.step)
         try:
             while trainer.step < args.train_iters:
@@ -291,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         finally:
             logger.close()
         if dist.get_rank() == 0:
-            print(rl.summary(history), flush=True)
+            print(rl.summary(history, args=args, loaded_step=loaded_step), flush=True)
     return history
 
 

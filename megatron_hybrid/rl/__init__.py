@@ -20,7 +20,7 @@ One module per piece, over megatron-core (the algorithm maths are in :mod:`megat
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, Task, eval_prompts, load_prompt_data, load_task
-from .faults import StepFailure, check_finite, reward_scores
+from .faults import StepFailure, check_finite, flag_values, reward_scores
 from .initialize import initialize
 from .metrics import MetricsLogger, StepTimer, aggregate_metrics, summary
 from .models import (ValueHead, architecture_from_args, build_critic, build_reference, build_stage, copy_weights,
@@ -45,3 +45,4 @@ __all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_fr
 __all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
+__all__ += ["flag_values"]

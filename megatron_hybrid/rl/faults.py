@@ -4,17 +4,22 @@ A value only some ranks hold (a reward function's output on one DP replica, a lo
 cannot be checked by those ranks alone: a rank that raises leaves the others waiting in their next collective
 until the process-group timeout. Each check here is therefore one small all-reduce of a "this rank failed" flag
 over the world; only when some rank failed are the messages gathered (once), so every rank raises the same error
-naming the step, the quantity and the ranks.
+naming the step, the quantity and the ranks. A quantity that flags scale (a loss and ``--lr``, the KL-penalised
+rewards and ``--kl-coef``) names them too: the flags passed checks, the step overflowed.
 """
 
 from __future__ import annotations
 
+import argparse
 import numbers
 from decimal import Decimal
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+#: Flags and their values, as :func:`flag_values` gives them: what scales a quantity.
+Flags = Sequence[tuple[str, Any]]
 
 
 class StepFailure(RuntimeError):
@@ -52,24 +57,40 @@ def raise_on_every_rank(step: int, errors: Sequence[str]) -> None:
                           f"saved")
 
 
-def non_finite(label: str, values: Any) -> Optional[str]:
+def flag_values(args: argparse.Namespace, *names: str) -> list[tuple[str, Any]]:
+    """``[("--lr", 0.003), ...]``: the flags ``names`` (argument dests) that are set, with their values."""
+    return [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in names if getattr(args, name) is not None]
+
+
+def _scaled_by(flags: Flags) -> str:
+    named = [f"{flag} ({value:g})" if isinstance(value, float) else f"{flag} ({value})" for flag, value in flags]
+    if not named:
+        return ""
+    return ", scaled by " + (named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}")
+
+
+def non_finite(label: str, values: Any, *, scaled_by: Flags = ()) -> Optional[str]:
     """``"LABEL is not finite (nan)"`` for a number, ``"LABEL are not finite (k of n values; ...)"`` for a
-    tensor, when it holds a NaN or an infinity; else ``None``."""
+    tensor, when it holds a NaN or an infinity (``", scaled by --lr (1e+30) and ..."`` added for flags
+    ``scaled_by``); else ``None``."""
     t = torch.as_tensor(values, dtype=torch.float64).detach().cpu().reshape(-1)
     bad = ~torch.isfinite(t)
     if not bad.any():
         return None
     if not isinstance(values, torch.Tensor):
-        return f"{label} is not finite ({float(t[0])})"
+        return f"{label} is not finite ({float(t[0])}){_scaled_by(scaled_by)}"
     first = int(bad.nonzero()[0])
-    return f"{label} are not finite ({int(bad.sum())} of {t.numel()} values; the first, {float(t[first])}, at {first})"
+    return (f"{label} are not finite ({int(bad.sum())} of {t.numel()} values; the first, {float(t[first])}, at "
+            f"{first}){_scaled_by(scaled_by)}")
 
 
-def check_finite(step: int, quantities: dict[str, Any]) -> None:
+def check_finite(step: int, quantities: dict[str, Any], *, scaled_by: Optional[Mapping[str, Flags]] = None) -> None:
     """:class:`StepFailure` on every rank when one of ``quantities`` (label → a number, or a tensor under a plural
-    label; ``None`` where this rank does not hold it) is not finite on some rank; called on every rank."""
+    label; ``None`` where this rank does not hold it) is not finite on some rank; called on every rank.
+    ``scaled_by``: label → the flags that scale that quantity (:func:`flag_values`), named with it."""
+    scaled_by = scaled_by or {}
     raise_on_every_rank(step, [e for label, v in quantities.items() if v is not None
-                               for e in [non_finite(label, v)] if e is not None])
+                               for e in [non_finite(label, v, scaled_by=scaled_by.get(label, ()))] if e is not None])
 
 
 def reward_scores(reward_fn: Callable[..., Sequence[float]], prompts: list[list[int]], responses: list[list[int]],

@@ -129,9 +129,15 @@ class MetricsLogger:
                 h.close()
 
 
-def summary(history: list[dict[str, Any]], window: int = 5) -> str:
-    """One line: the mean reward of the first and last ``window`` iterations, and the switch's bytes and time."""
+def summary(history: list[dict[str, Any]], window: int = 5, *, args: Optional[argparse.Namespace] = None,
+            loaded_step: int = 0) -> str:
+    """One line: the mean reward of the first and last ``window`` iterations, and the switch's bytes and time.
+    Without steps, why (as Megatron-LM's loop, the recipe's runs up to ``--train-iters``: ``loaded_step``, the
+    iteration ``args.load`` resumed from, may be there already)."""
     if not history:
+        if args is not None and args.load is not None and loaded_step >= args.train_iters:
+            return (f"no steps run: the iteration loaded from --load {args.load}, {loaded_step}, is already at or "
+                    f"past --train-iters {args.train_iters}")
         return "no steps run"
     k = min(window, len(history))
     first = sum(m["reward_mean"] for m in history[:k]) / k

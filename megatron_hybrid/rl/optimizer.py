@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from .faults import check_finite
+from .faults import Flags, check_finite
 from .models import wrap_ddp
 from .passes import Batch, LossFn, TrainingPasses
 
@@ -105,14 +105,14 @@ class UpdateResult:
 
 
 def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: TrainingPasses,
-           step: int, name: str = "the model") -> UpdateResult:
+           step: int, name: str = "the model", scaled_by: Flags = ()) -> UpdateResult:
     """One optimizer update of ``trained`` on ``batch`` (Megatron-LM's ``train_step``): gradients of the mean of
     ``loss_fn`` over the micro-batches and DP replicas, clipped to ``--clip-grad`` by their global norm, then Adam
     at the scheduler's current learning rate.
 
     A loss or gradient norm that is not finite on any rank raises :class:`~.faults.StepFailure` on every rank
-    (naming ``step``, the RL iteration, and ``name``, e.g. "the actor"), so the caller never saves the parameters
-    it produced.
+    (naming ``step``, the RL iteration, ``name``, e.g. "the actor", and the flags ``scaled_by`` that scale the loss
+    and the updates, :func:`~.faults.flag_values`), so the caller never saves the parameters it produced.
     """
     trained.model.zero_grad_buffer()
     trained.optimizer.zero_grad()
@@ -129,7 +129,7 @@ def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: Trai
     assert successful, "megatron-core's optimizer skipped a step"
     # The losses live on the last stage; the norm is the same everywhere (the optimizer reduced it over the
     # model-parallel group, the gradients over DP), but one flag for both keeps the ranks in step regardless.
-    check_finite(step, {
-        f"{name}'s micro-batch losses": torch.stack(losses) if losses else None,
-        f"{name}'s gradient norm": float(grad_norm)})
+    quantities = {f"{name}'s micro-batch losses": torch.stack(losses) if losses else None,
+                  f"{name}'s gradient norm": float(grad_norm)}
+    check_finite(step, quantities, scaled_by=dict.fromkeys(quantities, scaled_by))
     return UpdateResult(stats, float(grad_norm))

@@ -13,13 +13,20 @@ the target (``release/mp_rank_TT[_PPP]/model.safetensors`` plus the metadata, at
 runs the converter's :func:`~megatron_hybrid.convert.megatron_to_hf` on it, which reassembles the shards band by
 band (no rank ever holds the whole model) and applies the family's tensor mapping, and renames the result onto the
 target. A failure on any rank raises on every rank and leaves no partial export behind.
+
+An export replaces its whole directory, so it writes a marker (:data:`EXPORT_MARKER`, listing the files it wrote)
+and replaces only a directory that is missing, empty or an earlier export (its marked files, its interval
+exports ``iter_NNNNNNN`` and a killed export's hidden leftovers): checked at argument validation, with the
+directory apart from every other path of the run, and again just before the rename onto it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -48,6 +55,17 @@ MODEL_FLAGS: dict[str, Callable[[GPTArchitecture], Any]] = {
 }
 #: Where interval exports go inside ``--export-hf DIR`` (Megatron-LM's iteration directory names).
 ITERATION_DIR = "iter_{:07d}"
+#: The file that marks a directory as an export (JSON: format, version, iteration, the names written).
+EXPORT_MARKER = "megatron_hybrid_export.json"
+EXPORT_FORMAT, EXPORT_VERSION = "megatron_hybrid.export_hf", 1
+_INTERVAL_EXPORT = re.compile(r"iter_\d{7}")
+#: What a killed interval export leaves inside DIR: its staging, its conversion, its replaced copy.
+_LEFTOVER = re.compile(r"\.iter_\d{7}\.(megatron-partial|hf-partial|old)")
+#: The recipe's other paths: an export must be apart from each (the same path, or one inside the other). Outputs
+#: (--log-dir, --tensorboard-dir) may hold the export, not be inside it.
+_INPUT_PATH_FLAGS = ("pretrained_checkpoint", "load", "save", "prompt_data", "eval_prompt_data", "prompt_file",
+                     "reward_model_load", "tokenizer_model")
+_OUTPUT_PATH_FLAGS = ("log_dir", "tensorboard_dir")
 
 
 def _flag(name: str) -> str:
@@ -113,11 +131,58 @@ def _check_export_args(args: argparse.Namespace) -> None:
     if args.pretrained_checkpoint is None:
         raise ValueError(f"--export-hf ({args.export_hf!r}) needs --pretrained-checkpoint: the Hugging Face family "
                          "and config come from the converted checkpoint (the built-in tiny model has none)")
-    out, src = Path(os.path.abspath(args.export_hf)), Path(os.path.abspath(args.pretrained_checkpoint))
-    if out == src or out in src.parents or src in out.parents:
-        raise ValueError(f"--export-hf ({args.export_hf!r}) and --pretrained-checkpoint "
-                         f"({args.pretrained_checkpoint!r}) must not contain one another (an export replaces its "
-                         "directory)")
+    # Real paths: a symlink must not hide that two flags name the same place.
+    out = Path(os.path.realpath(args.export_hf))
+    for name in _INPUT_PATH_FLAGS + _OUTPUT_PATH_FLAGS:
+        path = getattr(args, name)
+        if path is None:
+            continue
+        other = Path(os.path.realpath(path))
+        if out == other or out in other.parents or (other in out.parents and name in _INPUT_PATH_FLAGS):
+            raise ValueError(f"--export-hf ({args.export_hf!r}) and {_flag(name)} ({path!r}) must not contain one "
+                             "another (an export replaces its whole directory)")
+    error = export_target_error(out)
+    if error:
+        raise ValueError(f"--export-hf ({args.export_hf!r}) {error}")
+
+
+def export_target_error(target: Path) -> Optional[str]:
+    """Why an export must not replace ``target`` (``"is not a directory"``, ``"holds X, which no export
+    wrote ..."``), or ``None`` when it is missing, empty or an earlier export: its marked files, its interval
+    exports (each an export itself) and a killed interval export's hidden leftovers."""
+    from ..arguments import output_dir_error
+
+    error = output_dir_error(str(target))
+    if error or not target.is_dir():
+        return error  # None: to be made
+    foreign = _foreign_entries(target)
+    if not foreign:
+        return None
+    more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+    return (f"holds {', '.join(foreign[:3])}{more}, which no export wrote (an export replaces its whole "
+            "directory): pick a new or empty directory")
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """The names in ``directory`` that no export wrote, sorted."""
+    ours = _marked_files(directory)
+    return [name for name in sorted(os.listdir(directory))
+            if name not in ours and not _LEFTOVER.fullmatch(name)
+            and not (_INTERVAL_EXPORT.fullmatch(name) and (directory / name).is_dir()
+                     and _marked_files(directory / name) and not _foreign_entries(directory / name))]
+
+
+def _marked_files(directory: Path) -> set[str]:
+    """The names an export wrote into ``directory``, its marker's included, as the marker lists them; empty
+    without a valid marker. (JSON: parsing it runs nothing.)"""
+    try:
+        marker = json.loads((directory / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return set()
+    if not (isinstance(marker, dict) and marker.get("format") == EXPORT_FORMAT
+            and isinstance(marker.get("files"), list)):
+        return set()
+    return {str(name) for name in marker["files"]} | {EXPORT_MARKER}
 
 
 def model_architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitecture:
@@ -150,10 +215,12 @@ def export_hf(model: torch.nn.Module, directory: str, pretrained_checkpoint: str
     ``pretrained_checkpoint``'s family and config (its tokenizer files included); called on every rank, in the
     training layout. Returns the directory written: ``directory``, or ``directory/iter_NNNNNNN`` for an
     ``iteration``. An existing export there is replaced (the ``iter_*`` directories inside ``directory`` are
-    kept). ``RuntimeError`` on every rank, naming the failures, when some rank could not write; nothing partial
-    is left."""
+    kept); anything else there is not (:func:`export_target_error`, checked just before the rename).
+    ``RuntimeError`` on every rank, naming the failures, when some rank could not write or the target is not
+    ours to replace; nothing partial is left."""
     ddp_finish_param_sync(model)  # with --overlap-param-gather the last step's weights are still being gathered
-    target = Path(os.path.abspath(directory))
+    # The real path: a symlinked DIR is itself replaced, not the link (and it was checked as a real path).
+    target = Path(os.path.realpath(directory))
     if iteration is not None:
         target = target / ITERATION_DIR.format(iteration)
     staging = target.parent / f".{target.name}.megatron-partial"
@@ -170,7 +237,7 @@ def export_hf(model: torch.nn.Module, directory: str, pretrained_checkpoint: str
     if not errors:
         if rank == 0:
             error = _attempt(lambda: _convert(staging, target, pretrained_checkpoint, model, tp=tp.size(),
-                                              pp=pp.size()), f"cannot write {target}")
+                                              pp=pp.size(), iteration=iteration), f"cannot write {target}")
         errors = errors_on_every_rank([error] if error else [])
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -211,8 +278,9 @@ def _write_shard(model: torch.nn.Module, staging: Path, *, tp, pp) -> None:
 
 
 def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: torch.nn.Module, *, tp: int,
-             pp: int) -> None:
-    """Rank 0: the metadata next to the rank files, then the converter's Megatron → Hugging Face onto ``target``."""
+             pp: int, iteration: Optional[int]) -> None:
+    """Rank 0: the metadata next to the rank files, then the converter's Megatron → Hugging Face, marked as our
+    export, onto ``target``."""
     from ..convert import megatron_to_hf
     from ..convert.layout import ASSETS_DIR, CheckpointMeta, megatron_lm_args, read_meta, write_meta
 
@@ -235,6 +303,9 @@ def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: tor
     shutil.rmtree(converted, ignore_errors=True)  # left by an export that was killed
     try:
         megatron_to_hf(staging, converted, progress=False)  # written whole or not at all
+        marker = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "iteration": iteration,
+                  "files": sorted(os.listdir(converted))}
+        (converted / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # inside the staged copy
         _replace_dir(converted, target)
     finally:
         shutil.rmtree(converted, ignore_errors=True)
@@ -242,7 +313,12 @@ def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: tor
 
 def _replace_dir(new: Path, target: Path) -> None:
     """Rename ``new`` onto ``target``. An existing ``target`` is renamed aside first and its interval exports
-    (``iter_*``) moved into the new one afterwards; the old one is deleted only once they all moved."""
+    (``iter_*``) moved into the new one afterwards; the old one is deleted only once they all moved.
+    ``FileExistsError`` when ``target`` is not an export to replace (checked at start-up too, but its content may
+    have changed since)."""
+    error = export_target_error(target)
+    if error:
+        raise FileExistsError(f"{target} {error}")
     if not target.exists():
         os.replace(new, target)
         return
