@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .phases import recorded
+
 
 class StepFailure(RuntimeError):
     """A step produced a value training must not go on with (or a reward function failed); raised on every rank
@@ -25,6 +27,7 @@ def _flag_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+@recorded("agree on errors")
 def errors_on_every_rank(errors: Sequence[str]) -> list[str]:
     """Every rank's ``errors`` (empty: this rank is fine), each message once with the ranks that had it
     (``"message (ranks 0, 2)"``), ``[]`` when no rank failed; called on every rank. One all-reduce of a flag;
@@ -70,6 +73,7 @@ def check_finite(step: int, quantities: dict[str, Any]) -> None:
                                for e in [non_finite(label, v)] if e is not None])
 
 
+@recorded("reward", step="step")
 def reward_scores(reward_fn: Callable[..., Sequence[float]], prompts: list[list[int]], responses: list[list[int]],
                   *, step: int, name: str) -> torch.Tensor:
     """``reward_fn(prompts, responses)`` as a ``[B]`` fp32 tensor, on every rank; ``name`` is how the user gave
