@@ -192,6 +192,11 @@ def test_stalled_rank_ends_the_recipe_within_the_timeout(tmp_path):
     waited = ended - float(stall_file.read_text())
     assert waited < TIMEOUT_S + GRACE_S, (waited, stderr[-3000:])
     assert "timed out" in stderr.lower(), stderr[-3000:]
+    # Rank 0 says where it waited, for how long, and where the rank it waited for is (gloo alone names neither).
+    assert ("PhaseTimeout: phase 'train step > reward > agree on errors' (step 1) failed on rank 0 (RuntimeError: "
+            in stderr), stderr[-3000:]
+    assert (f"; the timeout is {TIMEOUT_S:g} s (--distributed-timeout-minutes {TIMEOUT_S / 60:g}); did not arrive: "
+            f"rank 1 is in 'train step > reward' (step 1)" in stderr), stderr[-3000:]
 
 
 def test_rollout_kv_cache_is_sized_to_the_prompts(tmp_path):

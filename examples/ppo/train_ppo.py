@@ -285,15 +285,17 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     history: list[dict[str, Any]] = []
     task = rl.load_task(args)  # tokenizer, architecture, prompts, reward: bad data fails here, on every rank alike
-    with rl.initialize(args):
-        trainer = Trainer(args, task)
+    with rl.initialize(args):  # also records each rank's phase (rl.phases): a timeout names the late ranks
+        with rl.phase("setup"):
+            trainer = Trainer(args, task)
         if args.load is not None:
             trainer.load_state_dict(rl.load_checkpoint(args.load, trainer.models()))
         loaded_step = trainer.step
         logger = rl.MetricsLogger(args, start=trainer.step)
         try:
             while trainer.step < args.train_iters:
-                history.append(trainer.train_step())
+                with rl.phase("train step", step=trainer.step + 1):  # rl's functions record the phases within
+                    history.append(trainer.train_step())
                 if args.eval_interval and trainer.step % args.eval_interval == 0:
                     history[-1].update(trainer.evaluate())
                 logger.log(history[-1])

@@ -14,6 +14,8 @@ One module per piece, over megatron-core (the algorithm maths are in :mod:`megat
   :mod:`.metrics`: timing, gathering and logging metrics;
 - :mod:`.faults`: stopping on every rank at once on a failing reward function or a non-finite value;
 - :mod:`.initialize`: process groups and seeds; :mod:`.tokenizers`: ``--tokenizer-type``;
+- :mod:`.phases`: each rank records the phase it is in, so that a collective that times out names the phase, the
+  timeout and the ranks that did not arrive;
 - :mod:`.data`: prompt files (JSONL, verl's parquet) and each step's prompts; :mod:`.rewards`: built-in
   verifiable rewards, ``--reward-fn`` in either convention (ours, verl's ``compute_score``), held-out accuracy.
 """
@@ -28,6 +30,7 @@ from .models import (ValueHead, architecture_from_args, build_critic, build_refe
 from .optimizer import (TrainedModel, UpdateResult, build_scheduler, optimizer_config, setup_model_and_optimizer,
                         update)
 from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, padded_seq_length, response_values
+from .phases import PhaseRecorder, PhaseTimeout, phase, recorded, recording
 from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_accuracy, exact_match,
                       format_score)
 from .pretrained import export_hf, load_pretrained, model_architecture, model_args_from_checkpoint
@@ -46,3 +49,4 @@ __all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_t
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
 __all__ += ["flag_values"]
+__all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

@@ -50,6 +50,7 @@ from ..compat import ddp_finish_param_sync, megatron_groups, unwrap_model
 from ..patches.distrib_optimizer import distributed_optimizer_loading
 from .faults import errors_on_every_rank
 from .optimizer import TrainedModel
+from .phases import recorded
 
 FORMAT = "megatron-hybrid-rl"
 #: 3: megatron-core dist_checkpointing (torch_dist); 2: per-rank torch.save files of megatron-core optimizers.
@@ -189,6 +190,7 @@ def _agreed(step: int, error: Optional[str]) -> None:
         raise OSError(f"--save: iteration {step} was not saved ({'; '.join(errors)})")
 
 
+@recorded("save", step="step")
 def save_checkpoint(directory: str, step: int, models: Mapping[str, Checkpointed], state: dict[str, Any]) -> None:
     """Write iteration ``step``: ``models`` by name (their parameters; for a :class:`TrainedModel` also its
     optimizer and scheduler), ``state`` (numbers, strings, containers of them: the KL controller, the data
@@ -309,6 +311,7 @@ def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[
     return manifest
 
 
+@recorded("load")
 def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[str, Any]:
     """Load the latest iteration in ``directory`` into ``models`` (in place: parameters, and for a
     :class:`TrainedModel` its optimizer's states, fp32 main parameters and its scheduler), at whatever

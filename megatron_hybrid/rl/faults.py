@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .phases import recorded
+
 #: Flags and their values, as :func:`flag_values` gives them: what scales a quantity.
 Flags = Sequence[tuple[str, Any]]
 
@@ -32,6 +34,7 @@ def _flag_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+@recorded("agree on errors")
 def errors_on_every_rank(errors: Sequence[str]) -> list[str]:
     """Every rank's ``errors`` (empty: this rank is fine), each message once with the ranks that had it
     (``"message (ranks 0, 2)"``), ``[]`` when no rank failed; called on every rank. One all-reduce of a flag;
@@ -93,6 +96,7 @@ def check_finite(step: int, quantities: dict[str, Any], *, scaled_by: Optional[M
                                for e in [non_finite(label, v, scaled_by=scaled_by.get(label, ()))] if e is not None])
 
 
+@recorded("reward", step="step")
 def reward_scores(reward_fn: Callable[..., Sequence[float]], prompts: list[list[int]], responses: list[list[int]],
                   *, step: int, name: str) -> torch.Tensor:
     """``reward_fn(prompts, responses)`` as a ``[B]`` fp32 tensor, on every rank; ``name`` is how the user gave

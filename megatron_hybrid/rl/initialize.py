@@ -19,6 +19,8 @@ def initialize(args: argparse.Namespace) -> Iterator[None]:
     """The process group (from torchrun's environment unless one exists; gloo on CPU, NCCL on GPU), megatron-core's
     CPU patches when there is no GPU, and Megatron's training groups (unless set up already, with the same sizes),
     all with ``--distributed-timeout-minutes``; seeds from ``--seed``. What this block set up it tears down.
+    During the block each rank records the phases of the run (:mod:`.phases`), so that a collective that times out
+    names its phase, the timeout and the ranks that did not arrive.
 
     ``ValueError`` when Megatron's groups exist with other (tensor, pipeline) sizes than the arguments'.
     """
@@ -26,6 +28,7 @@ def initialize(args: argparse.Namespace) -> Iterator[None]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ..patches import cpu_gloo
+    from . import phases
 
     use_cuda = torch.cuda.is_available()
     own_pg = not dist.is_initialized()
@@ -35,14 +38,18 @@ def initialize(args: argparse.Namespace) -> Iterator[None]:
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     try:
-        with contextlib.nullcontext() if use_cuda else cpu_gloo():
+        recorder = phases.PhaseRecorder.for_default_group(
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            timeout_source=f"--distributed-timeout-minutes {args.distributed_timeout_minutes:g}")
+        with contextlib.nullcontext() if use_cuda else cpu_gloo(), phases.recording(recorder):
             own_mp = not ps.model_parallel_is_initialized()
             t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
             if own_mp:
                 # megatron-core (0.16.1) annotates the minutes as int but only computes timedelta(minutes=...)
                 # from them, so fractional minutes reach its groups unchanged.
-                ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
-                                             distributed_timeout_minutes=args.distributed_timeout_minutes)
+                with phases.phase("initialize"):
+                    ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                                 distributed_timeout_minutes=args.distributed_timeout_minutes)
             elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (t, p):
                 raise ValueError(f"Megatron's parallel state is set up for (tensor, pipeline) = "
                                  f"({ps.get_tensor_model_parallel_world_size()}, "

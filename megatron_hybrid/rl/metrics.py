@@ -13,6 +13,8 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
+from .phases import recorded
+
 
 class StepTimer:
     """Where one iteration's wall-clock time goes on this rank: seconds per phase, and the tokens a phase
@@ -48,6 +50,7 @@ def _reduce(key: str, vals: list[float]) -> float:
     return sum(vals) / len(vals)
 
 
+@recorded("metrics")
 def aggregate_metrics(local: Optional[dict[str, Any]], timer: StepTimer, *,
                       switch_bytes: float = 0.0) -> dict[str, Any]:
     """One iteration's metrics on every rank. Called on every rank.

@@ -31,6 +31,7 @@ import torch
 from .faults import Flags, check_finite
 from .models import wrap_ddp
 from .passes import Batch, LossFn, TrainingPasses
+from .phases import recorded
 
 
 def optimizer_config(args: argparse.Namespace, *, lr: float):
@@ -104,6 +105,7 @@ class UpdateResult:
     """The global gradient norm before clipping, as Megatron's optimizer computed it (the same on every rank)."""
 
 
+@recorded("update", step="step")
 def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: TrainingPasses,
            step: int, name: str = "the model", scaled_by: Flags = ()) -> UpdateResult:
     """One optimizer update of ``trained`` on ``batch`` (Megatron-LM's ``train_step``): gradients of the mean of

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .. import ppo
 from ..compat import megatron_groups
+from .phases import recorded
 
 #: ``loss_fn(output, micro_batch) -> (loss, stats)``: Megatron's loss function of one micro-batch. ``output`` is
 #: the last stage's output (``[B, S, V_t]`` logits, or ``[B, S, 1]`` values); ``stats`` are detached tensors.
@@ -161,6 +162,7 @@ class TrainingPasses:
         with torch.no_grad():
             return self.run(model, batch, loss_fn, forward_only=True)
 
+    @recorded("log-probs")
     def log_probs(self, model: torch.nn.Module, batch: Batch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The policy's ``(log_probs_BN, entropy_BN)`` of the response tokens; ``None`` off the last stage."""
         def stats(output, mb):
@@ -172,11 +174,13 @@ class TrainingPasses:
             return None
         return torch.cat([o["logp"] for o in out]), torch.cat([o["entropy"] for o in out])
 
+    @recorded("values")
     def values(self, model: torch.nn.Module, batch: Batch) -> Optional[torch.Tensor]:
         """A value model's values at the response tokens, ``[B, N]`` fp32; ``None`` off the last stage."""
         out = self._forward(model, batch, lambda output, mb: {"values": response_values(output, mb)})
         return torch.cat([o["values"] for o in out]) if self.last_stage else None
 
+    @recorded("reward model")
     def scores(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """A reward model's score of each sequence (its value at the last real token), ``[B]`` fp32 on the CPU,
         on every rank (the last stage broadcasts it over the pipeline)."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..compat import ddp_finish_param_sync, megatron_groups
 from ..models import GPTArchitecture
 from .faults import errors_on_every_rank
+from .phases import recorded
 
 #: The recipe's model flags (arguments dest) and the checkpoint architecture's value of each.
 MODEL_FLAGS: dict[str, Callable[[GPTArchitecture], Any]] = {
@@ -209,6 +210,7 @@ def load_pretrained(model: torch.nn.Module, directory: str) -> None:
     load_megatron_checkpoint([model], directory, tp_rank=tp.rank(), tp_size=tp.size())
 
 
+@recorded("export", step="iteration")
 def export_hf(model: torch.nn.Module, directory: str, pretrained_checkpoint: str, *,
               iteration: Optional[int] = None) -> str:
     """Write ``model`` (the actor's stage on this rank, plain or DDP-wrapped) as a Hugging Face checkpoint of

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..arguments import load_callable
 from .data import Example
+from .phases import recorded
 from .tokenizers import Tokenizer
 
 REWARD_TYPES = ("exact-match", "format", "target-token")
@@ -204,6 +205,7 @@ def accuracy(tokenizer: Tokenizer, responses: Sequence[Sequence[int]], examples:
         / max(len(responses), 1)
 
 
+@recorded("eval")
 def evaluate_accuracy(generate: Callable[[list[list[int]]], list[list[int]]], examples: Sequence[Example],
                       tokenizer: Tokenizer, *, dp_rank: int, dp_size: int, dp_group: Any) -> float:
     """The exact-match accuracy over all of ``examples`` (held-out prompts with answers) of the responses

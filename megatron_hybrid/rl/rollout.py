@@ -9,6 +9,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .phases import phase, recorded
+
 
 @dataclass
 class Rollout:
@@ -47,25 +49,29 @@ def generation_config(args: Any, *, max_prompt_length: int) -> Any:
     return GenerationConfig(max_batch_size=args.inference_max_requests, max_sequence_length=max(length, 2))
 
 
+@recorded("generate")
 def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *, vocab_size: int,
                        stop_token_ids: Sequence[int], seed: int, offload_optimizer: Optional[Any] = None,
                        offload_grads: bool = False, config: Any = None) -> Rollout:
     """Switch to rollout (moving ``offload_optimizer``'s states and fp32 main parameters, and the gradient buffers
     with ``offload_grads``, to host memory), generate this rank's responses, switch back. ``config``: the
     :class:`~megatron_hybrid.inference.GenerationConfig` (see :func:`generation_config`)."""
-    engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
+    with phase("switch to rollout"):
+        engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
     start = time.perf_counter()
     results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
                               seed=seed, tempered_log_probs=True, config=config)
     generated = time.perf_counter()
-    engine.switch_to_training()
+    with phase("switch to training"):
+        engine.switch_to_training()
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
                    generation_seconds=generated - start,
                    switch_seconds=report["switch_seconds"] + time.perf_counter() - generated,
                    switch_bytes=float(report["total_bytes"]))
 
 
+@recorded("generate")
 def generate_in_training_layout(model: torch.nn.Module, prompts: list[list[int]], sampling_params, *,
                                 rollout_layout: Any, vocab_size: int, stop_token_ids: Sequence[int],
                                 seed: int) -> Rollout:
