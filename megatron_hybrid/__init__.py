@@ -17,6 +17,7 @@ _LAZY = {
     "ParallelLayout": ".layout",
     "native_ops_available": ".ops",
     "GPTArchitecture": ".models",
+    "CollectiveError": ".groups",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

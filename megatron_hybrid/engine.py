@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import math
+import os
 import time
+import traceback
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
 from .aliased import supports_blocks
 from .binding import BINDINGS, named_parameters
-from .groups import create_rollout_groups, training_grid
+from .groups import create_rollout_groups
 from .layout import ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
 from .placement import DTYPE_NAMES, DTYPES, HeldBuffer, Placement
@@ -39,6 +44,13 @@ WEIGHT_MODES = tuple(BINDINGS)
 DEFAULT_BUCKET_MB_GPU = 1024.0
 DEFAULT_BUCKET_MB_CPU = 32.0  # see HybridEngine's bucket_size_mb
 _TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
+# Which engine serves each training parameter. Two engines on one model would each move its parameters into their
+# own buffers (the first then finds them moved at its next switch), so a second one is refused until the first is
+# closed or gone. Keyed by parameter identity (a model may come plain, wrapped or as a list; weakref's own
+# WeakKeyDictionary compares keys with ==, elementwise on tensors), values weak: a dropped engine frees its
+# parameters. The mapping lives here, not on the parameters.
+_SERVED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclasses.dataclass
@@ -59,6 +71,32 @@ def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None}
 
 
+def _creation_site() -> str:
+    """``file:line in function`` of the first caller outside this package (where the user made the engine)."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if not os.path.abspath(frame.filename).startswith(_PACKAGE_DIR + os.sep):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "unknown"
+
+
+def _serving_engine(params: list[torch.nn.Parameter]) -> Optional["HybridEngine"]:
+    """The open engine that serves any of ``params``, or None."""
+    def find() -> Optional[HybridEngine]:
+        for prm in params:
+            ref = _SERVED_BY.get(prm)
+            engine = ref() if ref is not None else None
+            if engine is not None and engine.mode != "closed":
+                return engine
+        return None
+
+    if find() is None:
+        return None
+    # An engine dropped without close() lingers in reference cycles until the collector runs, which it does at
+    # different times on different ranks: collect now, so that every rank decides on what is reachable.
+    gc.collect()
+    return find()
+
+
 def _as_timeout(timeout: Any) -> datetime.timedelta:
     value = timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
@@ -75,7 +113,8 @@ class HybridEngine:
         model: the training-layout model on this rank: a GPTModel, a list of model chunks, or Megatron DDP around
             one (also with ``use_distributed_optimizer=True``), after ``initialize_model_parallel(t, p)``. With the
             distributed optimizer, DDP's parameter buffer becomes this rank's own slot of the micro-DP gather,
-            moved there once; the optimizer's all-gather after every step then writes into it directly.
+            moved there once; the optimizer's all-gather after every step then writes into it directly. One engine
+            per model: a second one on the same parameters is a ``ValueError`` until the first is closed (``close()``).
         rollout: the rollout layout (t_g, p_g).
         weight_mode: ``"aliased"`` (default; zero redundancy: the rollout model computes on the training shards
             as blocks) or ``"canonical"`` (the standard Megatron rollout layout, rebuilt from the gathered
@@ -93,8 +132,11 @@ class HybridEngine:
             switch moves exactly the missing bytes and up to two granules per bucket stay resident
             (``communication_report()["resident_peer_bytes"]``): use buckets much larger than a granule.
         tp_group, pp_group, dp_group: the training groups; default: Megatron's ``parallel_state``.
-        timeout: the rollout groups' timeout (a ``datetime.timedelta`` or seconds); default: the training tensor-
-            parallel group's, so that a stalled or dead rank fails the others within the same time in both layouts.
+        timeout: the timeout of every collective the engine and its generator issue (a ``datetime.timedelta`` or
+            seconds; all run on the engine's own groups, a world-sized one included); default: the training
+            tensor-parallel group's, so that a stalled or dead rank fails the others within the same time in both
+            layouts. A collective that times out raises :class:`~megatron_hybrid.groups.CollectiveError` naming
+            the phase, the collective and this timeout.
         model_provider: ``model_provider(config, pg_collection, pre_process, post_process)`` building one
             rollout stage, for model classes other than GPTModel.
         optimizer: the megatron-core optimizer over ``model`` if it exists already (a ``DistributedOptimizer`` or a
@@ -111,6 +153,13 @@ class HybridEngine:
         self._check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout)
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.modules = [compat.unwrap_model(c) for c in self.chunks]
+        self.created_at = _creation_site()
+        params = [p for m in self.modules for p in m.parameters()]
+        first = _serving_engine(params)  # local state, the same on every rank: decided before any collective
+        if first is not None:
+            raise ValueError(f"model is already served by a HybridEngine (id {id(first):#x}, created at "
+                             f"{first.created_at}); a second engine would move its parameters away from the first's "
+                             "buffers. close() the first engine, or keep using it")
         if tp_group is None or pp_group is None or dp_group is None:
             m_tp, m_pp, m_dp, cp_group = compat.megatron_groups()
             tp_group, pp_group, dp_group = tp_group or m_tp, pp_group or m_pp, dp_group or m_dp
@@ -142,9 +191,8 @@ class HybridEngine:
         self._tied = _TIED if tied and lay.p_g == 1 < lay.p and not lay.widens else None
 
         # ---- collectives from here on ----
-        self.rollout_groups = create_rollout_groups(lay, training_grid(tp_group, pp_group, dp_group),
-                                                    timeout=self.timeout, cp_group=cp_group,
-                                                    tied_embedding=self._tied is not None)
+        self.rollout_groups = create_rollout_groups(lay, tp_group, pp_group, dp_group, timeout=self.timeout,
+                                                    cp_group=cp_group, tied_embedding=self._tied is not None)
         rg = self.rollout_groups
         self.grid, self.groups, self.group_ranks = rg.grid, rg.groups, rg.ranks
         self.pg_collection = rg.pg_collection
@@ -170,6 +218,8 @@ class HybridEngine:
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         # Off by default: per-collective timing synchronises the device after every collective.
         self.profiling = False
+        for prm in params:
+            _SERVED_BY[prm] = weakref.ref(self)
 
     # ---- validation ----------------------------------------------------------------------------------------
     @staticmethod
@@ -271,7 +321,8 @@ class HybridEngine:
         members: list[Any] = [member]
         if not lay.widens:
             members = [None] * self.groups["micro_dp"].size()
-            dist.all_gather_object(members, member, group=self.groups["micro_dp"])
+            with self.rollout_groups.errors("HybridEngine()", "the micro-DP gather of the parameter descriptions"):
+                dist.all_gather_object(members, member, group=self.groups["micro_dp"])
         members.sort(key=lambda m: m.rank)
         # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
         # attributes: they are layout-invariant, so take them from the training tensor of the same name.
@@ -374,23 +425,22 @@ class HybridEngine:
         region = flat[reg.offset: reg.offset + reg.numel]
         elem = flat.element_size()
         t0, wall0 = time.perf_counter(), time.time()
-        if reg.kind == "broadcast":
-            dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
-            received = 0 if reg.owner == j else reg.slot_numel * elem
-            op = "broadcast"
-        elif reg.kind == "strided":  # part i of every member's shard, side by side: the rollout tensor's layout
-            own = self._train_params[reg.tensor].data.reshape(reg.stride, -1)
-            part = reg.slot_numel // reg.stride
-            for i in range(reg.stride):
-                compat.all_gather_into_tensor(region[i * part * len(ranks): (i + 1) * part * len(ranks)], own[i],
-                                              group=group)
-            received = reg.slot_numel * (len(reg.members) - 1) * elem
-            op = "all_gather_into_tensor"
-        else:
-            lo = reg.slot_offset(j) - reg.offset
-            compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
-            received = reg.slot_numel * (len(reg.members) - 1) * elem
-            op = "all_gather_into_tensor"
+        op = "broadcast" if reg.kind == "broadcast" else "all_gather_into_tensor"
+        with self.rollout_groups.errors("switch_to_rollout", f"the {op} over ranks {ranks}"):
+            if reg.kind == "broadcast":
+                dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
+                received = 0 if reg.owner == j else reg.slot_numel * elem
+            elif reg.kind == "strided":  # part i of every member's shard, side by side: the rollout tensor's layout
+                own = self._train_params[reg.tensor].data.reshape(reg.stride, -1)
+                part = reg.slot_numel // reg.stride
+                for i in range(reg.stride):
+                    compat.all_gather_into_tensor(region[i * part * len(ranks): (i + 1) * part * len(ranks)],
+                                                  own[i], group=group)
+                received = reg.slot_numel * (len(reg.members) - 1) * elem
+            else:
+                lo = reg.slot_offset(j) - reg.offset
+                compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
+                received = reg.slot_numel * (len(reg.members) - 1) * elem
         if self.profiling:
             self._synchronize()
         seconds = time.perf_counter() - t0
@@ -454,6 +504,10 @@ class HybridEngine:
         self.binding.unbind()
         self.placement.close()
         self.mode = "closed"
+        for prm in (p for m in self.modules for p in m.parameters()):  # the model is free for another engine
+            ref = _SERVED_BY.get(prm)
+            if ref is not None and ref() is self:
+                del _SERVED_BY[prm]
 
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,

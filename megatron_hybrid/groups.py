@@ -2,7 +2,11 @@
 
 Where the rollout groups come from. The rank arithmetic is pure (``ParallelLayout``); this module only asks the
 training groups where every rank sits (one ``all_gather_object``) and calls ``new_group`` for every list, with
-the training groups' timeout, so that a stalled or dead rank fails the others within it instead of hanging them.
+the engine's timeout (by default the training groups'), so that a stalled or dead rank fails the others within it
+instead of hanging them. A world-sized group with that timeout serves what needs every rank (where the training
+ranks sit, the agreement on a generate call's inputs): the default group's timeout may be far longer (10 minutes
+by default in Megatron-LM), and the engine never uses it. :func:`collective_errors` names the phase, the
+collective and the timeout when one of them fails.
 
 Group ranks are in the order of the coordinate they stand for (rollout TP rank, rollout stage), not in global
 rank order: with t_g > t the rollout TP shard a rank can serve without communication is fixed by its training
@@ -14,8 +18,9 @@ order; on an older torch such a layout is refused (see :func:`megatron_hybrid.co
 from __future__ import annotations
 
 import datetime
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -44,22 +49,63 @@ class RolloutGroups:
     replica: int
     """Rollout TP rank, rollout stage and rollout replica of this rank."""
     timeout: datetime.timedelta
+    world: Any
+    """Every rank, in rank order, with ``timeout``: for what needs the whole world."""
 
     def group_of(self, ranks: list[int]) -> Any:
         return self.by_ranks[tuple(ranks)]
 
+    def errors(self, phase: str, what: str) -> Any:
+        """:func:`collective_errors` for a collective on these groups."""
+        return collective_errors(phase, what, timeout=self.timeout)
 
-def training_grid(tp_group, pp_group, dp_group) -> Grid:
-    """Where every training coordinate (tp, pp, dp) lives, as the training groups say (one world collective)."""
+
+class CollectiveError(RuntimeError):
+    """A collective of the engine failed or timed out: the message names the phase, the collective and the
+    timeout; the backend's own error (gloo's "Timed out waiting 3000ms ...") is chained as ``__cause__``."""
+
+
+def _seconds(timeout: datetime.timedelta) -> str:
+    return f"{timeout.total_seconds():g} s"
+
+
+@contextmanager
+def collective_errors(phase: str, what: str, *, timeout: datetime.timedelta,
+                      whose: str = "HybridEngine") -> Iterator[None]:
+    """Raise a :class:`CollectiveError` naming ``phase``, ``what`` and ``timeout`` when the collective(s) inside
+    fail. Wrap collectives only: gloo raises plain ``RuntimeError``s (NCCL ``DistBackendError``s, a subclass), so
+    any ``RuntimeError`` inside is taken for the collective's."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CollectiveError(f"{phase}: {what} timed out after {_seconds(timeout)} ({whose} timeout): a rank "
+                                  "did not arrive in time (stalled, or failed before it)") from exc
+        raise CollectiveError(f"{phase}: {what} failed: {text.splitlines()[0] if text else type(exc).__name__} "
+                              "(a rank may have left it after an error or a timeout of its own)") from exc
+
+
+def training_grid(tp_group, pp_group, dp_group, *, world) -> Grid:
+    """Where every training coordinate (tp, pp, dp) lives, as the training groups say (one collective on
+    ``world``, a group of every rank)."""
     coords: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(coords, (dist.get_rank(tp_group), dist.get_rank(pp_group), dist.get_rank(dp_group)))
+    dist.all_gather_object(coords, (dist.get_rank(tp_group), dist.get_rank(pp_group), dist.get_rank(dp_group)),
+                           group=world)
     return Grid.from_coords({r: tuple(c) for r, c in enumerate(coords)})
 
 
-def create_rollout_groups(layout: ParallelLayout, grid: Grid, *, timeout: datetime.timedelta,
+def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, *, timeout: datetime.timedelta,
                           cp_group: Optional[Any] = None, tied_embedding: bool = False) -> RolloutGroups:
-    """Create every rollout group on every rank (torch needs all ranks in every ``new_group`` call)."""
+    """Create every rollout group on every rank (torch needs all ranks in every ``new_group`` call), from where
+    the training groups ``tp_group``, ``pp_group``, ``dp_group`` place each rank."""
     me = dist.get_rank()
+    everyone = list(range(dist.get_world_size()))
+    world = compat.new_group(everyone, timeout=timeout)
+    with collective_errors("HybridEngine()", "the gather of every rank's training coordinates", timeout=timeout):
+        grid = training_grid(tp_group, pp_group, dp_group, world=world)
     lists = {
         "tp": layout.rollout_tp_groups(grid),
         "pp": layout.rollout_pp_groups(grid),
@@ -73,7 +119,8 @@ def create_rollout_groups(layout: ParallelLayout, grid: Grid, *, timeout: dateti
     groups: dict[str, Any] = {}
     ranks: dict[str, list[int]] = {}
     by_ranks: dict[tuple[int, ...], Any] = {}
-    created: dict[tuple[int, ...], Any] = {}  # one group per distinct rank list (the lists are the same everywhere)
+    created: dict[tuple[int, ...], Any] = {tuple(everyone): world}  # one group per distinct rank list (the lists
+    # are the same everywhere)
     for kind in KINDS:
         for members in lists[kind]:
             key = tuple(members)
@@ -95,4 +142,4 @@ def create_rollout_groups(layout: ParallelLayout, grid: Grid, *, timeout: dateti
     coord = dict(grid.coords())[me]
     tp_rank, pp_rank, replica = layout.rollout_coords(coord)
     assert ranks["tp"].index(me) == tp_rank and ranks["pp"].index(me) == pp_rank, (ranks, coord)
-    return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout)
+    return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout, world)

@@ -524,3 +524,78 @@ def rollout_memory_case():
     late_mapped = late.is_mapped(0, late.numel)
     engine.switch_to_training()
     return {"seen": seen, "late_mapped": late_mapped, "nbytes": buf.numel * 4}
+
+
+def generate_stall_case(stall_s: float, timeout_s: float) -> dict:
+    """Rank 1 stalls before ``generate``. Its agreement on the inputs (the first collective of a call) runs on the
+    engine's groups, so rank 0 fails within the engine's timeout, naming it and the phase, instead of waiting
+    for the stalled rank (or for the world group's timeout)."""
+    import time
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    model = arch().build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    engine = HybridEngine(model, RolloutLayout(1, 1), timeout=timeout_s)
+    if dist.get_rank() == 1:
+        time.sleep(stall_s)
+    start = time.monotonic()
+    error = cause = None
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(top_k=1, num_tokens_to_generate=2), vocab_size=250)
+    except RuntimeError as exc:
+        error, cause = str(exc), repr(exc.__cause__)
+    return {"seconds": time.monotonic() - start, "error": error, "cause": cause}
+
+
+def second_engine_case() -> dict:
+    """A second HybridEngine on a model that one serves is refused at construction, before any collective, naming
+    the first; after ``close()`` (or once the first is gone) the second takes the model and computes with it."""
+    import inspect
+
+    import pytest
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    torch.manual_seed(1234)
+    model = arch().build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    tok, pos = tokens(), torch.arange(SEQ).expand(BATCH, -1)
+    first = HybridEngine(model, RolloutLayout(1, 1))
+    line = inspect.currentframe().f_lineno - 1  # where the first engine was made
+    with first.rollout() as rollout_model, torch.no_grad():
+        reference = rollout_model(tok, pos, None)
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran before the second engine was refused")
+
+    names = ("all_gather_object", "new_group", "all_gather_into_tensor", "broadcast", "all_reduce")
+    saved = {n: getattr(dist, n) for n in names}
+    messages = []
+    try:
+        for n in names:
+            setattr(dist, n, no_collective)
+        for again in (model, [model]):  # the same parameters, however the model is passed
+            with pytest.raises(ValueError) as err:
+                HybridEngine(again, RolloutLayout(1, 1), weight_mode="canonical")
+            messages.append(str(err.value))
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    # The refusal left the first engine as it was.
+    with first.rollout() as rollout_model, torch.no_grad():
+        first_again = torch.equal(rollout_model(tok, pos, None), reference)
+    first.close()
+    second = HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical")
+    with second.rollout() as rollout_model, torch.no_grad():
+        after_close = rollout_model(tok, pos, None)
+    # Dropped without close(): nothing refers to it any more (reference cycles aside; its rollout model would).
+    del second, rollout_model
+    third = HybridEngine(model, RolloutLayout(1, 1))
+    with third.rollout() as rollout_model, torch.no_grad():
+        after_drop = rollout_model(tok, pos, None)
+    third.close()
+    return {"messages": messages, "site": f"engine_cases.py:{line}", "first_again": first_again,
+            "reference": reference, "after_close": after_close, "after_drop": after_drop}

@@ -225,6 +225,53 @@ def bad_input_case(state: dict) -> dict:
     return {"messages": messages, "ok": [len(r.generated_tokens) for r in results], "dp": ps.get_data_parallel_rank()}
 
 
+def bad_types_case(state: dict) -> dict:
+    """Booleans, floats and other wrong types in a generate call: a ValueError on every rank naming the argument,
+    the value and its type (where marked, only the last rank holds the bad value); numpy integers and integer
+    tensors are taken as the ints they are."""
+    import numpy as np
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=4, max_sequence_length=MAX_LEN))
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=4)
+    culprit = dist.get_rank() == dist.get_world_size() - 1
+    good = [[1, 2, 3], [4, 5]]
+    calls = {
+        "bool_token": ([[True, 2]] if culprit else good, sp, {}),
+        "float_token": ([[1, 2.0]] if culprit else good, sp, {}),
+        "bool_num_tokens": (good, SamplingParams(top_k=1, num_tokens_to_generate=True), {}),
+        "bool_vocab": (good, sp, {"vocab_size": True}),
+        "float_stop": (good, sp, {"stop_token_ids": [3.0]}),
+        "params_dict": (good, {"top_k": 1}, {}),
+        "stops_none": (good, sp, {"stop_token_ids": None}),
+        "stops_int": (good, sp, {"stop_token_ids": 5}),
+        "seed_huge": (good, sp, {"seed": 2**70}),
+        "seed_str": (good, sp, {"seed": "abc"}),
+        "params_none": (good, None if culprit else sp, {}),
+    }
+    messages = {}
+    for name, (prompts, params, kwargs) in calls.items():
+        try:
+            generator.generate(prompts, params, **({"vocab_size": VOCAB} | kwargs))
+            messages[name] = None
+        except Exception as exc:  # the test wants ValueErrors only: report whatever came
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    stops = [VOCAB - 1]
+    base = generator.generate(good, sp, vocab_size=VOCAB, stop_token_ids=stops, seed=3)
+    ints = [np.array(p, dtype=np.int64) if culprit else torch.tensor(p) for p in good]
+    alt = generator.generate(ints, SamplingParams(top_k=np.int64(1), num_tokens_to_generate=torch.tensor(4)),
+                             vocab_size=np.int32(VOCAB), stop_token_ids=(np.int64(VOCAB - 1),), seed=np.uint64(3))
+    engine.switch_to_training()
+    return {"messages": messages, "base": [r.generated_tokens for r in base],
+            "alt": [r.generated_tokens for r in alt],
+            "alt_types": sorted({type(t).__name__ for r in alt for t in r.prompt_tokens + r.generated_tokens})}
+
+
 def memory_case(state: dict) -> dict:
     """The KV cache keeps its address across rollouts and holds no memory while training."""
     from megatron.core.inference.sampling_params import SamplingParams

@@ -191,6 +191,9 @@ def test_stalled_rank_fails_the_others_within_the_timeout(inherit):
     assert first["timeout"] == timeout
     # Rank 0 gives up after about the timeout (gloo's own bookkeeping adds a little), long before rank 1 wakes.
     assert first["error"] is not None and first["seconds"] < stall / 2, first
+    # Naming the phase, the collective and the timeout (gloo's message names none of them).
+    assert "switch_to_rollout: the all_gather_into_tensor over ranks [0, 1] timed out after 3 s (HybridEngine " \
+        "timeout)" in first["error"], first
 
 
 def test_constructor_errors_name_the_argument():
@@ -231,3 +234,26 @@ def test_rollout_memory_is_backed_only_while_rolling_out():
             else:
                 assert entry[1] >= r["nbytes"] and entry[2] and entry[3] >= r["nbytes"], r
         assert r["late_mapped"]
+
+
+def test_generate_fails_within_the_engine_timeout():
+    # The agreement on generate()'s inputs is the call's first collective: on the engine's world-sized group, with
+    # the engine's timeout (3 s), not on the world group (300 s in the test harness).
+    stall, timeout = 6.0, 3.0
+    first, second = run_distributed(cases.generate_stall_case, 2, stall, timeout, tensor_model_parallel_size=2)
+    assert first["error"] is not None and first["seconds"] < timeout + 2, first
+    assert "generate: the ranks' agreement on the inputs timed out after 3 s (HybridEngine timeout)" \
+        in first["error"], first
+    assert "Timed out" in first["cause"], first  # gloo's own error, chained
+    # The stalled rank, once awake, finds its peer gone: an error too, not a hang.
+    assert second["error"] is not None and "generate: the ranks' agreement on the inputs" in second["error"], second
+
+
+def test_second_engine_on_a_model_is_refused_until_the_first_is_closed():
+    r = run_distributed(cases.second_engine_case, 1)[0]
+    for message in r["messages"]:
+        assert "already served by a HybridEngine" in message and r["site"] in message, message
+        assert "close()" in message, message
+    assert r["first_again"]
+    # The same weights through each later engine (aliased and canonical at TP=1: the same sums, bit for bit).
+    assert torch.equal(r["after_close"], r["reference"]) and torch.equal(r["after_drop"], r["reference"])

@@ -371,3 +371,26 @@ def test_generation_config_rejects_bad_values(bad):
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=re.escape(f"GenerationConfig.{name} ({value!r})")):
         GenerationConfig(**bad)
+
+
+def test_bad_types_raise_on_every_rank(state):
+    runs = run_distributed(cases.bad_types_case, 2, state, tensor_model_parallel_size=2)
+    expected = {
+        "bool_token": "prompt 0 (rank 1): token 0 (True, of type bool) is not an integer token id",
+        "float_token": "prompt 0 (rank 1): token 1 (2.0, of type float) is not an integer token id",
+        "bool_num_tokens": "SamplingParams.num_tokens_to_generate (True, of type bool) must be a positive integer",
+        "bool_vocab": "vocab_size (True, of type bool) must be an integer",
+        "float_stop": "stop_token_ids[0] (3.0, of type float) must be an integer token id",
+        "params_dict": "sampling_params ({'top_k': 1}, of type dict) must be a megatron-core SamplingParams",
+        "stops_none": "stop_token_ids (None, of type NoneType) must be a sequence of token ids",
+        "stops_int": "stop_token_ids (5, of type int) must be a sequence of token ids",
+        "seed_huge": f"seed ({2**70}, of type int) must be in [0, 2**64)",
+        "seed_str": "seed ('abc', of type str) must be an integer",
+        "params_none": "sampling_params (None, of type NoneType) must be a megatron-core SamplingParams",
+    }
+    for r in runs:
+        for name, text in expected.items():
+            got = r["messages"][name]
+            assert got is not None and got.startswith("ValueError: generate: ") and text in got, (name, got)
+        # numpy and torch integers are ints: the same tokens as the plain call, handed back as ints.
+        assert r["alt"] == r["base"] and r["alt_types"] == ["int"], r

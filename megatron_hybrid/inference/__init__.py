@@ -17,8 +17,8 @@ weights; only the attention core between ``linear_qkv`` and ``linear_proj`` chan
 """
 
 from .config import GenerationConfig
-from .generator import RolloutGenerator, generate_with_model, split_evenly
+from .generator import RolloutGenerator, generate_with_model, replica_seed, split_evenly
 from .replica import GenerationResult, ReplicaGenerator
 
 __all__ = ["GenerationConfig", "GenerationResult", "ReplicaGenerator", "RolloutGenerator", "generate_with_model",
-           "split_evenly"]
+           "replica_seed", "split_evenly"]

@@ -13,9 +13,14 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import compat
+from ..groups import collective_errors
 from .config import GenerationConfig
 from .replica import GenerationResult, ReplicaGenerator
-from .validation import Limits, check_generate_call
+from .validation import SEED_LIMIT, Limits, check_generate_call
+
+#: Each rollout replica's sampling stream: the call's seed plus this much per replica index (mod 2**64).
+REPLICA_SEED_STRIDE = 1_000_003
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
@@ -27,6 +32,11 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """Rollout replica ``replica``'s sampling seed for a call seeded ``seed`` (a 64-bit seed, as the call's)."""
+    return (seed + REPLICA_SEED_STRIDE * replica) % SEED_LIMIT
 
 
 class RolloutGenerator:
@@ -60,37 +70,45 @@ class RolloutGenerator:
                 termination_id).
             vocab_size: the real vocabulary; the output layer's padded rows are never sampled (default: all rows).
             stop_token_ids: tokens that end a sequence (kept in its output), besides ``termination_id``.
-            seed: sampling seed; each rollout replica draws from its own stream derived from it.
+            seed: sampling seed in [0, 2**64); each rollout replica draws from its own stream derived from it.
             tempered_log_probs: also return each token's log-prob at the sampling temperature
                 (``generated_tempered_log_probs``); the same on every rank.
 
-        Every argument is checked on every rank before any generation collective; a bad one raises the same
-        ``ValueError`` on every rank. Switches the engine to rollout if it is not there yet.
+        Every argument is checked on every rank before any generation collective (integers are ints, numpy
+        integers or integer tensor scalars, never bools or floats); a bad one raises the same ``ValueError`` on
+        every rank. Switches the engine to rollout if it is not there yet. Every collective runs on the engine's
+        groups, within its timeout (a :class:`~megatron_hybrid.groups.CollectiveError` naming it otherwise).
         """
         engine = self.engine
-        prompts, vocab = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
-                                             stop_token_ids=stop_token_ids, limits=self.replica.limits)
+        groups = engine.rollout_groups
+        with groups.errors("generate", "the ranks' agreement on the inputs"):
+            call = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
+                                       stop_token_ids=stop_token_ids, seed=seed, limits=self.replica.limits,
+                                       group=groups.world)
+        prompts, params = call.prompts, call.params
         engine.switch_to_rollout()
         lay = engine.layout
-        kwargs = dict(vocab_size=vocab, stop_token_ids=list(stop_token_ids),
-                      seed=seed + 1_000_003 * engine.rollout_replica, tempered_log_probs=tempered_log_probs)
+        kwargs = dict(vocab_size=call.vocab_size, stop_token_ids=call.stop_token_ids,
+                      seed=replica_seed(call.seed, engine.rollout_replica), tempered_log_probs=tempered_log_probs)
         if lay.widens:
             # This rollout replica spans m training replicas: generate for all of their prompts at once.
             tp = engine.groups["tp"]
             mine: list[Any] = [None] * tp.size()
-            dist.all_gather_object(mine, (engine.dp_rank, prompts), group=tp)
+            with groups.errors("generate", "the rollout tensor-parallel group's gather of the prompts"):
+                dist.all_gather_object(mine, (engine.dp_rank, prompts), group=tp)
             by_dp = dict(sorted(mine))
             batch = [p for dp in by_dp for p in by_dp[dp]]
-            results = self.replica.generate(batch, sampling_params, **kwargs)
+            results = self.replica.generate(batch, params, **kwargs)
             start = sum(len(by_dp[dp]) for dp in by_dp if dp < engine.dp_rank)
             return results[start: start + len(prompts)]
         replica = engine.rollout_replica - engine.dp_rank * lay.d_g  # index among this training replica's d_g
         lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
-        results = self.replica.generate(prompts[lo:hi], sampling_params, **kwargs)
+        results = self.replica.generate(prompts[lo:hi], params, **kwargs)
         if lay.d_g == 1:
             return results
         gathered: list[Any] = [None] * lay.d_g
-        dist.all_gather_object(gathered, (replica, results), group=engine.groups["micro_dp"])
+        with groups.errors("generate", "the micro-DP gather of the results"):
+            dist.all_gather_object(gathered, (replica, results), group=engine.groups["micro_dp"])
         return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
 
     def report(self) -> dict[str, Any]:
@@ -114,17 +132,23 @@ def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]]
     """
     limit = config.max_sequence_length if config is not None and config.max_sequence_length else None
     limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=limit or int(chunk.max_sequence_length))
-    prompts, vocab = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
-                                         stop_token_ids=stop_token_ids, limits=limits)
+    world = dist.group.WORLD
+    timeout = compat.group_timeout(world) or dist.distributed_c10d.default_pg_timeout
+    with collective_errors("generate", "the ranks' agreement on the inputs", timeout=timeout,
+                           whose="the world process group's"):
+        call = check_generate_call(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                   seed=seed, limits=limits, group=world)
+    prompts = call.prompts
     if not prompts:
         return []
     if config is None:
         config = GenerationConfig(max_batch_size=min(64, len(prompts)), cuda_graphs=False,
                                   max_sequence_length=max(2, max(len(p) for p in prompts)
-                                                          + int(sampling_params.num_tokens_to_generate)))
+                                                          + call.params.num_tokens_to_generate))
     replica = ReplicaGenerator(chunk, tp_group=tp_group, pp_group=pp_group, config=config)
     try:
-        return replica.generate(prompts, sampling_params, vocab_size=vocab, stop_token_ids=list(stop_token_ids),
-                                seed=seed, tempered_log_probs=tempered_log_probs)
+        return replica.generate(prompts, call.params, vocab_size=call.vocab_size,
+                                stop_token_ids=call.stop_token_ids, seed=call.seed,
+                                tempered_log_probs=tempered_log_probs)
     finally:
         replica.close()

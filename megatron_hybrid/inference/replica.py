@@ -349,16 +349,22 @@ class ReplicaGenerator:
 
     # -- pipeline communication ------------------------------------------------------------------------------
 
+    def _errors(self, what: str) -> Any:
+        """With an engine, a failed or timed-out exchange names the phase and the engine's timeout."""
+        return self.engine.rollout_groups.errors("generate", what) if self.engine is not None else nullcontext()
+
     def _receive(self, out: Optional[torch.Tensor], num_tokens: int) -> Optional[torch.Tensor]:
         if self.prev_rank is None:
             return None
         if out is None:
             out = torch.empty(num_tokens, 1, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
-        dist.recv(out, src=self.prev_rank, group=self.pp_group)
+        with self._errors(f"the receive of hidden states from rank {self.prev_rank}"):
+            dist.recv(out, src=self.prev_rank, group=self.pp_group)
         return out
 
     def _send(self, hidden_T1H: torch.Tensor) -> None:
-        dist.send(hidden_T1H.contiguous(), dst=self.next_rank, group=self.pp_group)
+        with self._errors(f"the send of hidden states to rank {self.next_rank}"):
+            dist.send(hidden_T1H.contiguous(), dst=self.next_rank, group=self.pp_group)
 
     def _share(self, tensor: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The last stage's ``tensor`` on every stage."""
@@ -366,7 +372,8 @@ class ReplicaGenerator:
             return tensor
         if tensor is None:
             tensor = torch.empty(numel, dtype=dtype, device=self.device)
-        dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
+        with self._errors(f"the broadcast of sampled tokens from rank {self.last_rank}"):
+            dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
         return tensor
 
     def _sample_or_send(self, out: torch.Tensor, sampler) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

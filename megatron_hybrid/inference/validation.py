@@ -1,17 +1,25 @@
 """Checks of a generate call, agreed on by every rank before any generation collective.
 
 Ranks hold different prompts, so a bad prompt is seen by one rank while its peers would go on into the micro-DP
-gather and wait forever. Every rank therefore checks its own prompts and the shared arguments, writes its first
-problem (numbers only) into its row of a ``[world, 6]`` table, and one all-reduce gives every rank every row: all
-ranks raise the same ``ValueError`` (the lowest failing rank's), naming the prompt index and the value.
+gather and wait forever. Every rank therefore checks its own prompts and the shared arguments and writes its first
+problem, as UTF-8 text, into its row of a ``[world, MESSAGE_BYTES]`` byte table; one all-reduce gives every rank
+every row, and all ranks raise the same ``ValueError`` (the lowest failing rank's), naming the argument, the value
+and its type. Text, never pickles: nothing a peer sends is unpickled.
+
+Integers are ``int``s or what ``operator.index`` takes, so numpy integer scalars and 0-dim integer tensors (what
+iterating a tokenizer's array or a tensor of ids gives) count as the ints they are, exactly. Booleans do not
+(``True`` is not token 1, nor one token to generate), and neither do floats (``3.0``), whatever their value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import operator
+import reprlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,8 +27,16 @@ import torch.distributed as dist
 # SamplingParams fields that would change what generate returns: refused rather than silently ignored.
 UNSUPPORTED_FIELDS = ("num_tokens_total", "top_n_logprobs", "return_prompt_top_n_logprobs", "return_segments",
                       "stop_words")
-_EMPTY, _NOT_INT, _TOKEN, _TOO_LONG, _NOT_A_LIST = 1, 2, 3, 4, 5
-_VOCAB, _NUM_TOKENS, _TEMPERATURE, _TOP_K, _TOP_P, _STOP, _UNSUPPORTED = 10, 11, 12, 13, 14, 15, 16
+#: Bytes of a rank's row in the agreement's table: a message longer than this is cut (values are shortened to
+#: ~60 characters first, so none of ours is).
+MESSAGE_BYTES = 512
+#: Seeds are what ``torch.Generator.manual_seed`` is seeded with: 64 bits. It also takes negative ones, folded
+#: onto the upper half (-1 is 2**64 - 1): refused here, so that one stream has one name.
+SEED_LIMIT = 2**64
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 6
 
 
 @dataclass(frozen=True)
@@ -33,112 +49,163 @@ class Limits:
     """Positions one sequence (prompt plus generated tokens) may take."""
 
 
-def _message(row: list[float], rank: int) -> str:
-    code, index, position, value, limit, extra = (int(x) if math.isfinite(x) and x == int(x) else x for x in row)
-    where = f"prompt {index} (rank {rank})"
-    if code == _EMPTY:
-        return f"{where} is empty: every prompt needs at least one token"
-    if code == _NOT_INT:
-        return f"{where}: token {position} is not an integer token id"
-    if code == _TOKEN:
-        return f"{where}: token {position} is {value}, outside the vocabulary [0, {limit})"
-    if code == _TOO_LONG:
-        return (f"{where} has {value} tokens; with num_tokens_to_generate={extra} it needs {value + extra} positions, "
-                f"more than a sequence may take in the KV cache (max_sequence_length={limit})")
-    if code == _NOT_A_LIST:
-        return f"prompts (rank {rank}) must be a sequence of token-id sequences; element {index} is not one"
-    if code == _VOCAB:
-        return f"vocab_size ({value}) must be between 1 and the output layer's padded vocabulary ({limit})"
-    if code == _NUM_TOKENS:
-        return f"SamplingParams.num_tokens_to_generate ({value}) must be a positive integer"
-    if code == _TEMPERATURE:
-        return f"SamplingParams.temperature ({value}) must be finite and >= 0"
-    if code == _TOP_K:
-        return f"SamplingParams.top_k ({value}) must be an integer in [0, vocab_size={limit}]"
-    if code == _TOP_P:
-        return f"SamplingParams.top_p ({value}) must be in [0, 1]"
-    if code == _STOP:
-        return f"stop token {value} (stop_token_ids or SamplingParams.termination_id) is outside [0, {limit})"
-    if code == _UNSUPPORTED:
-        return (f"SamplingParams.{UNSUPPORTED_FIELDS[index]} is not supported by this generator"
-                + (" (pass stop_token_ids instead)" if UNSUPPORTED_FIELDS[index] == "stop_words" else ""))
-    raise AssertionError(f"unknown check code {code}")
+@dataclass(frozen=True)
+class CheckedCall:
+    """A generate call's arguments as checked, in plain Python types."""
+
+    prompts: list[list[int]]
+    params: Any
+    """A copy of the ``SamplingParams`` whose checked fields are ints and floats."""
+    vocab_size: int
+    """The vocabulary generation samples from."""
+    stop_token_ids: list[int]
+    seed: int
 
 
-def _check_arguments(params, vocab_size: Optional[int], stop_token_ids: Sequence[int],
-                     limits: Limits) -> tuple[Optional[list[float]], int]:
-    """The first problem with the shared arguments (or None), and the vocabulary generation samples from."""
-    vocab = limits.padded_vocab if vocab_size is None else vocab_size
-    if not isinstance(vocab, int) or not 1 <= vocab <= limits.padded_vocab:
-        return [_VOCAB, 0, 0, float(vocab) if isinstance(vocab, (int, float)) else math.nan, limits.padded_vocab,
-                0], vocab
-    n = params.num_tokens_to_generate
-    if not isinstance(n, int) or n < 1:
-        return [_NUM_TOKENS, 0, 0, float(n) if isinstance(n, (int, float)) else math.nan, 0, 0], vocab
-    temperature = float(params.temperature)
-    if not math.isfinite(temperature) or temperature < 0:
-        return [_TEMPERATURE, 0, 0, temperature, 0, 0], vocab
-    top_k = params.top_k or 0
-    if not isinstance(top_k, int) or not 0 <= top_k <= vocab:
-        return [_TOP_K, 0, 0, float(top_k), vocab, 0], vocab
-    top_p = float(params.top_p or 0.0)
-    if not 0.0 <= top_p <= 1.0:
-        return [_TOP_P, 0, 0, top_p, 0, 0], vocab
-    stops = list(stop_token_ids) + ([params.termination_id] if params.termination_id is not None else [])
-    for s in stops:
-        if not isinstance(s, int) or not 0 <= s < vocab:
-            return [_STOP, 0, 0, float(s) if isinstance(s, (int, float)) else math.nan, vocab, 0], vocab
-    for i, name in enumerate(UNSUPPORTED_FIELDS):
+class _Refused(Exception):
+    """One rank's first problem, before the ranks agree on it (never leaves this module)."""
+
+
+def _shown(value: Any) -> str:
+    """``value`` and its type, short: ``True, of type bool``."""
+    return f"{_REPR.repr(value)}, of type {type(value).__name__}"
+
+
+def as_int(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer (see the module's docstring), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() != 0
+                                                                        or value.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _as_real(value: Any) -> Optional[float]:
+    """``value`` as a float when it is a real number (an int or a float; not a bool, a string or None)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _int_arg(name: str, value: Any, what: str) -> int:
+    out = as_int(value)
+    if out is None:
+        raise _Refused(f"{name} ({_shown(value)}) must be {what}")
+    return out
+
+
+def _check_arguments(params, vocab_size: Any, stop_token_ids: Any, seed: Any,
+                     limits: Limits) -> tuple[Any, int, list[int], int]:
+    """The shared arguments, checked: (params, vocab, stop tokens, seed); raises ``_Refused``."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams):
+        raise _Refused(f"sampling_params ({_shown(params)}) must be a megatron-core SamplingParams "
+                       "(megatron.core.inference.sampling_params.SamplingParams)")
+    between = f"an integer between 1 and the output layer's padded vocabulary ({limits.padded_vocab})"
+    vocab = limits.padded_vocab if vocab_size is None else _int_arg("vocab_size", vocab_size, between)
+    if not 1 <= vocab <= limits.padded_vocab:
+        raise _Refused(f"vocab_size ({vocab}) must be between 1 and the output layer's padded vocabulary "
+                       f"({limits.padded_vocab})")
+    n = _int_arg("SamplingParams.num_tokens_to_generate", params.num_tokens_to_generate, "a positive integer")
+    if n < 1:
+        raise _Refused(f"SamplingParams.num_tokens_to_generate ({n}) must be a positive integer")
+    temperature = _as_real(params.temperature)
+    if temperature is None or not math.isfinite(temperature) or temperature < 0:
+        raise _Refused(f"SamplingParams.temperature ({_shown(params.temperature)}) must be a finite number >= 0")
+    top_k = 0 if params.top_k is None else as_int(params.top_k)
+    if top_k is None or not 0 <= top_k <= vocab:
+        raise _Refused(f"SamplingParams.top_k ({_shown(params.top_k)}) must be an integer in [0, "
+                       f"vocab_size={vocab}]")
+    top_p = 0.0 if params.top_p is None else _as_real(params.top_p)
+    if top_p is None or not 0.0 <= top_p <= 1.0:
+        raise _Refused(f"SamplingParams.top_p ({_shown(params.top_p)}) must be in [0, 1]")
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise _Refused(f"stop_token_ids ({_shown(stop_token_ids)}) must be a sequence of token ids (() for none)")
+    try:
+        given = list(stop_token_ids)
+    except TypeError:  # a 0-dim tensor has __iter__ but no elements
+        raise _Refused(f"stop_token_ids ({_shown(stop_token_ids)}) must be a sequence of token ids (() for none)")
+    stops = [_int_arg(f"stop_token_ids[{i}]", s, "an integer token id") for i, s in enumerate(given)]
+    termination = None
+    if params.termination_id is not None:
+        termination = _int_arg("SamplingParams.termination_id", params.termination_id, "None or an integer token id")
+    for s in stops + ([termination] if termination is not None else []):
+        if not 0 <= s < vocab:
+            raise _Refused(f"stop token {s} (stop_token_ids or SamplingParams.termination_id) is outside [0, {vocab})")
+    seed = _int_arg("seed", seed, "an integer")
+    if not 0 <= seed < SEED_LIMIT:
+        raise _Refused(f"seed ({_shown(seed)}) must be in [0, 2**64): torch.Generator takes a 64-bit seed")
+    for name in UNSUPPORTED_FIELDS:
         if getattr(params, name, None) not in (None, 0, False):
-            return [_UNSUPPORTED, i, 0, 0, 0, 0], vocab
-    return None, vocab
+            raise _Refused(f"SamplingParams.{name} is not supported by this generator"
+                           + (" (pass stop_token_ids instead)" if name == "stop_words" else ""))
+    checked = dataclasses.replace(params, num_tokens_to_generate=n, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, termination_id=termination)
+    return checked, vocab, stops, seed
 
 
-def _check_prompts(prompts: Any, vocab: int, num_tokens: int,
-                   limits: Limits) -> tuple[Optional[list[float]], list[list[int]]]:
+def _check_prompts(prompts: Any, vocab: int, num_tokens: int, limits: Limits, rank: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise _Refused(f"prompts (rank {rank}) must be a sequence of token-id sequences, not {_shown(prompts)}")
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-            return [_NOT_A_LIST, i, 0, 0, 0, 0], out
-        if len(prompt) == 0:
-            return [_EMPTY, i, 0, 0, 0, 0], out
+            raise _Refused(f"prompts (rank {rank}) must be a sequence of token-id sequences; element {i} "
+                           f"({_shown(prompt)}) is not one")
+        where = f"prompt {i} (rank {rank})"
+        try:
+            length = len(prompt)
+        except TypeError:  # a 0-dim tensor has __len__ but no length
+            raise _Refused(f"prompts (rank {rank}) must be a sequence of token-id sequences; element {i} "
+                           f"({_shown(prompt)}) is not one")
+        if length == 0:
+            raise _Refused(f"{where} is empty: every prompt needs at least one token")
         ids = []
-        for pos, tok in enumerate(prompt):
-            try:
-                tok = operator.index(tok)
-            except TypeError:
-                return [_NOT_INT, i, pos, 0, 0, 0], out
+        for pos, value in enumerate(prompt):
+            tok = as_int(value)
+            if tok is None:
+                raise _Refused(f"{where}: token {pos} ({_shown(value)}) is not an integer token id")
             if not 0 <= tok < vocab:
-                return [_TOKEN, i, pos, float(tok), vocab, 0], out
+                raise _Refused(f"{where}: token {pos} is {tok}, outside the vocabulary [0, {vocab})")
             ids.append(tok)
         if len(ids) + num_tokens > limits.slot_tokens:
-            return [_TOO_LONG, i, 0, len(ids), limits.slot_tokens, num_tokens], out
+            raise _Refused(f"{where} has {len(ids)} tokens; with num_tokens_to_generate={num_tokens} it needs "
+                           f"{len(ids) + num_tokens} positions, more than a sequence may take in the KV cache "
+                           f"(max_sequence_length={limits.slot_tokens})")
         out.append(ids)
-    return None, out
+    return out
 
 
-def check_generate_call(prompts: Any, params, *, vocab_size: Optional[int], stop_token_ids: Sequence[int],
-                        limits: Limits, group=None) -> tuple[list[list[int]], int]:
+def check_generate_call(prompts: Any, params, *, vocab_size: Any, stop_token_ids: Any, seed: Any, limits: Limits,
+                        group=None) -> CheckedCall:
     """Check one generate call on every rank of ``group`` (default: the world) and agree on the outcome.
 
-    Returns the prompts as lists of ints and the vocabulary size to sample from; raises the same ``ValueError`` on
-    every rank when any rank's call is bad. One all-reduce of ``6 × world`` numbers, nothing else.
+    Returns the call's arguments as plain ints and floats; raises the same ``ValueError`` on every rank when any
+    rank's call is bad. One all-reduce of ``MESSAGE_BYTES × world`` bytes, nothing else.
     """
-    row, vocab = _check_arguments(params, vocab_size, stop_token_ids, limits)
-    clean: list[list[int]] = []
-    if row is None:
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-            row = [_NOT_A_LIST, 0, 0, 0, 0, 0]
-        else:
-            row, clean = _check_prompts(prompts, vocab, params.num_tokens_to_generate, limits)
     group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    checked: Optional[CheckedCall] = None
+    problem = ""
+    try:
+        params, vocab, stops, seed = _check_arguments(params, vocab_size, stop_token_ids, seed, limits)
+        clean = _check_prompts(prompts, vocab, params.num_tokens_to_generate, limits, rank)
+        checked = CheckedCall(clean, params, vocab, stops, seed)
+    except _Refused as refused:
+        problem = str(refused)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    table = torch.zeros(dist.get_world_size(group), 6, dtype=torch.float64, device=device)
-    if row is not None:
-        table[dist.get_rank(group)] = torch.tensor(row, dtype=torch.float64)
-    dist.all_reduce(table, group=group)
-    failed = (table[:, 0] != 0).nonzero()
+    table = torch.zeros(dist.get_world_size(group), MESSAGE_BYTES, dtype=torch.uint8)
+    data = problem.encode()[:MESSAGE_BYTES]
+    if data:
+        table[rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    table = table.to(device)
+    dist.all_reduce(table, group=group)  # one row per rank, the others zero: the sum is every rank's row
+    failed = table.any(dim=1).nonzero()
     if len(failed):
-        rank = int(failed[0, 0])
-        raise ValueError(f"generate: {_message(table[rank].tolist(), rank)}")
-    return clean, vocab
+        row = bytes(table[int(failed[0, 0])].cpu().tolist()).rstrip(b"\0")
+        raise ValueError(f"generate: {row.decode('utf-8', 'ignore')}")
+    assert checked is not None
+    return checked

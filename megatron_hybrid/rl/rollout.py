@@ -80,7 +80,7 @@ def generate_in_training_layout(model: torch.nn.Module, prompts: list[list[int]]
     widen TP). ``model``: this rank's stage, plain or wrapped; on Megatron's training groups. A sequence-parallel
     model generates without sequence parallelism, as the engine's rollout model does."""
     from ..compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
-    from ..inference import generate_with_model, split_evenly
+    from ..inference import generate_with_model, replica_seed, split_evenly
     from ..layout import ParallelLayout
 
     start = time.perf_counter()
@@ -94,6 +94,6 @@ def generate_in_training_layout(model: torch.nn.Module, prompts: list[list[int]]
             replica = dp.rank() * parts + j  # the engine's rollout replica index; its seed offset is the engine's
             results += generate_with_model(unwrap_model(model), prompts[lo:hi], sampling_params, tp_group=tp,
                                            pp_group=pp, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                                           seed=seed + 1_000_003 * replica, tempered_log_probs=True)
+                                           seed=replica_seed(seed, replica), tempered_log_probs=True)
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
                    generation_seconds=time.perf_counter() - start)
