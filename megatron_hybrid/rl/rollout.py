@@ -60,11 +60,13 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
         engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
     start = time.perf_counter()
-    results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                              seed=seed, tempered_log_probs=True, config=config)
-    generated = time.perf_counter()
-    with phase("switch to training"):
-        engine.switch_to_training()
+    try:
+        results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                  seed=seed, tempered_log_probs=True, config=config)
+    finally:  # also after an error (bad input is refused on every rank alike): the caller gets its training layout
+        generated = time.perf_counter()
+        with phase("switch to training"):
+            engine.switch_to_training()
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
                    generation_seconds=generated - start,
                    switch_seconds=report["switch_seconds"] + time.perf_counter() - generated,
