@@ -116,3 +116,33 @@ def reshard_load_case(directory: str) -> dict:
             out[bf16, distopt] = {"state": state, **_snapshot(models)}
     out["warnings"] = [str(w.message) for w in caught if "--load" in str(w.message)]
     return out
+
+
+def _reference() -> dict:
+    """A frozen model alone: the smallest checkpoint with shard files of every rank."""
+    from megatron_hybrid import rl
+
+    return {"reference": rl.build_stage(rl.architecture_from_args(recipe_args(), VOCAB), device=torch.device("cpu"))}
+
+
+def small_save_case(directory: str) -> None:
+    """The checkpoint the damage tests copy and damage: :func:`_reference` with ``{"n": 1.0}`` as iteration 1."""
+    from megatron_hybrid import rl
+
+    rl.save_checkpoint(directory, 1, _reference(), {"n": 1.0})
+
+
+def small_load_case(directory: str) -> dict:
+    """:func:`small_save_case`'s checkpoint loaded into a fresh model: the state, or the error this rank raised,
+    and the ``--load`` warnings it issued."""
+    from megatron_hybrid import rl
+
+    out: dict = {"state": None, "error": ""}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out["state"] = rl.load_checkpoint(directory, _reference())
+        except ValueError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    out["warnings"] = [str(w.message) for w in caught if "--load" in str(w.message)]
+    return out

@@ -17,30 +17,36 @@ tensor/pipeline layout with the optimizer state included.
   that wrote it, so a resumed run reproduces the uninterrupted one; at another layout they mean nothing to the new
   ranks, which keep the states ``--seed`` gave them (with a warning), as Megatron-LM does;
 - ``rl_checkpoint.json``, written last: format, version, step, (tensor, pipeline, data) sizes, model names and
-  the size of every file of the iteration.
+  the size and SHA-256 of every file of the iteration (checkpoints written before the digests list sizes only).
 
 Saving is crash-safe: at every instant ``latest_checkpointed_iteration.txt`` names a complete iteration. Every rank
 writes its ``dist_checkpointing`` shards and its RNG file into ``DIR/.iter_{step:07d}.tmp`` (``dist_checkpointing``
 reports a rank's failed write to every rank); the ranks agree that all of them succeeded (one all-reduce, so a rank
 that failed makes every rank raise instead of hanging, and a rank that died leaves the others failing in a
-collective) and only then does rank 0 sync the files, write the manifest and commit: an existing
+collective); each rank hashes the files it wrote (see :func:`_writer`) and sends the digests to rank 0, and only
+then does rank 0 sync the files, write the manifest and commit: an existing
 ``iter_{step:07d}`` is renamed aside to ``.iter_{step:07d}.old``, the new one renamed in, ``latest`` replaced
 through a temporary file and ``os.replace``, and the old one deleted. A crash between the two renames leaves the
 old copy, complete, under ``.old``: :func:`load_checkpoint` reads it there.
 
-Loading is checked before training on every rank: the manifest and the size of every file it lists (every rank
-checks every file, before any collective), so a missing, truncated or foreign checkpoint is the same ``ValueError``,
-naming the file, on every rank; a failure inside ``dist_checkpointing.load`` is agreed the same way.
+Loading is checked before training, and before any collective, on every rank: the manifest, the size of every
+file it lists (every rank checks every file), the digests of the files the rank reads (see :func:`_verified_by`)
+and its RNG file's content; the ranks then agree on the outcome (one all-reduce), so a missing, truncated, damaged
+or foreign checkpoint is the same ``ValueError``, naming the file, on every rank, and no rank enters
+``dist_checkpointing.load`` without the others. A failure inside ``dist_checkpointing.load`` is agreed the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
-from typing import Any, Mapping, Optional, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -58,6 +64,9 @@ CHECKPOINT_VERSION = 3
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "rl_checkpoint.json"
 RNG_DIR = "rng"
+#: The manifest's key for the files' digests. SHA-256 (hashlib, ~0.7 GB/s per core here, SHA-NI where the CPU has
+#: it): a write that went wrong anywhere, as well as a flipped bit, changes it.
+DIGEST = "sha256"
 
 #: What :func:`save_checkpoint` and :func:`load_checkpoint` take by name: a model under training (its optimizer
 #: and scheduler included), a frozen module (the reference), or ``None`` (a model this run does not have).
@@ -145,6 +154,60 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+# ---- digests ----------------------------------------------------------------------------------------------------
+#: ``dist_checkpointing``'s shard files are named by the global rank that wrote them (megatron-core 0.16.1 –
+#: 0.19.x, ``FileSystemWriterAsync``: ``[hint]__{rank}_{n}.distcp``); our RNG files by theirs.
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")
+_RNG_FILE = re.compile("^" + re.escape(os.path.join(RNG_DIR, "rank_")) + r"(\d+)\.safetensors$")
+
+
+def _writer(name: str) -> int:
+    """The rank that wrote the file ``name`` (a path relative to the iteration) and hashes it at save: a shard or
+    RNG file's rank, rank 0 (``dist_checkpointing``'s coordinator) for the rest (``common.pt``, ``metadata.json``,
+    ``.metadata``).
+
+    Hashing on the writer spreads the reading over the ranks as the writing was (a multi-GB checkpoint is not read
+    through one rank) and reads what the rank's node has just written, most of it still in its page cache."""
+    m = _SHARD.search(os.path.basename(name)) or _RNG_FILE.match(name)
+    return int(m.group(1)) if m else 0
+
+
+def _verified_by(files: Mapping[str, int], rank: int, world_size: int, *, rng: bool) -> list[str]:
+    """The files of ``files`` (relative path → size) whose digests ``rank`` of a load on ``world_size`` ranks
+    verifies: the ones every rank reads (all but shard and RNG files), its own RNG file when it restores it
+    (``rng``), and a share of the shard files.
+
+    Which ranks read which shard files is decided inside ``dist_checkpointing`` from the shardings at both layouts;
+    instead the shard files are split over the ranks by size (each verifies about 1/``world_size`` of the bytes),
+    and the ranks agree on the outcome before ``dist_checkpointing`` reads any: a damaged shard is found wherever it
+    is, each shard read once."""
+    shards = sorted((n for n in files if _SHARD.search(os.path.basename(n))), key=lambda n: (-files[n], n))
+    load = [0] * world_size
+    mine = []
+    for name in shards:  # the largest first, each to the least loaded rank: the same split on every rank
+        owner = load.index(min(load))
+        load[owner] += files[name]
+        if owner == rank:
+            mine.append(name)
+    own_rng = os.path.join(RNG_DIR, f"rank_{rank:05d}.safetensors")
+    common = [n for n in files if not _SHARD.search(os.path.basename(n)) and not _RNG_FILE.match(n)]
+    return sorted(common + mine + ([own_rng] if rng and own_rng in files else []))
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGEST).hexdigest()
+
+
+def _digests(root: str, names: Iterable[str]) -> dict[str, str]:
+    """The SHA-256 of the files ``names`` under ``root``, a thread per file (up to 8): ``dist_checkpointing``
+    writes a rank's shards as several files (2 by default), and hashlib and file reads release the GIL, so they
+    are hashed on as many cores."""
+    names = list(names)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), 8))) as pool:
+        return dict(zip(names, pool.map(lambda name: _sha256(os.path.join(root, name)), names)))
+
+
 # ---- saving ---------------------------------------------------------------------------------------------------
 def _iteration_dirs(directory: str, step: int) -> tuple[str, str, str]:
     """``(final, temporary, old)`` directories of iteration ``step``."""
@@ -226,17 +289,31 @@ def save_checkpoint(directory: str, step: int, models: Mapping[str, Checkpointed
             error = f"{tmp}: {_describe(e)}" if _describe(e) else None
         _agreed(step, error)
         rng = os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.safetensors")
+        digests: dict[str, str] = {}
         try:
             os.makedirs(os.path.dirname(rng), exist_ok=True)
             _write_rng_state(rng)
         except Exception as e:  # a full disk, a quota, a lost mount: every rank must learn of it
             error = f"{rng}: {type(e).__name__}: {e}"
         _agreed(step, error)
+        # Only now is the directory complete for every rank to list: before, another rank may still be writing
+        # its RNG file (through a temporary file that safetensors renames).
+        try:
+            digests = _digests(tmp, [n for n in _files(tmp) if _writer(n) == rank])
+        except OSError as e:  # names the file
+            error = f"{tmp}: cannot hash the files of rank {rank} ({type(e).__name__}: {e})"
+        _agreed(step, error)
+        everyone: Optional[list[Any]] = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(digests, everyone, dst=0)  # a few small dicts: one line per file
         if rank == 0:
             try:
                 _sync_tree(tmp)
+                files = _files(tmp)
+                sha256 = {name: digest for mine in everyone for name, digest in mine.items()}
+                assert sorted(sha256) == list(files), (sorted(sha256), list(files))  # _writer covers every file
                 manifest = {"format": FORMAT, "version": CHECKPOINT_VERSION, "step": step, "layout": _layout(),
-                            "models": [n for n, m in models.items() if m is not None], "files": _files(tmp)}
+                            "models": [n for n, m in models.items() if m is not None], "files": files,
+                            DIGEST: dict(sorted(sha256.items()))}
                 _write_synced(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1) + "\n")
             except OSError as e:
                 error = f"{os.path.join(tmp, MANIFEST)}: {type(e).__name__}: {e}"
@@ -279,10 +356,10 @@ def iteration_dir(directory: str) -> str:
     return old if not os.path.isdir(final) and os.path.isdir(old) else final
 
 
-def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[str, Any]:
-    """The manifest of the latest iteration in ``directory`` after checking it and the size of every file it
-    lists (no collective: every rank can check every file); ``ValueError`` naming the file for a bad ``latest``,
-    a missing or foreign manifest, a missing or truncated file, or (``names``) a model the checkpoint lacks."""
+def _manifest(directory: str, names: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
+    """The latest iteration's directory and its manifest after checking it and the size of every file it lists;
+    ``ValueError`` naming the file for a bad ``latest``, a missing or foreign manifest, a missing or truncated
+    file, or (``names``) a model the checkpoint lacks."""
     it = iteration_dir(directory)
     path = os.path.join(it, MANIFEST)
     try:
@@ -296,6 +373,8 @@ def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[
         found = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else manifest
         raise ValueError(f"--load: {path} describes a {found!r} checkpoint; this version reads "
                          f"({FORMAT!r}, {CHECKPOINT_VERSION}) (megatron-core dist_checkpointing) only")
+    if DIGEST in manifest and sorted(manifest[DIGEST]) != sorted(manifest["files"]):
+        raise ValueError(f"--load: {path} is damaged: its {DIGEST!r} and 'files' name different files")
     for name, size in manifest["files"].items():
         file = os.path.join(it, name)
         actual = os.path.getsize(file) if os.path.isfile(file) else None
@@ -308,6 +387,38 @@ def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[
     if missing:
         raise ValueError(f"--load: {it} holds the models {manifest['models']}, not {missing} that this run "
                          f"trains")
+    return it, manifest
+
+
+def _verify(it: str, manifest: dict[str, Any], names: Iterable[str]) -> None:
+    """``ValueError`` naming the first of the files ``names`` whose SHA-256 is not the manifest's; nothing for a
+    manifest without digests."""
+    if DIGEST not in manifest:
+        return
+    try:
+        digests = _digests(it, names)
+    except OSError as e:  # permissions, a lost mount (the message names the file): agreed, not a hang
+        raise ValueError(f"--load: {it} cannot be read ({type(e).__name__}: {e})") from None
+    for name, actual in digests.items():
+        if actual != manifest[DIGEST][name]:
+            raise ValueError(f"--load: {os.path.join(it, name)} is damaged: its sha256 is {actual[:16]}…, "
+                             f"{os.path.join(it, MANIFEST)} says {manifest[DIGEST][name][:16]}…")
+
+
+def _unverified_warning(it: str) -> str:
+    return (f"--load: {os.path.join(it, MANIFEST)} lists no digests (a checkpoint written before they were): its "
+            f"files are checked by size only")
+
+
+def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[str, Any]:
+    """The manifest of the latest iteration in ``directory`` after checking it, the size and the digest of every
+    file it lists (no collective; all files in this process); ``ValueError`` naming the file for a bad
+    ``latest``, a missing or foreign manifest, a missing, truncated or damaged file, or (``names``) a model the
+    checkpoint lacks."""
+    it, manifest = _manifest(directory, names)
+    if DIGEST not in manifest:
+        warnings.warn(_unverified_warning(it), stacklevel=2)
+    _verify(it, manifest, manifest["files"])
     return manifest
 
 
@@ -324,36 +435,39 @@ def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[
     from megatron.core import dist_checkpointing
 
     names = [n for n, m in models.items() if m is not None]
-    manifest, error = None, None
+    rank = dist.get_rank()
+    it, manifest, rng, error = None, None, None, None
+    # Every check a rank can make alone, then one agreement: a rank that found a fault must not leave the others
+    # in dist_checkpointing.load's collectives.
     try:
-        manifest = check_checkpoint(directory, names)
+        it, manifest = _manifest(directory, names)
+        same_layout = manifest["layout"] == _layout()
+        _verify(it, manifest, _verified_by(manifest["files"], rank, dist.get_world_size(), rng=same_layout))
+        if same_layout:
+            path = os.path.join(it, RNG_DIR, f"rank_{rank:05d}.safetensors")
+            try:
+                rng = _read_rng_state(path)
+            except Exception as e:  # safetensors raises its own errors for a damaged file
+                raise ValueError(f"--load: {path} cannot be read ({_describe(e)})") from None
     except ValueError as e:
         error = str(e)
     errors = errors_on_every_rank([error] if error else [])
     if errors:
         raise ValueError("; ".join(errors))
-    it = iteration_dir(directory)
-    rng = None
-    same_layout = manifest["layout"] == _layout()
-    if same_layout:
-        path = os.path.join(it, RNG_DIR, f"rank_{dist.get_rank():05d}.safetensors")
-        try:
-            rng = _read_rng_state(path)
-        except Exception as e:  # safetensors raises its own errors for a damaged file
-            error = f"--load: {path} cannot be read ({_describe(e)})"
+    if DIGEST not in manifest and rank == 0:
+        warnings.warn(_unverified_warning(it), stacklevel=2)
     loaded = None
     # torch's Adam in megatron-core's DistributedOptimizer (patches/distrib_optimizer.py)
     with distributed_optimizer_loading([m.optimizer for m in models.values() if isinstance(m, TrainedModel)]):
-        if error is None:
-            try:
-                with warnings.catch_warnings():
-                    # megatron-core (0.16.1) calls torch.distributed.checkpoint.load_state_dict, deprecated in
-                    # torch 2.13.
-                    warnings.filterwarnings("ignore", message=".*load_state_dict. is deprecated",
-                                            category=FutureWarning)
-                    loaded = dist_checkpointing.load(_sharded_state_dict(models, is_loading=True), it)
-            except (Exception, CheckpointException) as e:  # a damaged shard or metadata: agreed, naming the dir
-                error = f"--load: {it} cannot be read by dist_checkpointing ({_describe(e) or type(e).__name__})"
+        try:
+            with warnings.catch_warnings():
+                # megatron-core (0.16.1) calls torch.distributed.checkpoint.load_state_dict, deprecated in
+                # torch 2.13.
+                warnings.filterwarnings("ignore", message=".*load_state_dict. is deprecated",
+                                        category=FutureWarning)
+                loaded = dist_checkpointing.load(_sharded_state_dict(models, is_loading=True), it)
+        except (Exception, CheckpointException) as e:  # a failure the checks could not see: agreed, naming the dir
+            error = f"--load: {it} cannot be read by dist_checkpointing ({_describe(e) or type(e).__name__})"
         errors = errors_on_every_rank([error] if error else [])
         if errors:
             raise ValueError("; ".join(errors))
@@ -368,7 +482,7 @@ def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[
                 m.scheduler.load_state_dict(loaded[name]["scheduler"])
     if rng is not None:
         _set_rng_state(rng)
-    elif dist.get_rank() == 0:
+    elif rank == 0:
         warnings.warn(f"--load: {it} was written with (tensor, pipeline, data) sizes {manifest['layout']}, this "
                       f"run has {_layout()}: its RNG states are not restored (the ranks keep --seed's)",
                       stacklevel=2)
