@@ -27,16 +27,31 @@ def weightless_parameters() -> Iterator[None]:
     """Build modules whose parameters own no memory: every registered parameter becomes a placeholder.
 
     Keeps the rollout model's construction from allocating a second copy of the weights (each parameter's
-    temporary allocation is dropped as soon as it is registered).
+    temporary allocation is dropped as soon as it is registered). torch.nn's own modules get their placeholders
+    when the block exits instead: their constructors initialise the parameters they have just registered, whatever
+    ``perform_initialization`` says, and ``torch.nn.Embedding`` (megatron-core's learned absolute position table)
+    draws ``normal_`` values, which a placeholder (one element seen through ``expand``) cannot take. In a
+    megatron-core GPTModel these are the position table and the norm weights, not a copy of the model.
     """
+    deferred: list[tuple[torch.nn.Module, str]] = []
+
     def hook(module, name, param):
-        return None if param is None else placeholder(param)
+        if param is None:
+            return None
+        if type(module).__module__.startswith("torch.nn."):
+            deferred.append((module, name))
+            return None  # kept as it is, for now
+        return placeholder(param)
 
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
     try:
         yield
     finally:
         handle.remove()
+        for module, name in deferred:
+            param = module._parameters.get(name)
+            if param is not None:
+                module._parameters[name] = placeholder(param)
 
 
 def rollout_config(config, layout: ParallelLayout):

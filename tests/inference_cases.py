@@ -25,14 +25,15 @@ def prompts_for(dp_rank: int, count: int) -> list[list[int]]:
             for _ in range(count)]
 
 
-def _training_model(state: dict):
+def _training_model(state: dict, arch_kw: Optional[dict] = None):
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid.sharding import load_full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    model = arch().build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    model = arch(**(arch_kw or {})).build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                          pre_process=ps.is_pipeline_first_stage(),
+                                          post_process=ps.is_pipeline_last_stage())
     load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     return model
 
@@ -94,25 +95,25 @@ def teacher_forced_log_probs(model, prompts: list[list[int]], generated: list[li
     return out
 
 
-def stop_probe(state: dict, dp_ranks: list[int], count: int) -> list[list[int]]:
+def stop_probe(state: dict, dp_ranks: list[int], count: int, arch_kw: Optional[dict] = None) -> list[list[int]]:
     """World of one: greedy continuations (no stop tokens) of the prompts of ``dp_ranks``, to pick stop tokens."""
-    model = _training_model(state)
+    model = _training_model(state, arch_kw)
     prompts = [p for dp in dp_ranks for p in prompts_for(dp, count)]
     return recompute_greedy(model, prompts, set(), NEW_TOKENS)
 
 
 def layout_case(rollout_tp: int, rollout_pp: int, mode: str, state: dict, stops: list[int], count: int,
-                slots: int, mixed: Optional[int] = None) -> dict:
+                slots: int, mixed: Optional[int] = None, arch_kw: Optional[dict] = None) -> dict:
     """Greedy KV-cache generation on the rollout layout against the training layout's recompute (``mixed``: the
     config's ``mixed_prefill_tokens``, refills riding along decode steps, and then slots compacted in the tail too:
-    what a GPU does by default)."""
+    what a GPU does by default; ``arch_kw``: the model's architecture, tiny_llama's by default)."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
 
-    model = _training_model(state)
+    model = _training_model(state, arch_kw)
     engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode)
     generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN,
                                                           mixed_prefill_tokens=mixed,

@@ -80,6 +80,41 @@ def test_layouts(layout, mode):
     _check({}, layout, mode, logits_tol=FP32)
 
 
+# Two layers (positions enter before the first) keep these cheap.
+LEARNED_POSITIONS = {"position_embedding_type": "learned_absolute", "num_layers": 2}
+
+
+@pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.parametrize("layout", [((2, 1, 1), (1, 1)), ((2, 2, 1), (1, 1)), ((1, 1, 2), (2, 1))],
+                         ids=["t2-tg1", "t2p2-tg1pg1", "t1d2-tg2"])
+def test_learned_absolute_positions(layout, mode):
+    # megatron-core's position table is a torch.nn.Embedding (it initialises itself in its constructor, unlike
+    # megatron-core's own modules), replicated over TP and on the first stage only: narrowing TP, merging stages
+    # (the table comes from training stage 0) and widening TP (a sub-block rank keeps the whole table).
+    _check(LEARNED_POSITIONS, layout, mode, logits_tol=FP32)
+
+
+def test_weightless_parameters_own_no_memory_even_where_constructors_initialise():
+    """torch.nn's modules initialise the parameters they have just registered (torch.nn.Embedding: normal_, which
+    a one-element expanded placeholder refuses); megatron-core's own modules skip that without
+    perform_initialization. Either way every parameter ends up a placeholder of its shape, owning one element."""
+    from megatron_hybrid.rollout_model import weightless_parameters
+
+    class Own(torch.nn.Module):  # stands for a megatron-core module: registers, does not initialise
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(5, 3))
+
+    with weightless_parameters():
+        modules = [torch.nn.Embedding(7, 4), torch.nn.Linear(4, 6), torch.nn.LayerNorm(4), Own()]
+    shapes = {(i, name): tuple(p.shape) for i, m in enumerate(modules) for name, p in m.named_parameters()}
+    assert shapes == {(0, "weight"): (7, 4), (1, "weight"): (6, 4), (1, "bias"): (6,), (2, "weight"): (4,),
+                      (2, "bias"): (4,), (3, "weight"): (5, 3)}
+    for module in modules:
+        for name, p in module.named_parameters():
+            assert p.untyped_storage().nbytes() == p.element_size() and not p.requires_grad, (module, name)
+
+
 @pytest.mark.parametrize("layout", [((2, 1, 4), (1, 1)), ((4, 1, 2), (2, 1)), ((4, 2, 1), (2, 2))],
                          ids=["t2p1d4-tg1", "t4p1d2-tg2", "t4p2d1-tg2pg2"])
 def test_canonical_own_regions(layout):

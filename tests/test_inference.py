@@ -26,11 +26,10 @@ def state() -> dict:
     return run_distributed(engine_cases.reference, 1, {})[0][0]
 
 
-@pytest.fixture(scope="module")
-def stops(state) -> list[int]:
+def _stop_tokens(state: dict, arch_kw: dict) -> list[int]:
     """Stop tokens that greedy decoding reaches mid-sequence: in each probe continuation, the first token at step
     16 or later that it had not produced before (first three such)."""
-    probe = run_distributed(cases.stop_probe, 1, state, [0, 1], 6)[0]
+    probe = run_distributed(cases.stop_probe, 1, state, [0, 1], 6, arch_kw)[0]
     found = []
     for seq in probe:
         late = [tok for tok in seq[16:] if tok not in seq[:16]]
@@ -38,6 +37,11 @@ def stops(state) -> list[int]:
             found.append(late[0])
     assert len(found) >= 2, probe
     return found[:3]
+
+
+@pytest.fixture(scope="module")
+def stops(state) -> list[int]:
+    return _stop_tokens(state, {})
 
 
 # (t, p, d) -> (t_g, p_g), weight mode, prompts per training rank, decode slots, mixed_prefill_tokens: every rollout
@@ -52,12 +56,38 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: f"t{v[0][0]}p{v[0][1]}d{v[0][2]}-tg{v[1][0]}pg{v[1][1]}-"
-                                                       f"{v[2]}{'-mixed' if v[5] else ''}")
+def _layout_id(v) -> str:
+    return f"t{v[0][0]}p{v[0][1]}d{v[0][2]}-tg{v[1][0]}pg{v[1][1]}-{v[2]}{'-mixed' if v[5] else ''}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
 def test_greedy_matches_training_layout(layout, state, stops):
+    _check_greedy(layout, state, stops, {})
+
+
+# Two layers (positions enter before the first) keep the full-recompute reference cheap.
+LEARNED_POSITIONS = {"position_embedding_type": "learned_absolute", "num_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def learned_state_and_stops() -> tuple[dict, list[int]]:
+    state = run_distributed(engine_cases.reference, 1, LEARNED_POSITIONS)[0][0]
+    return state, _stop_tokens(state, LEARNED_POSITIONS)
+
+
+# Learned absolute positions: each token's embedding reads the position table (first stage only) at its own
+# position, so a prefill, a decode step or a prompt riding along one (mixed) at a wrong position changes the
+# greedy tokens. t_g < t and t_g > t (with mixed steps), one of each weight mode, on 2 ranks.
+@pytest.mark.parametrize("layout", [((2, 1, 1), (1, 1), "canonical", 12, 2, None),
+                                    ((1, 1, 2), (2, 1), "aliased", 6, 4, 64)], ids=_layout_id)
+def test_greedy_matches_training_layout_with_learned_positions(layout, learned_state_and_stops):
+    _check_greedy(layout, *learned_state_and_stops, LEARNED_POSITIONS)
+
+
+def _check_greedy(layout, state: dict, stops: list[int], arch_kw: dict) -> None:
     (t, p, d), (t_g, p_g), mode, count, slots, mixed = layout
     runs = run_distributed(cases.layout_case, t * p * d, t_g, p_g, mode, state, stops, count, slots, mixed,
-                           tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+                           arch_kw, tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
     lengths = []
     for r in runs:
         # Every training rank gets its own prompts' results, in order, with the training layout's tokens.

@@ -280,10 +280,12 @@ PHASES = ("generation", "switch", "actor_log_probs", "reference_log_probs", "cri
 
 def test_metrics_timing_mismatch_and_tensorboard(tmp_path):
     # 2 ranks: training TP=2, rollout TP=1 (a micro-DP gather); sampling at T = 0.7, so the rollout's log-probs
-    # must be tempered to match; TIS on with a cap that ratios near 1 never reach (the same training).
+    # must be tempered to match; TIS on with a cap that ratios near 1 never reach (the same training). Learned
+    # absolute positions (the other recipe tests use rope): the rollout model must build and match them too.
     tensorboard = importlib.util.find_spec("tensorboard") is not None  # a test extra; optional for the recipe
     tb = tmp_path / "tb"
-    argv = ["--train-iters", "2", "--temperature", "0.7", "--tis-imp-ratio-cap", "2"]
+    argv = ["--train-iters", "2", "--temperature", "0.7", "--tis-imp-ratio-cap", "2",
+            "--position-embedding-type", "learned_absolute"]
     history = run_distributed(ppo_cases.run_main, 2, argv + ["--tensorboard-dir", str(tb)] * tensorboard,
                               str(tmp_path / "logs"), tensor_model_parallel_size=2)[0]
     defaults = recipe_args("--tensor-model-parallel-size", "1")
