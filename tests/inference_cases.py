@@ -268,7 +268,17 @@ def bad_types_case(state: dict) -> dict:
     alt = generator.generate(ints, SamplingParams(top_k=np.int64(1), num_tokens_to_generate=torch.tensor(4)),
                              vocab_size=np.int32(VOCAB), stop_token_ids=(np.int64(VOCAB - 1),), seed=np.uint64(3))
     engine.switch_to_training()
-    return {"messages": messages, "base": [r.generated_tokens for r in base],
+    # rl.generate_on_engine switches to rollout before generate's checks run: a refused call must still leave the
+    # engine in training mode (with the optimizer's states back, had they been offloaded).
+    from megatron_hybrid import rl
+    try:
+        rl.generate_on_engine(engine, [[True, 2]] if culprit else good, sp, vocab_size=VOCAB, stop_token_ids=[],
+                              seed=0)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"messages": messages, "base": [r.generated_tokens for r in base], "refused": refused,
+            "mode_after_refusal": engine.mode,
             "alt": [r.generated_tokens for r in alt],
             "alt_types": sorted({type(t).__name__ for r in alt for t in r.prompt_tokens + r.generated_tokens})}
 

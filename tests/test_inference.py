@@ -424,3 +424,4 @@ def test_bad_types_raise_on_every_rank(state):
             assert got is not None and got.startswith("ValueError: generate: ") and text in got, (name, got)
         # numpy and torch integers are ints: the same tokens as the plain call, handed back as ints.
         assert r["alt"] == r["base"] and r["alt_types"] == ["int"], r
+        assert "is not an integer token id" in r["refused"] and r["mode_after_refusal"] == "training", r
