@@ -119,8 +119,8 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
     groups: dict[str, Any] = {}
     ranks: dict[str, list[int]] = {}
     by_ranks: dict[tuple[int, ...], Any] = {}
-    created: dict[tuple[int, ...], Any] = {tuple(everyone): world}  # one group per distinct rank list (the lists
-    # are the same everywhere)
+    # One group per distinct rank list (the lists are the same everywhere); the world group is one of them.
+    created: dict[tuple[int, ...], Any] = {tuple(everyone): world}
     for kind in KINDS:
         for members in lists[kind]:
             key = tuple(members)

@@ -192,20 +192,24 @@ def tempered_case(state: dict, temperature: float) -> dict:
     return out
 
 
+def _bad_input_setup(state: dict) -> tuple:
+    """The bad-input cases' engine (rollout TP 1), generator, whether this rank holds the bad value (the last
+    rank), and a good batch of prompts."""
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    engine = HybridEngine(_training_model(state), RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=4, max_sequence_length=MAX_LEN))
+    return engine, generator, dist.get_rank() == dist.get_world_size() - 1, [[1, 2, 3], [4, 5]]
+
+
 def bad_input_case(state: dict) -> dict:
     """Each bad call raises a ValueError on every rank (one rank holds the bad prompt); a good call still works."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
-
-    model = _training_model(state)
-    engine = HybridEngine(model, RolloutLayout(1, 1))
-    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=4, max_sequence_length=MAX_LEN))
+    engine, generator, culprit, good = _bad_input_setup(state)
     sp = SamplingParams(top_k=1, num_tokens_to_generate=8)
-    culprit = dist.get_rank() == dist.get_world_size() - 1
-    good = [[1, 2, 3], [4, 5]]
     calls = {
         "empty": (good + [[]] if culprit else good, {}),
         "too_large": ([[1, 2], [3, VOCAB]] if culprit else good, {"vocab_size": VOCAB}),
@@ -233,15 +237,8 @@ def bad_types_case(state: dict) -> dict:
     import numpy as np
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
-
-    model = _training_model(state)
-    engine = HybridEngine(model, RolloutLayout(1, 1))
-    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=4, max_sequence_length=MAX_LEN))
+    engine, generator, culprit, good = _bad_input_setup(state)
     sp = SamplingParams(top_k=1, num_tokens_to_generate=4)
-    culprit = dist.get_rank() == dist.get_world_size() - 1
-    good = [[1, 2, 3], [4, 5]]
     calls = {
         "bool_token": ([[True, 2]] if culprit else good, sp, {}),
         "float_token": ([[1, 2.0]] if culprit else good, sp, {}),
