@@ -4,20 +4,22 @@ A facade that sequences the pieces, each in a module of its own:
 
 - layouts and the rank arithmetic: :mod:`megatron_hybrid.layout`; the rollout groups: :mod:`megatron_hybrid.groups`;
 - the rollout model (built without weights): :mod:`megatron_hybrid.rollout_model`;
-- the reshard plan (which bytes move where): :mod:`megatron_hybrid.plan`;
+- the checks of the arguments and the model, before any collective: :mod:`megatron_hybrid.validation`;
+- the reshard plan (which bytes move where): :mod:`megatron_hybrid.plan`, made and run by
+  :mod:`megatron_hybrid.executor` (the gather of the members' parameter descriptions; one in-place collective
+  per region at each switch);
 - where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.placement`;
 - binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding`;
 - host offload of optimizer states and gradients: :mod:`megatron_hybrid.memory`.
 
-Where the bytes move: :meth:`HybridEngine.switch_to_rollout` (one in-place collective per region of the plan).
+Where the bytes move: :class:`megatron_hybrid.executor.PlanExecutor`, which :meth:`HybridEngine.switch_to_rollout`
+runs between mapping the peers' slots and binding the rollout model to them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
-import math
 import os
 import time
 import traceback
@@ -30,17 +32,16 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
-from .aliased import supports_blocks
 from .binding import BINDINGS, named_parameters
-from .groups import create_rollout_groups
-from .layout import ParallelLayout, RolloutLayout
+from .executor import CollectiveRecord, PlanExecutor, held_buffers, make_group_plan
+from .groups import RolloutGroups, create_rollout_groups
+from .layout import Grid, ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
-from .placement import DTYPE_NAMES, DTYPES, HeldBuffer, Placement
-from .plan import MemberInfo, ParamInfo, build_group_plan
+from .placement import Placement
 from .rollout_model import ModelProvider, build_rollout_chunks
-from .sharding import TPSpec
+from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_layout, check_model
 
-WEIGHT_MODES = tuple(BINDINGS)
+__all__ = ["HybridEngine", "CollectiveRecord", "WEIGHT_MODES"]
 DEFAULT_BUCKET_MB_GPU = 1024.0
 DEFAULT_BUCKET_MB_CPU = 32.0  # see HybridEngine's bucket_size_mb
 _TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
@@ -51,24 +52,6 @@ _TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
 # parameters. The mapping lives here, not on the parameters.
 _SERVED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-@dataclasses.dataclass
-class CollectiveRecord:
-    """One collective of a switch, as the communication report and the trace show it."""
-
-    op: str
-    group_ranks: list[int]
-    bytes_received: int
-    seconds: float
-    start: float  # time.time() at the start
-    end: float
-    rank: int
-
-
-def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """id(parameter) -> the module that registered it."""
-    return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None}
 
 
 def _creation_site() -> str:
@@ -97,13 +80,12 @@ def _serving_engine(params: list[torch.nn.Parameter]) -> Optional["HybridEngine"
     return find()
 
 
-def _as_timeout(timeout: Any) -> datetime.timedelta:
-    value = timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
-        value = datetime.timedelta(seconds=timeout)
-    if not isinstance(value, datetime.timedelta) or not value.total_seconds() > 0:
-        raise ValueError(f"timeout ({timeout!r}) must be a positive datetime.timedelta or number of seconds")
-    return value
+def _training_groups(tp_group: Any, pp_group: Any, dp_group: Any) -> tuple[Any, Any, Any, Optional[Any]]:
+    """The training groups (tp, pp, dp) and the context-parallel group: those given, the rest Megatron's."""
+    if tp_group is not None and pp_group is not None and dp_group is not None:
+        return tp_group, pp_group, dp_group, None
+    m_tp, m_pp, m_dp, cp_group = compat.megatron_groups()
+    return tp_group or m_tp, pp_group or m_pp, dp_group or m_dp, cp_group
 
 
 class HybridEngine:
@@ -150,7 +132,8 @@ class HybridEngine:
                  tp_group=None, pp_group=None, dp_group=None, timeout: Any = None,
                  model_provider: Optional[ModelProvider] = None, optimizer: Any = None) -> None:
         # ---- validation: everything below this block may run collectives ----
-        self._check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout)
+        check_arguments(model, rollout, weight_mode=weight_mode, bucket_size_mb=bucket_size_mb,
+                        align_slots=align_slots, timeout=timeout)
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.modules = [compat.unwrap_model(c) for c in self.chunks]
         self.created_at = _creation_site()
@@ -160,54 +143,48 @@ class HybridEngine:
             raise ValueError(f"model is already served by a HybridEngine (id {id(first):#x}, created at "
                              f"{first.created_at}); a second engine would move its parameters away from the first's "
                              "buffers. close() the first engine, or keep using it")
-        if tp_group is None or pp_group is None or dp_group is None:
-            m_tp, m_pp, m_dp, cp_group = compat.megatron_groups()
-            tp_group, pp_group, dp_group = tp_group or m_tp, pp_group or m_pp, dp_group or m_dp
-        else:
-            cp_group = None
+        tp_group, pp_group, dp_group, cp_group = _training_groups(tp_group, pp_group, dp_group)
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
-        t, p, d = tp_group.size(), pp_group.size(), dp_group.size()
-        self.layout = ParallelLayout.create(training=(t, p, d), rollout=rollout)
-        if t * p * d != dist.get_world_size():
-            raise ValueError(f"tensor ({t}) × pipeline ({p}) × data ({d}) parallel sizes must cover the world "
-                             f"({dist.get_world_size()} ranks); context/expert parallelism is not supported yet")
-        if self.layout.q > 1 and len(self.chunks) > 1:
-            raise ValueError(f"rollout pipeline_model_parallel_size ({rollout.pipeline_model_parallel_size}) < "
-                             f"pipeline_model_parallel_size ({p}) is not supported with virtual pipeline chunks")
+        self.layout = lay = ParallelLayout.create(training=(tp_group.size(), pp_group.size(), dp_group.size()),
+                                                  rollout=rollout)
+        check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
-        self._check_model(self.config, weight_mode)
+        check_model(self.modules, lay, weight_mode=weight_mode)
         if timeout is None:
             timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
-        self.timeout = _as_timeout(timeout)
+        self.timeout = as_timeout(timeout)
         self.weight_mode = weight_mode
         self.bucket_size_mb = bucket_size_mb if bucket_size_mb is not None else (
             DEFAULT_BUCKET_MB_GPU if next(self.modules[0].parameters()).is_cuda else DEFAULT_BUCKET_MB_CPU)
         self.align_slots = align_slots
         self.tp_rank, self.pp_rank = dist.get_rank(tp_group), dist.get_rank(pp_group)
         self.dp_rank = dist.get_rank(dp_group)
-        lay = self.layout
         tied = bool(getattr(self.modules[-1], "share_embeddings_and_output_weights", False))
         # p_g = 1 < p with tied embeddings: the last stage's output layer is the rollout embedding (no transfer).
         self._tied = _TIED if tied and lay.p_g == 1 < lay.p and not lay.widens else None
 
         # ---- collectives from here on ----
-        self.rollout_groups = create_rollout_groups(lay, tp_group, pp_group, dp_group, timeout=self.timeout,
-                                                    cp_group=cp_group, tied_embedding=self._tied is not None)
-        rg = self.rollout_groups
-        self.grid, self.groups, self.group_ranks = rg.grid, rg.groups, rg.ranks
-        self.pg_collection = rg.pg_collection
-        self.rollout_tp_rank, self.rollout_pp_rank, self.rollout_replica = rg.tp_rank, rg.pp_rank, rg.replica
+        self.rollout_groups: RolloutGroups = create_rollout_groups(
+            lay, tp_group, pp_group, dp_group, timeout=self.timeout, cp_group=cp_group,
+            tied_embedding=self._tied is not None)
         self.rollout_chunks = build_rollout_chunks(self.modules, lay, pg_collection=self.pg_collection,
                                                    rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
                                                    guard=self._check_rollout_mode, model_provider=model_provider)
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
-        self._optimizers = [optimizer] if optimizer is not None else []
-        held, self._held_at = self._held_buffers()
-        self.plan, self.member_index = self._make_plan(held)
+        self._optimizers = [optimizer] if optimizer is not None else []  # close() may add one: read at the move
+        held, held_at = held_buffers(self.chunks, optimizers=self._optimizers)
+        self.plan, self.member_index = make_group_plan(
+            self.modules, self.rollout_chunks, lay, self.rollout_groups, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+            bucket_size_mb=self.bucket_size_mb, held=held, held_at=held_at, tied=self._tied,
+            alignment=Placement.alignment(self.device) if align_slots else None, strided=weight_mode == "canonical")
         self.placement = Placement(self.plan, self.member_index, self._train_params, lay,
                                    rollout_tp_rank=self.rollout_tp_rank, device=self.device,
                                    held=held if self.plan is not None else ())
+        # The switch's collectives (none when the rollout layout widens TP: every rank holds its rollout shard).
+        self._executor = (PlanExecutor(self.plan, self.member_index, self.rollout_groups,
+                                       training_params=self._train_params, device=self.device)
+                          if self.plan is not None else None)
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
@@ -221,61 +198,40 @@ class HybridEngine:
         for prm in params:
             _SERVED_BY[prm] = weakref.ref(self)
 
-    # ---- validation ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_arguments(model, rollout, weight_mode, bucket_size_mb, align_slots, timeout) -> None:
-        if weight_mode not in WEIGHT_MODES:
-            raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
-        if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (
-                int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0):
-            raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a positive number of MiB")
-        if not isinstance(align_slots, bool):
-            raise ValueError(f"align_slots ({align_slots!r}) must be True or False")
-        if timeout is not None:
-            _as_timeout(timeout)
-        if not isinstance(rollout, RolloutLayout):
-            raise ValueError(f"rollout ({rollout!r}) must be a RolloutLayout")
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        if not chunks:
-            raise ValueError("model is an empty list of model chunks")
-        from megatron.core.transformer.transformer_config import TransformerConfig
+    # ---- the rollout groups: where this rank sits in the rollout layout -------------------------------------
+    # Read from ``self.rollout_groups`` (:class:`~megatron_hybrid.groups.RolloutGroups`), the one owner.
+    @property
+    def grid(self) -> Grid:
+        """Where every training coordinate lives."""
+        return self.rollout_groups.grid
 
-        for c in chunks:
-            inner = compat.unwrap_model(c) if isinstance(c, torch.nn.Module) else c
-            if not isinstance(inner, torch.nn.Module) or not isinstance(getattr(inner, "config", None),
-                                                                         TransformerConfig):
-                raise ValueError(f"model ({type(c).__name__}) must be a megatron-core model (a GPTModel, a list of "
-                                 "its chunks, or Megatron DDP around one) with a TransformerConfig as .config")
+    @property
+    def groups(self) -> dict[str, Any]:
+        """This rank's rollout group of each kind (``"tp"``, ``"pp"``, ``"dp"``, ``"micro_dp"``, ...)."""
+        return self.rollout_groups.groups
 
-    def _check_model(self, config, weight_mode: str) -> None:
-        lay = self.layout
-        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-        if heads % lay.t_g:
-            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "
-                             f"({heads})")
-        if config.ffn_hidden_size % lay.t_g:
-            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide ffn_hidden_size "
-                             f"({config.ffn_hidden_size})")
-        if lay.widens and groups % lay.t_g:
-            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_query_groups "
-                             f"({groups}) when it is larger than tensor_model_parallel_size ({lay.t})")
-        if config.num_layers % lay.p_g:
-            raise ValueError(f"rollout pipeline_model_parallel_size ({lay.p_g}) must divide num_layers "
-                             f"({config.num_layers})")
-        if config.tensor_model_parallel_size != lay.t or config.pipeline_model_parallel_size != lay.p:
-            raise ValueError(f"the model was built for tensor/pipeline sizes ({config.tensor_model_parallel_size}, "
-                             f"{config.pipeline_model_parallel_size}) but the groups are ({lay.t}, {lay.p})")
-        vocab = getattr(self.modules[0], "vocab_size", None)
-        if vocab is not None and vocab % lay.t_g:
-            raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
-                             f"({vocab})")
-        if weight_mode == "aliased" and (lay.k > 1 or lay.widens):
-            for mod in self.modules:
-                owners = _owner_modules(mod)
-                for name, prm in mod.named_parameters():
-                    if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
-                        raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
-                                         ") on blocks; use weight_mode='canonical' for this model")
+    @property
+    def group_ranks(self) -> dict[str, list[int]]:
+        """The global ranks of each of :attr:`groups`, in group-rank order."""
+        return self.rollout_groups.ranks
+
+    @property
+    def pg_collection(self) -> Any:
+        """megatron-core's ``ProcessGroupCollection`` of the rollout model."""
+        return self.rollout_groups.pg_collection
+
+    @property
+    def rollout_tp_rank(self) -> int:
+        return self.rollout_groups.tp_rank
+
+    @property
+    def rollout_pp_rank(self) -> int:
+        return self.rollout_groups.pp_rank
+
+    @property
+    def rollout_replica(self) -> int:
+        """The rollout data-parallel replica of this rank."""
+        return self.rollout_groups.replica
 
     def _check_rollout_mode(self) -> None:
         if self.mode == "closed":
@@ -283,71 +239,6 @@ class HybridEngine:
         if self.mode != "rollout":
             raise RuntimeError("the rollout model was used in training mode: call engine.switch_to_rollout() "
                                "first (its weights are not there while training)")
-
-    # ---- the plan ------------------------------------------------------------------------------------------
-    def _held_buffers(self) -> tuple[list[HeldBuffer], dict[int, tuple[int, int]]]:
-        """Megatron DDP's parameter buffers (distributed optimizer), and id(parameter) -> (buffer, offset)."""
-        held, at = [], {}
-        for chunk in self.chunks:
-            for buffer in compat.ddp_param_buffers(chunk):
-                def move(new, chunk=chunk, buffer=buffer):
-                    compat.ddp_move_param_buffer(chunk, buffer, new, optimizers=self._optimizers)
-
-                for prm, offset in compat.ddp_param_offsets(buffer).items():
-                    at[id(prm)] = (len(held), offset)
-                held.append(HeldBuffer(lambda buffer=buffer: buffer.param_data, move))
-        return held, at
-
-    def _param_infos(self, chunks: list[torch.nn.Module]) -> list[ParamInfo]:
-        out = []
-        for chunk in chunks:
-            for (name, prm), (local, _) in zip(named_parameters([chunk]), chunk.named_parameters()):
-                spec = TPSpec.of(prm)
-                out.append(ParamInfo(name, local, tuple(prm.shape), DTYPE_NAMES[prm.dtype], spec.sharded, spec.dim,
-                                     spec.stride, held=self._held_at.get(id(prm))))
-        return out
-
-    def _make_plan(self, held: list[HeldBuffer]):
-        """Gather the micro-DP members' parameter descriptions and plan the switch (the same plan on each)."""
-        lay = self.layout
-        mine = self._param_infos(self.modules)
-        names = [info.name for info in mine]
-        if len(set(names)) != len(names):
-            raise ValueError("duplicate parameter names across model chunks")
-        rollout_params = dict(named_parameters(self.rollout_chunks))
-        member = MemberInfo(dist.get_rank(), self.tp_rank, self.pp_rank, tuple(mine),
-                            self.config.num_layers // lay.p,
-                            held=tuple((DTYPE_NAMES[h.dtype], h.numel) for h in held))
-        members: list[Any] = [member]
-        if not lay.widens:
-            members = [None] * self.groups["micro_dp"].size()
-            with self.rollout_groups.errors("HybridEngine()", "the micro-DP gather of the parameter descriptions"):
-                dist.all_gather_object(members, member, group=self.groups["micro_dp"])
-        members.sort(key=lambda m: m.rank)
-        # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
-        # attributes: they are layout-invariant, so take them from the training tensor of the same name.
-        info_by_name = {p.name: p for m in members for p in m.params}
-        for name, prm in rollout_params.items():
-            if name not in info_by_name:
-                raise ValueError(f"no training rank of this micro-DP group holds {name}: the rollout model does "
-                                 "not correspond to the training model")
-            info = info_by_name[name]
-            shape = list(info.shape)
-            if info.sharded:
-                prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
-                shape[info.dim] = shape[info.dim] * lay.t // lay.t_g
-            if tuple(shape) != tuple(prm.shape):
-                raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
-                                 "from the training model")
-        index = [m.rank for m in members].index(dist.get_rank())
-        if lay.widens:
-            return None, index
-        bucket_numel = {name: max(1, int(self.bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
-                        for name, dt in DTYPES.items()}
-        alignment = Placement.alignment(self.device) if self.align_slots else None
-        plan = build_group_plan(members, list(rollout_params), k=lay.k, q=lay.q, bucket_numel=bucket_numel,
-                                alignment=alignment, tied=self._tied, strided=self.weight_mode == "canonical")
-        return plan, index
 
     # ---- switching -----------------------------------------------------------------------------------------
     @property
@@ -386,23 +277,15 @@ class HybridEngine:
             raise RuntimeError("the engine was closed")
         for chunk in self.chunks:  # the distributed optimizer's last all-gather may still be pending (overlap)
             compat.ddp_finish_param_sync(chunk)
-        if [p.data_ptr() for p in self._train_params.values()] != self._train_ptrs:
-            moved = [n for (n, p), ptr in zip(self._train_params.items(), self._train_ptrs) if p.data_ptr() != ptr]
-            raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
-                               "the HybridEngine was built; the rollout model is bound to the old storage. Copy new "
-                               "values in place (param.data.copy_(...)) instead")
+        self._check_storage()
         to_offload = self._offload_targets(offload_optimizer, offload_grads)  # bad input fails before collectives
         start = time.perf_counter()
         self.placement.map_rollout()  # every piece first: one access update per contiguous span
         t_map = time.perf_counter()
         records: list[CollectiveRecord] = []
-        if self.plan is not None:
-            j = self.member_index
-            for dtype, regions in self.plan.regions.items():
-                flat = self.placement.buffers[dtype].tensor
-                for reg in regions:
-                    if j in reg.members and len(reg.members) > 1:
-                        records.append(self._run_region(flat, reg, j))
+        if self._executor is not None:
+            buffers = {dtype: self.placement.buffers[dtype].tensor for dtype in self.plan.regions}
+            records = self._executor.run(buffers, profile=self.profiling)
         t_coll = time.perf_counter()
         self.binding.refill()
         t_canon = time.perf_counter()
@@ -419,32 +302,13 @@ class HybridEngine:
                   "sync_seconds": end - t_off}
         self._last_report = self._report(records, end - start, phases)
 
-    def _run_region(self, flat: torch.Tensor, reg, j: int) -> CollectiveRecord:
-        ranks = [self.plan.members[i].rank for i in reg.members]
-        group = self.rollout_groups.group_of(ranks)
-        region = flat[reg.offset: reg.offset + reg.numel]
-        elem = flat.element_size()
-        t0, wall0 = time.perf_counter(), time.time()
-        op = "broadcast" if reg.kind == "broadcast" else "all_gather_into_tensor"
-        with self.rollout_groups.errors("switch_to_rollout", f"the {op} over ranks {ranks}"):
-            if reg.kind == "broadcast":
-                dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
-                received = 0 if reg.owner == j else reg.slot_numel * elem
-            elif reg.kind == "strided":  # part i of every member's shard, side by side: the rollout tensor's layout
-                own = self._train_params[reg.tensor].data.reshape(reg.stride, -1)
-                part = reg.slot_numel // reg.stride
-                for i in range(reg.stride):
-                    compat.all_gather_into_tensor(region[i * part * len(ranks): (i + 1) * part * len(ranks)],
-                                                  own[i], group=group)
-                received = reg.slot_numel * (len(reg.members) - 1) * elem
-            else:
-                lo = reg.slot_offset(j) - reg.offset
-                compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
-                received = reg.slot_numel * (len(reg.members) - 1) * elem
-        if self.profiling:
-            self._synchronize()
-        seconds = time.perf_counter() - t0
-        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank())
+    def _check_storage(self) -> None:
+        """The training parameters are where the rollout model was bound (in place updates only)."""
+        if [p.data_ptr() for p in self._train_params.values()] != self._train_ptrs:
+            moved = [n for (n, p), ptr in zip(self._train_params.items(), self._train_ptrs) if p.data_ptr() != ptr]
+            raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
+                               "the HybridEngine was built; the rollout model is bound to the old storage. Copy new "
+                               "values in place (param.data.copy_(...)) instead")
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

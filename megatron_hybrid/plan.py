@@ -2,7 +2,8 @@
 
 Inputs are plain descriptions of parameters (``ParamInfo``) gathered once from the ranks of a micro-DP group;
 the output (``GroupPlan``) is identical on every member, so each member can execute its part without further
-agreement. Buffers are laid out per dtype as a list of *regions*:
+agreement (the gather of the descriptions and the execution: :mod:`megatron_hybrid.executor`). Buffers are
+laid out per dtype as a list of *regions*:
 
 - ``gather`` regions (one per bucket): d_g equal slots in micro-DP order; member j's training tensors live in
   slot j, so a switch is one in-place ``all_gather_into_tensor`` per bucket. They hold the tensor-parallel
@@ -30,6 +31,7 @@ not need from the peers (their TP-replicated tensors, DDP's padding).
 
 from __future__ import annotations
 
+import enum
 import functools
 import re
 from dataclasses import dataclass, field
@@ -88,11 +90,21 @@ class Slice:
     shape: tuple[int, ...]
 
 
+class RegionKind(enum.StrEnum):
+    """What a region is, and so which collective fills it (see the module docstring). A ``str`` enum: a kind
+    compares equal to, and hashes as, its name."""
+
+    GATHER = "gather"
+    STAGE_GATHER = "stage_gather"
+    BROADCAST = "broadcast"
+    STRIDED = "strided"
+
+
 @dataclass
 class Region:
     """A contiguous part of one dtype's buffer that one collective fills."""
 
-    kind: str  # "gather" | "stage_gather" | "broadcast" | "strided"
+    kind: RegionKind
     offset: int
     slot_numel: int
     members: list[int]  # member indices of the collective's group, in group-rank order
@@ -104,10 +116,10 @@ class Region:
 
     @property
     def numel(self) -> int:
-        return self.slot_numel * (1 if self.kind == "broadcast" else len(self.members))
+        return self.slot_numel * (1 if self.kind == RegionKind.BROADCAST else len(self.members))
 
     def slot_offset(self, member: int) -> int:
-        if self.kind == "broadcast":
+        if self.kind == RegionKind.BROADCAST:
             return self.offset
         return self.offset + self.members.index(member) * self.slot_numel
 
@@ -146,7 +158,7 @@ class GroupPlan:
     def strided(self) -> dict[str, tuple[str, Region]]:
         """Rollout parameter -> (dtype, its ``strided`` region): the tensors gathered straight into their layout."""
         return {reg.tensor: (dtype, reg) for dtype, regs in self.regions.items() for reg in regs
-                if reg.kind == "strided"}
+                if reg.kind == RegionKind.STRIDED}
 
     def sources(self, member: int) -> dict[str, RolloutSource]:
         """The blocks of every rollout parameter as ``member`` reads them, in canonical order.
@@ -192,7 +204,7 @@ class GroupPlan:
             for reg in regs:
                 if member not in reg.members:
                     continue
-                if reg.kind == "broadcast":
+                if reg.kind == RegionKind.BROADCAST:
                     n += 0 if reg.owner == member else reg.slot_numel
                 else:
                     n += reg.slot_numel * (len(reg.members) - 1)
@@ -254,11 +266,11 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     offsets: dict[str, int] = {}
     _held_regions(members, regions, offsets, alignment)
 
-    def add_region(dtype: str, kind: str, group: list[int], per_member: dict[int, list[ParamInfo]],
+    def add_region(dtype: str, kind: RegionKind, group: list[int], per_member: dict[int, list[ParamInfo]],
                    owner: Optional[int] = None) -> None:
         sizes = {j: sum(p.numel for p in ps) for j, ps in per_member.items()}
         slot = _align(max(sizes.values()), (alignment or {}).get(dtype, 1))
-        if kind != "broadcast" and len(set(sizes.values())) != 1:
+        if kind != RegionKind.BROADCAST and len(set(sizes.values())) != 1:
             raise AssertionError(f"uneven {kind} slots {sizes}")
         reg = Region(kind, offsets.get(dtype, 0), slot, group, owner)
         for j, ps in per_member.items():
@@ -287,12 +299,12 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
         for i in sorted(direct):
             p = first[i]
             slot = p.numel
-            reg = Region("strided", offsets.get(p.dtype, 0), slot, everyone, tensor=p.name, stride=p.stride)
+            reg = Region(RegionKind.STRIDED, offsets.get(p.dtype, 0), slot, everyone, tensor=p.name, stride=p.stride)
             regions.setdefault(p.dtype, []).append(reg)
             # Padded to whole granules, so that the region's pages are its own (released with it).
             offsets[p.dtype] = reg.offset + _align(reg.numel, (alignment or {}).get(p.dtype, 1))
         even = {j: [p for i, p in enumerate(ps) if i not in direct] for j, ps in even.items()}
-    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, "gather", everyone, per),
+    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, RegionKind.GATHER, everyone, per),
               alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
 
     if q > 1:
@@ -301,7 +313,8 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
             group = [at[(a, b)] for b in range(q)]
             rep = {j: [p for p in members[j].params if not p.sharded and wanted(p)
                        and _pair_key(p, members[j].layers_per_stage)[0] == "layer"] for j in group}
-            _bucketed(rep, bucket_numel, lambda dtype, per, group=group: add_region(dtype, "stage_gather", group, per))
+            _bucketed(rep, bucket_numel,
+                      lambda dtype, per, group=group: add_region(dtype, RegionKind.STAGE_GATHER, group, per))
         # 3. tensors of one stage only (embedding, output layer, final norm). TP-sharded ones go to every member:
         # when every member holds the same number of elements of them (untied embedding and output layer of equal
         # size), one gather region moves them all; otherwise each owner broadcasts its own. Replicated ones go
@@ -316,7 +329,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
             per = {j: stage_only(j, True, dtype) for j in everyone}
             sizes = {sum(p.numel for p in ps) for ps in per.values()}
             if len(sizes) == 1 and sizes != {0} and all(per.values()):
-                add_region(dtype, "gather", everyone, per)
+                add_region(dtype, RegionKind.GATHER, everyone, per)
             else:
                 for j, ps in per.items():
                     if not ps:
@@ -328,19 +341,19 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
                         group = [i for i in everyone if i != twin]
                         if len(ps) > 1:
                             raise AssertionError(f"tied embedding shares a broadcast with {[p.name for p in ps]}")
-                    add_region(dtype, "broadcast", group, {j: ps}, owner=j)
+                    add_region(dtype, RegionKind.BROADCAST, group, {j: ps}, owner=j)
             if tied is not None:
                 # The tied output layer, placed in its rank's own slot (no collective): it serves the embedding.
                 for j, m in enumerate(members):
                     out = [p for p in m.params if p.name == tied[0] and p.dtype == dtype and p.held is None]
                     if out:
-                        add_region(dtype, "broadcast", [j], {j: out}, owner=j)
+                        add_region(dtype, RegionKind.BROADCAST, [j], {j: out}, owner=j)
         for j, m in enumerate(members):
             cross = [at[(m.tp - tp0, b)] for b in range(q)]
             for dtype in dtypes:
                 replicated = stage_only(j, False, dtype)
                 if replicated:
-                    add_region(dtype, "broadcast", cross, {j: replicated}, owner=j)
+                    add_region(dtype, RegionKind.BROADCAST, cross, {j: replicated}, owner=j)
     return GroupPlan(members, regions, needed_stage, at, k, by_name, tied, q)
 
 
@@ -360,7 +373,7 @@ def _held_regions(members: list[MemberInfo], regions: dict[str, list[Region]], o
     for i in range(counts.pop()):
         dtype = members[0].held[i][0]
         slot = _align(max(m.held[i][1] for m in members), max(HELD_ALIGNMENT, (alignment or {}).get(dtype, 1)))
-        reg = Region("gather", offsets.get(dtype, 0), slot, everyone, held=i)
+        reg = Region(RegionKind.GATHER, offsets.get(dtype, 0), slot, everyone, held=i)
         for j, m in enumerate(members):
             for p in m.params:
                 if p.held is not None and p.held[0] == i:

@@ -1,0 +1,202 @@
+"""The distributed side of the reshard plan: the exchange that makes a micro-DP group's plan, and the executor
+that runs its collectives at every switch.
+
+:mod:`megatron_hybrid.plan` decides which bytes move where without ``torch.distributed``. Here
+:func:`make_group_plan` gathers the members' parameter descriptions once (one ``all_gather_object`` over the
+micro-DP group) and plans on every member alike, and :class:`PlanExecutor` runs this member's part of a switch:
+one in-place collective per region it shares with others, in the plan's order. Every member walks the same
+regions in the same order, so a switch needs no further agreement. Where the bytes of a switch move: only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .binding import named_parameters
+from .groups import RolloutGroups
+from .layout import ParallelLayout
+from .placement import DTYPE_NAMES, DTYPES, HeldBuffer
+from .plan import GroupPlan, MemberInfo, ParamInfo, Region, RegionKind, build_group_plan
+from .sharding import TPSpec
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    """One collective of a switch, as the communication report and the trace show it."""
+
+    op: str
+    group_ranks: list[int]
+    bytes_received: int
+    seconds: float
+    start: float  # time.time() at the start
+    end: float
+    rank: int
+
+
+# ---- the exchange that makes the plan ----------------------------------------------------------------------
+def held_buffers(chunks: Sequence[torch.nn.Module], *, optimizers: list[Any]
+                 ) -> tuple[list[HeldBuffer], dict[int, tuple[int, int]]]:
+    """Megatron DDP's parameter buffers of ``chunks`` (distributed optimizer), and id(parameter) -> (buffer index,
+    offset in it). ``optimizers``: the optimizers whose shards view the buffers and move with them; read when a
+    buffer moves, so one appended later (``HybridEngine.close(optimizer=...)``) is moved too."""
+    held, at = [], {}
+    for chunk in chunks:
+        for buffer in compat.ddp_param_buffers(chunk):
+            def move(new, chunk=chunk, buffer=buffer):
+                compat.ddp_move_param_buffer(chunk, buffer, new, optimizers=optimizers)
+
+            for prm, offset in compat.ddp_param_offsets(buffer).items():
+                at[id(prm)] = (len(held), offset)
+            held.append(HeldBuffer(lambda buffer=buffer: buffer.param_data, move))
+    return held, at
+
+
+def param_infos(modules: Sequence[torch.nn.Module], *,
+                held_at: Mapping[int, tuple[int, int]]) -> list[ParamInfo]:
+    """The plan's description of every training parameter of ``modules``, in module order (global names)."""
+    out = []
+    for chunk in modules:
+        for (name, prm), (local, _) in zip(named_parameters([chunk]), chunk.named_parameters()):
+            spec = TPSpec.of(prm)
+            out.append(ParamInfo(name, local, tuple(prm.shape), DTYPE_NAMES[prm.dtype], spec.sharded, spec.dim,
+                                 spec.stride, held=held_at.get(id(prm))))
+    return out
+
+
+def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence[torch.nn.Module],
+                    layout: ParallelLayout, groups: RolloutGroups, *, tp_rank: int, pp_rank: int,
+                    bucket_size_mb: float, held: Sequence[HeldBuffer], held_at: Mapping[int, tuple[int, int]],
+                    alignment: Optional[dict[str, int]] = None,
+                    tied: Optional[tuple[str, str]] = None, strided: bool = False
+                    ) -> tuple[Optional[GroupPlan], int]:
+    """Gather the micro-DP members' parameter descriptions and plan the switch (the same plan on each member).
+
+    ``modules``: this rank's training model chunks (unwrapped), at training coordinates (``tp_rank``,
+    ``pp_rank``); ``rollout_chunks``: the rollout model built without weights, whose parameters get their
+    tensor-parallel attributes here and are checked against the training shapes. ``held``/``held_at``: see
+    :func:`held_buffers`; ``alignment``, ``tied``, ``strided``: see :func:`~megatron_hybrid.plan.build_group_plan`.
+    Returns the plan (``None`` when the rollout layout widens TP: nothing is gathered) and this rank's member index.
+    """
+    mine = param_infos(modules, held_at=held_at)
+    names = [info.name for info in mine]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate parameter names across model chunks")
+    rollout_params = dict(named_parameters(rollout_chunks))
+    member = MemberInfo(dist.get_rank(), tp_rank, pp_rank, tuple(mine), modules[0].config.num_layers // layout.p,
+                        held=tuple((DTYPE_NAMES[h.dtype], h.numel) for h in held))
+    members: list[Any] = [member]
+    if not layout.widens:
+        members = [None] * groups.groups["micro_dp"].size()
+        with groups.errors("HybridEngine()", "the micro-DP gather of the parameter descriptions"):
+            dist.all_gather_object(members, member, group=groups.groups["micro_dp"])
+    members.sort(key=lambda m: m.rank)
+    # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
+    # attributes: they are layout-invariant, so take them from the training tensor of the same name.
+    info_by_name = {p.name: p for m in members for p in m.params}
+    for name, prm in rollout_params.items():
+        if name not in info_by_name:
+            raise ValueError(f"no training rank of this micro-DP group holds {name}: the rollout model does "
+                             "not correspond to the training model")
+        info = info_by_name[name]
+        shape = list(info.shape)
+        if info.sharded:
+            prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
+            shape[info.dim] = shape[info.dim] * layout.t // layout.t_g
+        if tuple(shape) != tuple(prm.shape):
+            raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
+                             "from the training model")
+    index = [m.rank for m in members].index(dist.get_rank())
+    if layout.widens:
+        return None, index
+    bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
+                    for name, dt in DTYPES.items()}
+    plan = build_group_plan(members, list(rollout_params), k=layout.k, q=layout.q, bucket_numel=bucket_numel,
+                            alignment=alignment, tied=tied, strided=strided)
+    return plan, index
+
+
+# ---- the executor ------------------------------------------------------------------------------------------
+class PlanExecutor:
+    """Runs one member's collectives of a :class:`~megatron_hybrid.plan.GroupPlan` at each switch.
+
+    Args:
+        plan: the micro-DP group's plan (the same on every member).
+        member: this rank's index among the plan's members.
+        groups: the rollout groups; every collective runs on the group of its region's members, inside
+            :meth:`~megatron_hybrid.groups.RolloutGroups.errors` (a failure or timeout names the collective).
+        training_params: this rank's training parameters by global name: a ``strided`` region is gathered
+            straight from them (read at every switch).
+        device: where the buffers live; with profiling, a CUDA device is synchronised after every collective.
+    """
+
+    #: The collective that fills each kind of region, as the report names it (a stage_gather region is a gather
+    #: over a cross-stage group; a strided one is gathered part by part).
+    OPS: ClassVar[dict[RegionKind, str]] = {RegionKind.GATHER: "all_gather_into_tensor",
+                                            RegionKind.STAGE_GATHER: "all_gather_into_tensor",
+                                            RegionKind.STRIDED: "all_gather_into_tensor",
+                                            RegionKind.BROADCAST: "broadcast"}
+
+    def __init__(self, plan: GroupPlan, member: int, groups: RolloutGroups, *,
+                 training_params: Mapping[str, torch.nn.Parameter], device: torch.device) -> None:
+        self.plan = plan
+        self.member = member
+        self.groups = groups
+        self.training_params = training_params
+        self.device = device
+        # Each method fills a region of its kind and returns the bytes this member received.
+        self._fill: dict[RegionKind, Callable[[torch.Tensor, Region, Any], int]] = {
+            RegionKind.GATHER: self._gather, RegionKind.STAGE_GATHER: self._gather,
+            RegionKind.STRIDED: self._strided, RegionKind.BROADCAST: self._broadcast}
+
+    def regions(self) -> list[tuple[str, Region]]:
+        """(dtype, region) of every collective this member takes part in, in the order they run."""
+        j = self.member
+        return [(dtype, reg) for dtype, regs in self.plan.regions.items() for reg in regs
+                if j in reg.members and len(reg.members) > 1]
+
+    def run(self, buffers: Mapping[str, torch.Tensor], *, profile: bool = False) -> list[CollectiveRecord]:
+        """Fill this member's regions of ``buffers`` (the flat buffer of each of the plan's dtypes, mapped) and
+        return one record per collective. ``profile``: synchronise after each, so that its ``seconds`` is its
+        time rather than its launch time (GPU)."""
+        return [self._run(buffers[dtype], reg, profile) for dtype, reg in self.regions()]
+
+    def _run(self, flat: torch.Tensor, reg: Region, profile: bool) -> CollectiveRecord:
+        ranks = [self.plan.members[i].rank for i in reg.members]
+        group = self.groups.group_of(ranks)
+        region = flat[reg.offset: reg.offset + reg.numel]
+        kind = RegionKind(reg.kind)
+        t0, wall0 = time.perf_counter(), time.time()
+        op = self.OPS[kind]
+        with self.groups.errors("switch_to_rollout", f"the {op} over ranks {ranks}"):
+            received = self._fill[kind](region, reg, group)
+        if profile and self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank())
+
+    def _broadcast(self, region: torch.Tensor, reg: Region, group: Any) -> int:
+        """A tensor of one training stage, sent in place by its owner."""
+        dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
+        return 0 if reg.owner == self.member else reg.slot_numel * region.element_size()
+
+    def _strided(self, region: torch.Tensor, reg: Region, group: Any) -> int:
+        """Part i of every member's shard, side by side: the rollout tensor's layout, gathered from the training
+        tensors (one all-gather per part)."""
+        own = self.training_params[reg.tensor].data.reshape(reg.stride, -1)
+        part = reg.slot_numel // reg.stride
+        size = len(reg.members)
+        for i in range(reg.stride):
+            compat.all_gather_into_tensor(region[i * part * size: (i + 1) * part * size], own[i], group=group)
+        return reg.slot_numel * (size - 1) * region.element_size()
+
+    def _gather(self, region: torch.Tensor, reg: Region, group: Any) -> int:
+        """Every member's slot, gathered in place from its own."""
+        lo = reg.slot_offset(self.member) - reg.offset
+        compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
+        return reg.slot_numel * (len(reg.members) - 1) * region.element_size()

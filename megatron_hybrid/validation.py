@@ -1,0 +1,106 @@
+"""The HybridEngine's checks of its arguments, layout and model: local, and all run before any collective.
+
+A bad input is a ``ValueError`` naming the argument and its value on every rank at once, instead of a collective
+that some ranks enter and others never reach. The engine calls them in this order: :func:`check_arguments` (the
+arguments as passed), :func:`check_layout` (the layout the training groups give), :func:`check_model` (the
+model's configuration against that layout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from typing import Any, Sequence, Union
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from . import compat
+from .aliased import supports_blocks
+from .binding import BINDINGS
+from .layout import ParallelLayout, RolloutLayout
+from .sharding import TPSpec
+
+WEIGHT_MODES = tuple(BINDINGS)
+
+
+def as_timeout(timeout: Any) -> datetime.timedelta:
+    """``timeout`` (a positive ``datetime.timedelta`` or number of seconds) as a ``timedelta``."""
+    value = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
+        value = datetime.timedelta(seconds=timeout)
+    if not isinstance(value, datetime.timedelta) or not value.total_seconds() > 0:
+        raise ValueError(f"timeout ({timeout!r}) must be a positive datetime.timedelta or number of seconds")
+    return value
+
+
+def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: Any, *, weight_mode: Any,
+                    bucket_size_mb: Any, align_slots: Any, timeout: Any) -> None:
+    """The engine's arguments as passed (see :class:`~megatron_hybrid.engine.HybridEngine`)."""
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
+    if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (
+            int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0):
+        raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a positive number of MiB")
+    if not isinstance(align_slots, bool):
+        raise ValueError(f"align_slots ({align_slots!r}) must be True or False")
+    if timeout is not None:
+        as_timeout(timeout)
+    if not isinstance(rollout, RolloutLayout):
+        raise ValueError(f"rollout ({rollout!r}) must be a RolloutLayout")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("model is an empty list of model chunks")
+    for c in chunks:
+        inner = compat.unwrap_model(c) if isinstance(c, torch.nn.Module) else c
+        if not isinstance(inner, torch.nn.Module) or not isinstance(getattr(inner, "config", None),
+                                                                     TransformerConfig):
+            raise ValueError(f"model ({type(c).__name__}) must be a megatron-core model (a GPTModel, a list of "
+                             "its chunks, or Megatron DDP around one) with a TransformerConfig as .config")
+
+
+def check_layout(layout: ParallelLayout, *, world_size: int, num_chunks: int) -> None:
+    """The layout that the training groups give, against the world and the model's virtual pipeline chunks."""
+    if layout.t * layout.p * layout.d != world_size:
+        raise ValueError(f"tensor ({layout.t}) × pipeline ({layout.p}) × data ({layout.d}) parallel sizes must cover "
+                         f"the world ({world_size} ranks); context/expert parallelism is not supported yet")
+    if layout.q > 1 and num_chunks > 1:
+        raise ValueError(f"rollout pipeline_model_parallel_size ({layout.p_g}) < pipeline_model_parallel_size "
+                         f"({layout.p}) is not supported with virtual pipeline chunks")
+
+
+def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(parameter) -> the module that registered it."""
+    return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None}
+
+
+def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str) -> None:
+    """The model (its unwrapped chunks; the first one's ``config``) against the layout and the weight mode."""
+    lay, config = layout, modules[0].config
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    if heads % lay.t_g:
+        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "
+                         f"({heads})")
+    if config.ffn_hidden_size % lay.t_g:
+        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide ffn_hidden_size "
+                         f"({config.ffn_hidden_size})")
+    if lay.widens and groups % lay.t_g:
+        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_query_groups "
+                         f"({groups}) when it is larger than tensor_model_parallel_size ({lay.t})")
+    if config.num_layers % lay.p_g:
+        raise ValueError(f"rollout pipeline_model_parallel_size ({lay.p_g}) must divide num_layers "
+                         f"({config.num_layers})")
+    if config.tensor_model_parallel_size != lay.t or config.pipeline_model_parallel_size != lay.p:
+        raise ValueError(f"the model was built for tensor/pipeline sizes ({config.tensor_model_parallel_size}, "
+                         f"{config.pipeline_model_parallel_size}) but the groups are ({lay.t}, {lay.p})")
+    vocab = getattr(modules[0], "vocab_size", None)
+    if vocab is not None and vocab % lay.t_g:
+        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
+                         f"({vocab})")
+    if weight_mode == "aliased" and (lay.k > 1 or lay.widens):
+        for mod in modules:
+            owners = _owner_modules(mod)
+            for name, prm in mod.named_parameters():
+                if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
+                    raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
+                                     ") on blocks; use weight_mode='canonical' for this model")
