@@ -4,20 +4,21 @@
 it), so a Megatron-LM launch script can add the rollout layout and the RL settings to its own arguments:
 ``initialize_megatron(extra_args_provider=add_hybrid_args)``. :func:`add_megatron_args` adds the Megatron-LM
 flags themselves, for standalone recipes. :func:`validate_args` checks everything that can be checked without a
-collective and raises ``ValueError`` naming the values; :func:`check_number` is its range check, shared with the
-tools.
+collective and raises ``ValueError`` naming the values; its range check, :func:`~megatron_hybrid.checks.check_number`,
+is shared with the tools.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
-import math
 import os
 import warnings
-from pathlib import Path
-from typing import Callable, Optional
+
+from ..checks import check_number, flag_name, output_dir_error
+from .data import data_file_error
+from .pretrained import model_args_from_checkpoint
+from .rewards import load_callable, resolved_reward_type, reward_fn_style
 
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
 #: The built-in tiny model: the model flags' values when neither the command line nor --pretrained-checkpoint
@@ -180,59 +181,8 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def load_callable(spec: str) -> Callable:
-    """``module:function`` → the function; ``ValueError`` naming the spec when it is not there."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--reward-fn ({spec!r}) must be 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module runs on import: a SyntaxError, a missing package, its own raise
-        raise ValueError(f"--reward-fn ({spec!r}): cannot import module {module_name!r}: {type(e).__name__}: "
-                         f"{e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"--reward-fn ({spec!r}): module {module_name!r} has no function {attr!r}")
-    return fn
-
-
-def check_number(flag: str, value: float, *, ge: Optional[float] = None, gt: Optional[float] = None,
-                 le: Optional[float] = None, lt: Optional[float] = None, hint: str = "") -> None:
-    """``ValueError`` naming ``flag`` and ``value`` unless ``value`` is finite and within the given bounds.
-
-    Every bound is tested as "inside", so NaN (which compares false with everything) never passes.
-    """
-    if (math.isfinite(value) and (ge is None or value >= ge) and (gt is None or value > gt)
-            and (le is None or value <= le) and (lt is None or value < lt)):
-        return
-    low = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
-    high = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
-    if low is not None and high is not None:
-        want = f"in {low}, {high}"
-    else:
-        bounds = [f"{op} {b:g}" for op, b in (("≥", ge), (">", gt), ("≤", le), ("<", lt)) if b is not None]
-        # ints are finite; for floats "finite" says why nan or inf fails a one-sided bound
-        want = " ".join(["a finite number"] * isinstance(value, float) + bounds)
-    raise ValueError(f"{flag} ({value}) must be {want}" + (f" ({hint})" if hint else ""))
-
-
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
-def output_dir_error(path: str) -> Optional[str]:
-    """Why ``path`` cannot be a directory the run writes into (``"is not a directory"``, ``"is inside F, which
-    is not a directory"``), or ``None`` when it is one or can be made."""
-    target = Path(os.path.abspath(path))
-    for above in (target, *target.parents):  # the nearest that exists ("/" does)
-        if os.path.lexists(above):
-            break
-    if os.path.isdir(above):
-        return None
-    return "is not a directory" if above == target else f"is inside {above}, which is not a directory"
-
-
-#: The range of every numeric flag, as :func:`check_number`'s bounds (and a hint where one helps).
+#: The range of every numeric flag, as :func:`~megatron_hybrid.checks.check_number`'s bounds (and a hint where
+#: one helps).
 _RANGES: dict[str, dict] = {
     **dict.fromkeys(("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "rollout_tensor_model_parallel_size", "rollout_pipeline_model_parallel_size", "micro_batch_size",
@@ -258,8 +208,6 @@ _RANGES: dict[str, dict] = {
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no collective; ``ValueError`` with the values and the arithmetic. Fills the model
     flags left unset from ``--pretrained-checkpoint`` (a contradicting one is an error) or :data:`TINY_MODEL`."""
-    from .rl.pretrained import model_args_from_checkpoint
-
     model_args_from_checkpoint(args)
     for name, value in TINY_MODEL.items():
         if getattr(args, name) is None:
@@ -267,7 +215,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     # Ranges first: the arithmetic below divides by several of these. None is an optional flag left unset.
     for name, bounds in _RANGES.items():
         if getattr(args, name) is not None:
-            check_number(_flag(name), getattr(args, name), **bounds)
+            check_number(flag_name(name), getattr(args, name), **bounds)
     # Megatron-LM seeds numpy with --seed (+ 100 × the pipeline rank), which takes [0, 2**32). Within it every seed
     # derived from it fits the int64 that torch's generators and megatron-core's RNG tracker take, with room to
     # spare: the prompts' seed × 1,000,003 + step, generation's seed × 7919 + step + 1,000,003 × replica, the
@@ -379,9 +327,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _validate_data_and_rewards(args: argparse.Namespace) -> None:
-    from .rl.data import data_file_error
-    from .rl.rewards import resolved_reward_type, reward_fn_style
-
     if args.prompt_data is not None and args.prompt_file is not None:
         raise ValueError("pass --prompt-data or --prompt-file, not both")
     for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
