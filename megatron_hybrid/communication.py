@@ -56,7 +56,7 @@ def gather_vocab(logits_Vt: torch.Tensor, tp_group, *, out: Optional[torch.Tenso
     """All-gather vocabulary-parallel logits ``[..., V_t]`` to ``[..., V]`` (group rank j holds vocabulary shard
     j, as in every megatron-core model and the HybridEngine's rollout model); into ``out`` when given.
 
-    One ``all_gather_into_tensor`` into ``[t, ..., V_t]`` and one copy that moves the shards to the last dimension:
+    One ``all_gather_into_tensor`` into the shards ``[t, ..., V_t]`` and one copy that moves the shards to the last dimension:
     the values of a list all-gather and a ``cat``, bit for bit (both are copies). Capturable in a CUDA graph (the
     gather buffer is allocated inside, from the graph's pool, like the list's tensors were).
     """
@@ -66,10 +66,12 @@ def gather_vocab(logits_Vt: torch.Tensor, tp_group, *, out: Optional[torch.Tenso
             return logits_Vt
         return out.copy_(logits_Vt)
     logits_Vt = logits_Vt.contiguous()
-    shards_tVt = logits_Vt.new_empty((t, *logits_Vt.shape))
-    all_gather_into_tensor(shards_tVt, logits_Vt, tp_group)
-    by_vocab = shards_tVt.movedim(0, -2)  # [..., t, V_t]: shard j's columns are vocabulary entries j*V_t ...
+    shape = logits_Vt.shape
+    # The shards one after another along dim 0 (gloo checks the output's shape so; NCCL takes it as well).
+    shards = logits_Vt.new_empty((t * shape[0], *shape[1:]))
+    all_gather_into_tensor(shards, logits_Vt, tp_group)
+    by_vocab = shards.view(t, *shape).movedim(0, -2)  # [..., t, V_t]: shard j holds vocabulary entries j*V_t ...
     if out is None:
-        return by_vocab.reshape(*logits_Vt.shape[:-1], t * logits_Vt.shape[-1])
-    out.view(*logits_Vt.shape[:-1], t, logits_Vt.shape[-1]).copy_(by_vocab)
+        return by_vocab.reshape(*shape[:-1], t * shape[-1])
+    out.view(*shape[:-1], t, shape[-1]).copy_(by_vocab)
     return out
