@@ -56,9 +56,9 @@ def gather_vocab(logits_Vt: torch.Tensor, tp_group, *, out: Optional[torch.Tenso
     """All-gather vocabulary-parallel logits ``[..., V_t]`` to ``[..., V]`` (group rank j holds vocabulary shard
     j, as in every megatron-core model and the HybridEngine's rollout model); into ``out`` when given.
 
-    One ``all_gather_into_tensor`` into the shards ``[t, ..., V_t]`` and one copy that moves the shards to the last dimension:
-    the values of a list all-gather and a ``cat``, bit for bit (both are copies). Capturable in a CUDA graph (the
-    gather buffer is allocated inside, from the graph's pool, like the list's tensors were).
+    One ``all_gather_into_tensor`` into the shards ``[t, ..., V_t]`` and one copy that moves them to the last
+    dimension: the values of a list all-gather and a ``cat``, bit for bit (both are copies). Capturable in a CUDA
+    graph (the gather buffer is allocated inside, from the graph's pool, like the list's tensors were).
     """
     t = tp_group.size()
     if t == 1:

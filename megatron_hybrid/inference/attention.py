@@ -1,12 +1,13 @@
 """Self-attention over a per-slot KV cache, swapped into a megatron-core model by class.
 
-megatron-core's own KV path (a ``StaticInferenceContext`` as ``inference_context``) keeps one scalar offset for
-the whole batch, so every sequence of a batch must sit at the same position: no ragged prompts, no slot reuse.
+megatron-core's own KV path (a ``StaticInferenceContext`` as ``inference_context``) keeps one scalar offset for the
+whole batch, so every sequence of a batch must sit at the same position: no ragged prompts, no slot reuse.
 :class:`KVCacheSelfAttention` keeps megatron-core's ``SelfAttention`` (its ``linear_qkv``, q/k layernorms and
 ``linear_proj``, aliased or not) and replaces only what happens between the projections while its stage's
-:class:`~.context.StepContext` holds a :class:`~.context.KVStep`: rotary embeddings at each token's own position, a write of K/V into the token's cache slot, and
-attention (``scaled_dot_product_attention``) over that slot's filled positions. Without a step the module is
-megatron-core's ``SelfAttention``, unchanged, so the model stays a drop-in megatron-core model.
+:class:`~.context.StepContext` holds a :class:`~.context.KVStep`: rotary embeddings at each token's own position, a
+write of K/V into the token's cache slot, and attention (``scaled_dot_product_attention``) over that slot's filled
+positions. Without a step the module is megatron-core's ``SelfAttention``, unchanged, so the model stays a drop-in
+megatron-core model.
 
 Tokens always travel packed along the sequence dimension, ``[T, 1, H]`` (T tokens, batch 1): a prefill packs the
 prompts one after another, a decode step packs one token per slot, each with its own position.

@@ -8,9 +8,9 @@ captured again: what peers get wrong when their inference engine reallocates (st
 
 A graph bakes in the batch (slots ``0 .. B-1``) and how many cached positions attention reads, so a step is run by
 the graph of its bucket: the batch rounded up to a batch size of the list, the filled length rounded up to the
-length granule (the step planner, :mod:`.planner`, rounds them and names the graph). megatron-core needs its inference RNG tracker for capture
-(``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the default tracker's ``fork()`` fails
-inside a capture.
+length granule (the step planner, :mod:`.planner`, rounds them and names the graph). megatron-core needs its
+inference RNG tracker for capture (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the
+default tracker's ``fork()`` fails inside a capture.
 
 All graphs share one memory pool (they never run concurrently). Its memory would otherwise stay allocated as long
 as the graphs live, training included; :class:`ReservedGraphPool` instead serves the pool's segments from one

@@ -2,10 +2,11 @@
 
 PyTorch's ``torch.nn.RMSNorm`` (what megatron-core's local layer spec builds, through ``WrappedTorchNorm``) runs as
 about eight kernels on a GPU (upcast, square, mean, add, rsqrt, two multiplies, downcast): in a decode step, where
-every kernel is short, that is most of the time outside the matrix multiplies. :class:`StepRMSNorm` keeps the
-module (its weight, eps and everything else) and changes only its forward while its stage's
-:class:`~.context.StepContext` is in a step; outside a step it is ``torch.nn.RMSNorm``, unchanged. The kernel rounds once, like PyTorch's CPU formula; its sum of squares is
-added in another order, so it can differ from the training forward by one unit in the last place.
+every kernel is short, that is most of the time outside the matrix multiplies. :class:`StepRMSNorm` keeps the module
+(its weight, eps and everything else) and changes only its forward while its stage's :class:`~.context.StepContext`
+is in a step; outside a step it is ``torch.nn.RMSNorm``, unchanged. The kernel rounds once, like PyTorch's CPU
+formula; its sum of squares is added in another order, so it can differ from the training forward by one unit in the
+last place.
 """
 
 from __future__ import annotations
