@@ -138,9 +138,9 @@ class ReplicaGenerator:
         return self.runner.noise
 
     def _ensure_state(self) -> None:
-        """The runner's buffers and the planner over them (once, at the first call)."""
+        """The runner's buffers (again after :meth:`close`) and the planner over them."""
+        self.runner.allocate()
         if self.planner is None:
-            self.runner.allocate()
             self.planner = StepPlanner(self.runner.plan_settings(compact=self.compact))
 
     # -- the loop ----------------------------------------------------------------------------------------------

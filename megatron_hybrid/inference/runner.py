@@ -226,8 +226,8 @@ class StageRunner:
 
     def begin(self, params, *, vocab_size: int, tempered_log_probs: bool, seed: int) -> tuple:
         """Start a call sampling with ``params`` over ``vocab_size`` ids from a stream seeded ``seed``: every slot
-        idle, the model's rotary state copied. Returns the sampling signature that names the call's graphs."""
-        self.allocate()
+        idle, the model's rotary state copied (after :meth:`allocate`). Returns the sampling signature that names
+        the call's graphs."""
         self.slot_running.zero_()
         self.slot_positions.zero_()
         if self.inv_freq is not None:
