@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps, captured once per bucket and replayed for the generator's whole life.
+"""CUDA graphs of generation steps, captured once per bucket and replayed for the generator's whole life.
 
 A decode step's inputs (each slot's token and position, and the hidden states from the previous pipeline stage),
 the KV cache, the rotary frequencies and the weights all sit at fixed addresses; between rollouts the engine
@@ -8,9 +8,9 @@ captured again: what peers get wrong when their inference engine reallocates (st
 
 A graph bakes in the batch (slots ``0 .. B-1``) and how many cached positions attention reads, so a step is run by
 the graph of its bucket: the batch rounded up to a batch size of the list, the filled length rounded up to the
-length granule. megatron-core needs its inference RNG tracker for capture
-(``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the default tracker's ``fork()`` fails
-inside a capture.
+length granule (the step planner, :mod:`.planner`, rounds them and names the graph). megatron-core needs its
+inference RNG tracker for capture (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the
+default tracker's ``fork()`` fails inside a capture.
 
 All graphs share one memory pool (they never run concurrently). Its memory would otherwise stay allocated as long
 as the graphs live, training included; :class:`ReservedGraphPool` instead serves the pool's segments from one
@@ -20,11 +20,10 @@ their addresses but are backed only while generating.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -94,22 +93,17 @@ class ReservedGraphPool:
         self.buffer.close()
 
 
-class DecodeGraphs:
-    """Graphs of one stage's decode step, keyed by ``(batch, attended)`` bucket.
+class StepGraphs:
+    """The CUDA graphs of one stage's steps, keyed by the step plan's graph key (:attr:`.planner.StepPlan.graph_key`:
+    ``(kind, rows, length, sampling signature)`` of decode, prefill and mixed steps; the planner rounds the steps to
+    the keys' buckets).
 
     Args:
-        batch_sizes: the batch buckets (sorted, the largest is the slot count).
-        length_granule: attended lengths are rounded up to a multiple of this.
-        max_length: positions per slot (the largest attended length).
         device: the GPU.
         pool_bytes: address space for a :class:`ReservedGraphPool` (0: a private pool that stays allocated).
     """
 
-    def __init__(self, batch_sizes: Sequence[int], *, length_granule: int, max_length: int, device: torch.device,
-                 pool_bytes: int) -> None:
-        self.batch_sizes = sorted(set(batch_sizes))
-        self.length_granule = length_granule
-        self.max_length = max_length
+    def __init__(self, *, device: torch.device, pool_bytes: int) -> None:
         self.reserved: Optional[ReservedGraphPool] = None
         if pool_bytes > 0:
             try:
@@ -123,17 +117,11 @@ class DecodeGraphs:
         # (torch.cuda.graph's default one) their captures would write into this pool's memory, unmapped between
         # calls and freed at close (and the workspace would outlive it, see close()).
         self.stream = torch.cuda.Stream(device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures = 0
         self.replays = 0
 
-    def bucket(self, batch: int, attended: int) -> tuple[int, int]:
-        """The graph that runs a step over ``batch`` slots whose longest sequence has ``attended`` positions."""
-        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)]
-        length = min(-(-attended // self.length_granule) * self.length_granule, self.max_length)
-        return b, length
-
-    def run(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run(self, key: tuple, step: Callable[[], Any]) -> Any:
         """Replay the graph of ``key`` (capturing ``step`` first if it has none) and return its output.
 
         ``step`` must read only fixed-address tensors. The output is overwritten by the next replay of any graph.
@@ -155,7 +143,8 @@ class DecodeGraphs:
         self.replays += 1
         return out
 
-    def keys(self) -> list[tuple[int, int]]:
+    def keys(self) -> list[tuple]:
+        """The keys of the graphs captured so far, sorted."""
         return sorted(self._graphs)
 
     def backed(self) -> ContextManager[None]:
@@ -178,3 +167,7 @@ class DecodeGraphs:
             torch._C._cuda_clearCublasWorkspaces()
         if self.reserved is not None:
             self.reserved.close()
+
+
+#: The former name: the storage holds prefill and mixed steps' graphs too.
+DecodeGraphs = StepGraphs
