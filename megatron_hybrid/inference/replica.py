@@ -34,10 +34,12 @@ import torch
 import torch.distributed as dist
 
 from ..forward import gather_vocab
+from ..groups import RolloutGroups
+from ..rollout_memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryProvider
 from .attention import KVStep, install_kv_attention
 from .config import GenerationConfig
 from .graphs import DecodeGraphs
-from .kv_cache import CacheGeometry, KVCache, RolloutMemory
+from .kv_cache import CacheGeometry, KVCache
 from .norms import install_step_norms
 from .sampling import draw_noise, is_greedy, sample
 from .scheduler import SlotScheduler
@@ -90,14 +92,18 @@ class ReplicaGenerator:
             :class:`~.attention.KVCacheSelfAttention` (unchanged behaviour outside a generation step).
         tp_group, pp_group: the replica's groups.
         config: cache and decode settings.
-        engine: the HybridEngine whose rollout phases back the KV cache, or None (the cache backs itself during
-            each call).
+        memory: where the KV cache, the sampling noise and the CUDA-graph pool are reserved, and what backs them
+            for a generate call (a HybridEngine's ``rollout_memory``); default: a provider of its own that backs
+            them for the duration of each call.
+        groups: the rollout groups ``tp_group`` and ``pp_group`` belong to: a failed or timed-out exchange then
+            names the phase and their timeout.
     """
 
     def __init__(self, chunk: torch.nn.Module, *, tp_group, pp_group, config: GenerationConfig,
-                 engine: Optional[Any] = None) -> None:
+                 memory: Optional[RolloutMemoryProvider] = None, groups: Optional[RolloutGroups] = None) -> None:
         self.chunk, self.tp_group, self.pp_group = chunk, tp_group, pp_group
-        self.config, self.engine = config, engine
+        self.config, self.groups = config, groups
+        self.memory = memory if memory is not None else PerCallRolloutMemory(next(chunk.parameters()).device)
         kind = getattr(chunk, "position_embedding_type", "rope")
         if kind not in ("rope", "learned_absolute", "none"):
             raise ValueError(f"KV-cache generation supports position_embedding_type rope, learned_absolute or none; "
@@ -132,7 +138,7 @@ class ReplicaGenerator:
         self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
         self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
         self.cache: Optional[KVCache] = None
-        self.noise: Optional[RolloutMemory] = None
+        self.noise: Optional[RolloutBuffer] = None
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_hidden: Optional[torch.Tensor] = None
         self._signatures: dict[tuple, tuple] = {}  # a graph's sampling settings, by the key part naming them
@@ -171,7 +177,7 @@ class ReplicaGenerator:
         if self.cache is not None:
             return
         g, dev = self.geometry, self.device
-        self.cache = KVCache(g, dev, engine=self.engine)
+        self.cache = KVCache(g, dev, memory=self.memory)
         n = g.cache_slots
         # Each slot's next input token and its position, and whether it runs: the decode step's inputs, updated
         # in place on the device (graphs read them at these addresses). The spare slot takes padded rows.
@@ -200,13 +206,12 @@ class ReplicaGenerator:
             if self.is_last:
                 # The sampling race's draws of a graph step (made eagerly before the replay, read by the graph).
                 rows = max(self.prefill_rows, g.num_slots + self.mixed_prompts)
-                self.noise = RolloutMemory(rows * int(self.chunk.vocab_size), torch.float32, dev,
-                                           engine=self.engine)
+                self.noise = self.memory.reserve(rows * int(self.chunk.vocab_size), torch.float32)
 
     def _new_graphs(self, batch_sizes: list[int]) -> DecodeGraphs:
         return DecodeGraphs(batch_sizes, length_granule=self.config.graph_length_granule,
                             max_length=self.geometry.slot_tokens, device=self.device,
-                            pool_bytes=int(self.config.graph_pool_gib * 2**30))
+                            pool_bytes=int(self.config.graph_pool_gib * 2**30), memory=self.memory)
 
     # -- one forward of this stage ---------------------------------------------------------------------------
 
@@ -302,7 +307,7 @@ class ReplicaGenerator:
 
     def _noise(self, rows: int, vocab: int) -> torch.Tensor:
         """The race's draws of a graph step over ``rows`` rows, ``[rows, vocab]`` at a fixed address."""
-        return self.noise.tensor()[: rows * vocab].view(rows, vocab)
+        return self.noise.tensor[: rows * vocab].view(rows, vocab)
 
     def _sampled(self, logits_nV: torch.Tensor, params, vocab: int, tempered: bool) -> tuple[torch.Tensor, ...]:
         noise = None if is_greedy(params) else self._noise(logits_nV.shape[0], vocab)
@@ -350,8 +355,8 @@ class ReplicaGenerator:
     # -- pipeline communication ------------------------------------------------------------------------------
 
     def _errors(self, what: str) -> Any:
-        """With an engine, a failed or timed-out exchange names the phase and the engine's timeout."""
-        return self.engine.rollout_groups.errors("generate", what) if self.engine is not None else nullcontext()
+        """On rollout groups, a failed or timed-out exchange names the phase and their timeout."""
+        return self.groups.errors("generate", what) if self.groups is not None else nullcontext()
 
     def _receive(self, out: Optional[torch.Tensor], num_tokens: int) -> Optional[torch.Tensor]:
         if self.prev_rank is None:
@@ -688,9 +693,9 @@ class ReplicaGenerator:
         was_training = self.chunk.training
         self.chunk.eval()
         try:
-            graph_memory = self.graphs.backed() if self.graphs is not None else nullcontext()
-            noise_memory = self.noise.backed() if self.noise is not None else nullcontext()
-            with torch.no_grad(), self.cache.backed(), graph_memory, noise_memory:
+            # The cache, the sampling noise and the graph pool: with the engine's provider this call is inside the
+            # rollout its generator switched to (nothing to do here); with a provider of its own, mapped for it.
+            with torch.no_grad(), self.memory.backed():
                 while True:
                     if self.compact and not sched.waiting:
                         self._compact(sched, lambda seq: len(prompts[seq]) + launched[seq])
