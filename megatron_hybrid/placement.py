@@ -1,16 +1,17 @@
 """Where every tensor lives, and which ranges are backed: the training shards, the peers' slots, rollout-only memory.
 
 Where the bytes live (the bytes move in :meth:`megatron_hybrid.engine.HybridEngine.switch_to_rollout`). One
-:class:`RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`). At construction each
-training tensor of this rank moves, once, into its own slot, and stays there: the own slots are backed for the
-engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the switch to
-rollout and released at the switch back. Rollout-only ranges (canonical tensors; a KV cache, sampling noise, a
-CUDA-graph pool through :class:`EngineRolloutMemory`, the engine's
-:class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`) are reserved the same way with no own part. Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` +
-``madvise`` on CPU): each address range is reserved once, so tensors viewing it keep their addresses across
-switches, and the memory lives as long as the buffer or any tensor viewing it. A buffer that holds training tensors in
-a layout of its own (Megatron DDP's parameter buffer with the distributed optimizer: :class:`HeldBuffer`) moves
-whole into its own slot instead, and its views (DDP's buckets, the parameters, the optimizer's shards) with it.
+:class:`~megatron_hybrid.rollout_memory.RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`).
+At construction each training tensor of this rank moves, once, into its own slot, and stays there: the own slots are
+backed for the engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the
+switch to rollout and released at the switch back. Rollout-only ranges are reserved the same way with no own part:
+canonical tensors, and what the generator reserves through :class:`EngineRolloutMemory` (the engine's
+:class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: a KV cache, sampling noise, a CUDA-graph pool).
+Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` + ``madvise`` on CPU): each
+address range is reserved once, so tensors viewing it keep their addresses across switches, and the memory lives as
+long as the buffer or any tensor viewing it. A buffer that holds training tensors in a layout of its own (Megatron
+DDP's parameter buffer with the distributed optimizer: :class:`HeldBuffer`) moves whole into its own slot instead,
+and its views (DDP's buckets, the parameters, the optimizer's shards) with it.
 """
 
 from __future__ import annotations

@@ -58,8 +58,7 @@ class RolloutBuffer:
         # Peers' elements that share a granule with the own slots, hence stay backed while training.
         self.resident_peer_bytes = (sum(hi - lo for lo, hi in own_pages) - sum(hi - lo for lo, hi in merge_ranges(own))) \
             * self.memory.element_size
-        if self.own_ranges:
-            self.memory.map_many(self.own_ranges)
+        self.memory.map_many(self.own_ranges)
         self.peers_mapped = False
         self._touched = False  # some peers' range is (partly) mapped
         # The peers' ranges as pieces that are unmapped on their own: (lo, hi, transient). Transient pieces are
@@ -121,8 +120,7 @@ class RolloutBuffer:
         """Back the peers' ranges (each piece a mapping of its own, so that pieces are given back on their own)."""
         if self.peers_mapped:
             return
-        if self.pieces:
-            self.memory.map_many([(lo, hi) for lo, hi, _ in self.pieces])
+        self.memory.map_many([(lo, hi) for lo, hi, _ in self.pieces])
         self.peers_mapped = True
         self._touched = self._touched or bool(self.pieces)
 
