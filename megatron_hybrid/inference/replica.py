@@ -26,9 +26,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..groups import RolloutGroups
+from ..rollout_memory import RolloutBuffer, RolloutMemoryProvider
 from .config import GenerationConfig
 from .graphs import StepGraphs
-from .kv_cache import CacheGeometry, KVCache, RolloutMemory
+from .kv_cache import CacheGeometry, KVCache
 from .planner import MIXED_PROMPTS as _MIXED_PROMPTS  # noqa: F401  (the former homes of the planner's constants)
 from .planner import MIXED_TOKENS as _MIXED_TOKENS  # noqa: F401
 from .planner import PREFILL_FORWARD_TOKENS as _PREFILL_FORWARD_TOKENS  # noqa: F401
@@ -97,15 +99,19 @@ class ReplicaGenerator:
             :class:`~.attention.KVCacheSelfAttention` (unchanged behaviour outside a generation step).
         tp_group, pp_group: the replica's groups.
         config: cache and decode settings.
-        engine: the HybridEngine whose rollout phases back the KV cache, or None (the cache backs itself during
-            each call).
+        memory: where the KV cache, the sampling noise and the CUDA-graph pool are reserved, and what backs them
+            for a generate call (a HybridEngine's ``rollout_memory``); default: a provider of its own that backs
+            them for the duration of each call.
+        groups: the rollout groups ``tp_group`` and ``pp_group`` belong to: a failed or timed-out exchange then
+            names the phase and their timeout.
     """
 
     def __init__(self, chunk: torch.nn.Module, *, tp_group, pp_group, config: GenerationConfig,
-                 engine: Optional[Any] = None) -> None:
+                 memory: Optional[RolloutMemoryProvider] = None, groups: Optional[RolloutGroups] = None) -> None:
         self.chunk, self.tp_group, self.pp_group = chunk, tp_group, pp_group
-        self.config, self.engine = config, engine
-        self.runner = StageRunner(chunk, tp_group=tp_group, pp_group=pp_group, config=config, engine=engine)
+        self.config = config
+        self.runner = StageRunner(chunk, tp_group=tp_group, pp_group=pp_group, config=config, memory=memory,
+                                  groups=groups)
         self.device = self.runner.device
         on_gpu = self.device.type == "cuda"
         self.overlap = on_gpu if config.overlap_host is None else config.overlap_host
@@ -134,7 +140,7 @@ class ReplicaGenerator:
         return self.runner.cache
 
     @property
-    def noise(self) -> Optional[RolloutMemory]:
+    def noise(self) -> Optional[RolloutBuffer]:
         return self.runner.noise
 
     def _ensure_state(self) -> None:
@@ -164,6 +170,8 @@ class ReplicaGenerator:
         was_training = self.chunk.training
         self.chunk.eval()
         try:
+            # The cache, the sampling noise and the graph pool: with the engine's provider this call is inside the
+            # rollout its generator switched to (nothing to do here); with a provider of its own, mapped for it.
             with torch.no_grad(), self.runner.backed():
                 for plan in call.schedule:
                     if isinstance(plan, SlotMoves):

@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import functools
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
 from ..communication import broadcast_from_last, gather_vocab, pipeline_peers, recv_from_previous, send_to_next
+from ..groups import RolloutGroups
+from ..rollout_memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryProvider
 from .attention import install_kv_attention
 from .config import GenerationConfig
 from .context import KVStep, stage_context
 from .graphs import StepGraphs
-from .kv_cache import CacheGeometry, KVCache, RolloutMemory
+from .kv_cache import CacheGeometry, KVCache
 from .norms import install_step_norms
 from .planner import MIXED_PROMPTS, MIXED_TOKENS, PlannerSettings, SlotMoves, StepPlan, batch_sizes
 from .sampling import draw_noise, is_greedy, sample
@@ -79,14 +81,17 @@ class StageRunner:
         chunk: a megatron-core GPTModel stage.
         tp_group, pp_group: the replica's groups.
         config: cache and decode settings.
-        engine: the HybridEngine whose rollout phases back the KV cache, or None (the cache backs itself during
-            each call).
+        memory: where the KV cache, the sampling draws and the graphs' pool are reserved: the engine's provider
+            (backed from its switch to rollout to its switch back), or None: a :class:`PerCallRolloutMemory`
+            (backed for each generate call).
+        groups: the engine's rollout groups, whose error context names a failed or timed-out exchange, or None.
     """
 
     def __init__(self, chunk: torch.nn.Module, *, tp_group, pp_group, config: GenerationConfig,
-                 engine: Optional[Any] = None) -> None:
+                 memory: Optional[RolloutMemoryProvider] = None, groups: Optional[RolloutGroups] = None) -> None:
         self.chunk, self.tp_group, self.pp_group = chunk, tp_group, pp_group
-        self.config, self.engine = config, engine
+        self.config, self.groups = config, groups
+        self.memory = memory if memory is not None else PerCallRolloutMemory(next(chunk.parameters()).device)
         kind = getattr(chunk, "position_embedding_type", "rope")
         if kind not in ("rope", "learned_absolute", "none"):
             raise ValueError(f"KV-cache generation supports position_embedding_type rope, learned_absolute or none; "
@@ -115,7 +120,7 @@ class StageRunner:
         self.mixed_tokens = min(self.mixed_tokens, self.mixed_prompts * self.geometry.slot_tokens)
         self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
         self.cache: Optional[KVCache] = None
-        self.noise: Optional[RolloutMemory] = None
+        self.noise: Optional[RolloutBuffer] = None
         self.graphs: Optional[StepGraphs] = None
         self.prefill_hidden: Optional[torch.Tensor] = None
         self.prefill_rows = self.prefill_tokens = 0  # a graph prefill's staging capacity (with graphs)
@@ -146,14 +151,14 @@ class StageRunner:
                              kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                              spare_slots=1 if self.use_graphs or self.mixed_tokens else 0)
 
-    # -- rollout memory and the engine: every buffer made or backed by the engine's rollout phases, here ----------
+    # -- rollout memory: every buffer reserved from the memory provider, and backing, here ----------------------
 
     def allocate(self) -> None:
         """Make the fixed-address state (once, at the first call)."""
         if self.cache is not None:
             return
         g, dev = self.geometry, self.device
-        self.cache = KVCache(g, dev, engine=self.engine)
+        self.cache = KVCache(g, dev, memory=self.memory)
         n = g.cache_slots
         # Each slot's next input token and its position, and whether it runs: the decode step's inputs, updated
         # in place on the device (graphs read them at these addresses). The spare slot takes padded rows.
@@ -182,23 +187,20 @@ class StageRunner:
             if self.is_last:
                 # The sampling race's draws of a graph step (made eagerly before the replay, read by the graph).
                 rows = max(self.prefill_rows, g.num_slots + self.mixed_prompts)
-                self.noise = RolloutMemory(rows * int(self.chunk.vocab_size), torch.float32, dev,
-                                           engine=self.engine)
+                self.noise = self.memory.reserve(rows * int(self.chunk.vocab_size), torch.float32)
 
     def _new_graphs(self) -> StepGraphs:
-        return StepGraphs(device=self.device, pool_bytes=int(self.config.graph_pool_gib * 2**30))
+        return StepGraphs(device=self.device, pool_bytes=int(self.config.graph_pool_gib * 2**30),
+                          memory=self.memory)
 
-    @contextmanager
-    def backed(self) -> Iterator[None]:
-        """The cache, the graphs' pool and the sampling draws are backed for the body (a generate call)."""
-        graph_memory = self.graphs.backed() if self.graphs is not None else nullcontext()
-        noise_memory = self.noise.backed() if self.noise is not None else nullcontext()
-        with self.cache.backed(), graph_memory, noise_memory:
-            yield
+    def backed(self) -> ContextManager[None]:
+        """The cache, the graphs' pool and the sampling draws are backed for the body (a generate call): the
+        provider backs everything it reserved, for the call or (the engine's) for the whole rollout."""
+        return self.memory.backed()
 
     def _errors(self, what: str) -> Any:
-        """With an engine, a failed or timed-out exchange names the phase and the engine's timeout."""
-        return self.engine.rollout_groups.errors("generate", what) if self.engine is not None else nullcontext()
+        """With the engine's groups, a failed or timed-out exchange names the phase and the engine's timeout."""
+        return self.groups.errors("generate", what) if self.groups is not None else nullcontext()
 
     def close(self) -> None:
         """Drop the graphs (and their reserved pool), the cache's own reservation and the sampling draws'."""
@@ -362,7 +364,7 @@ class StageRunner:
 
     def _noise(self, rows: int, vocab: int) -> torch.Tensor:
         """The race's draws of a graph step over ``rows`` rows, ``[rows, vocab]`` at a fixed address."""
-        return self.noise.tensor()[: rows * vocab].view(rows, vocab)
+        return self.noise.tensor[: rows * vocab].view(rows, vocab)
 
     def _sampled(self, logits_nV: torch.Tensor, params, vocab: int, tempered: bool) -> tuple[torch.Tensor, ...]:
         noise = None if is_greedy(params) else self._noise(logits_nV.shape[0], vocab)
