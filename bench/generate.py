@@ -19,7 +19,9 @@ Rows, written as one JSON list to ``--out`` (compare them run to run)::
     prefilled per generated token, against 1 in the fixed runs, so prefill compute bounds its tok/s below theirs.
 
   tok/s = generated tokens / wall time of the call (median of ``--runs`` after ``--warmup``; the warm-up captures
-  the CUDA graphs). ``new_tokens`` is the cap; ``mean_new_tokens`` what the prompts got.
+  the CUDA graphs). ``new_tokens`` is the cap; ``mean_new_tokens`` what the prompts got. ``digest``: SHA-256 of
+  every call's tokens and log-probs (the bits of the float32 values), the same for every call of a row (else
+  ``digests`` lists them): two commits that compute the same tokens and log-probs give the same digest.
 - ``transformers``: ``LlamaForCausalLM`` with the same shape and random weights, in the same dtype, its defaults
   (``attn_implementation="sdpa"``, dynamic cache, no compile); greedy, ``min_new_tokens = max_new_tokens = N``.
 - ``roofline``: per decode step, the weight bytes plus the KV-cache bytes read (on average P + N/2 positions per
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import platform
 import socket
@@ -93,6 +96,16 @@ def prompts_of(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
             for _ in range(count)]
 
 
+def digest(results: list) -> str:
+    """SHA-256 of the generated tokens and log-probs (float32 bits) of one call, prompt by prompt."""
+    h = hashlib.sha256()
+    for r in results:
+        h.update(torch.tensor(r.generated_tokens, dtype=torch.int64).numpy().tobytes())
+        h.update(torch.tensor(r.generated_log_probs, dtype=torch.float32).numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes read + written per second by a large device copy."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -111,6 +124,7 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
 
+    torch.manual_seed(1234)  # the same weights in every run, so that digests compare across commits
     model = arch.build().to(device)
     engine = HybridEngine(model, RolloutLayout(1, 1))
     P, vocab = args.prompt_len, arch.vocab_size
@@ -132,8 +146,12 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
                          SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=n0),
                          order[: max(1, vocab // 64)]))
         for variant, N, prompts, params, stop_ids in variants:
+            digests: list[str] = []
+
             def run():
-                return generator.generate(prompts, params, vocab_size=vocab, stop_token_ids=stop_ids, seed=5)
+                out = generator.generate(prompts, params, vocab_size=vocab, stop_token_ids=stop_ids, seed=5)
+                digests.append(digest(out))
+                return out
 
             before = generator.report()
             out, times = timed(run, device, runs=args.runs, warmup=args.warmup)
@@ -149,7 +167,8 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
                          "tok_s": tokens / statistics.median(times), "seconds": statistics.median(times),
                          "runs": times, "cuda_graph_captures": rep["cuda_graph_captures"],
                          "per_call": per_call, "attention_reads_lengths": rep["attention_reads_lengths"],
-                         "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"]})
+                         "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"],
+                         "digest": digests[-1], **({"digests": digests} if len(set(digests)) > 1 else {})})
             print(json.dumps(rows[-1]), flush=True)
             if args.profile and device.type == "cuda" and variant in args.profile:
                 profile(run, f"{variant} B={B} N={N}")

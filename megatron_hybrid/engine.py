@@ -19,6 +19,7 @@ runs between mapping the peers' slots and binding the rollout model to them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import time
@@ -37,7 +38,7 @@ from .executor import CollectiveRecord, PlanExecutor, held_buffers, make_group_p
 from .groups import RolloutGroups, create_rollout_groups
 from .layout import Grid, ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
-from .placement import Placement
+from .placement import EngineRolloutMemory, Placement
 from .rollout_model import ModelProvider, build_rollout_chunks
 from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_layout, check_model
 
@@ -249,6 +250,13 @@ class HybridEngine:
     def _fingerprint_now(self) -> int:
         return sum(p._version for p in self._train_params.values())
 
+    @functools.cached_property
+    def rollout_memory(self) -> EngineRolloutMemory:
+        """This engine's rollout-memory provider (what its generator's KV cache, sampling noise and CUDA-graph pool
+        reserve from): reservations backed from every :meth:`switch_to_rollout` to :meth:`switch_to_training`;
+        entering its ``backed()`` for a generate call switches to rollout."""
+        return EngineRolloutMemory(self.placement, self.switch_to_rollout)
+
     def reserve_rollout_memory(self, numel: int, dtype: torch.dtype) -> ReservedBuffer:
         """A range of ``numel`` elements at a fixed address, backed only while rolling out (a KV cache, say):
         mapped by every :meth:`switch_to_rollout`, given back by :meth:`switch_to_training`."""
@@ -256,10 +264,7 @@ class HybridEngine:
             raise ValueError(f"numel ({numel!r}) must be a positive integer")
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
-        buf = self.placement.reserve_rollout(numel, dtype)
-        if self.mode == "rollout":
-            buf.map_peers()
-        return buf.memory
+        return self.rollout_memory.reserve(numel, dtype).memory
 
     def switch_to_rollout(self, *, offload_optimizer: Any = None, offload_grads: bool = False) -> None:
         """Gather the missing shards and bind the rollout model to them. No-op when already rolling out.
@@ -379,7 +384,8 @@ class HybridEngine:
                  tempered_log_probs: bool = False) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
-        Called on every rank of the training layout (switches to rollout first if needed). A thin call into
+        Called on every rank of the training layout (the generator switches to rollout first if needed, through
+        :attr:`rollout_memory`). A thin call into
         :class:`megatron_hybrid.inference.RolloutGenerator` (KV cache at fixed addresses backed only while rolling
         out, continuous batching, on-device sampling, CUDA graphs kept across switches), made at the first call
         and kept; ``config`` (a :class:`~megatron_hybrid.inference.GenerationConfig`) replaces it with one of

@@ -31,11 +31,22 @@ import ctypes
 import mmap
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 __all__ = ["ReservedBuffer", "allocation_granularity", "pad_to_granularity"]
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint union of ``[lo, hi)`` ranges."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def subtract_ranges(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -443,6 +454,11 @@ class ReservedBuffer:
     def reserved_bytes(self) -> int:
         """Bytes of address space reserved (``numel`` rounded up to whole granules)."""
         return self._backend.nbytes
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` gave the range back."""
+        return self._closed
 
     @property
     def mapped_bytes(self) -> int:

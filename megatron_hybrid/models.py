@@ -150,7 +150,7 @@ class GPTArchitecture:
               transformer_impl: str = "local", tensor_model_parallel_size: int = 1,
               pipeline_model_parallel_size: int = 1, vp_stage: Optional[int] = None):
         """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`."""
-        from .compat import build_gpt_model
+        from .compat import build_gpt_model  # megatron-core only where a model is built (convert/ needs none)
 
         if config is None:
             config = self.transformer_config(tensor_model_parallel_size=tensor_model_parallel_size,

@@ -82,7 +82,7 @@ def _load_extension() -> Any:
             return _ext
         _ext_tried = True
         try:
-            from megatron_hybrid import _C
+            from megatron_hybrid import _C  # lazily: the optional compiled extension, its import error kept
         except (ImportError, OSError) as exc:  # not built, or built against another torch
             _ext_error = f"{type(exc).__name__}: {exc}"
             return None

@@ -1,139 +1,40 @@
 """Where every tensor lives, and which ranges are backed: the training shards, the peers' slots, rollout-only memory.
 
 Where the bytes live (the bytes move in :meth:`megatron_hybrid.engine.HybridEngine.switch_to_rollout`). One
-:class:`RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`). At construction each
-training tensor of this rank moves, once, into its own slot, and stays there: the own slots are backed for the
-engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the switch to
-rollout and released at the switch back. Rollout-only ranges (canonical tensors, a KV cache) are reserved the same
-way with no own part. Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` +
-``madvise`` on CPU): each address range is reserved once, so tensors viewing it keep their addresses across
-switches, and the memory lives as long as the buffer or any tensor viewing it. A buffer that holds training tensors in
-a layout of its own (Megatron DDP's parameter buffer with the distributed optimizer: :class:`HeldBuffer`) moves
-whole into its own slot instead, and its views (DDP's buckets, the parameters, the optimizer's shards) with it.
+:class:`~megatron_hybrid.rollout_memory.RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`).
+At construction each training tensor of this rank moves, once, into its own slot, and stays there: the own slots are
+backed for the engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the
+switch to rollout and released at the switch back. Rollout-only ranges are reserved the same way with no own part:
+canonical tensors, and what the generator reserves through :class:`EngineRolloutMemory` (the engine's
+:class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: a KV cache, sampling noise, a CUDA-graph pool).
+Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` + ``madvise`` on CPU): each
+address range is reserved once, so tensors viewing it keep their addresses across switches, and the memory lives as
+long as the buffer or any tensor viewing it. A buffer that holds training tensors in a layout of its own (Megatron
+DDP's parameter buffer with the distributed optimizer: :class:`HeldBuffer`) moves whole into its own slot instead,
+and its views (DDP's buckets, the parameters, the optimizer's shards) with it.
 """
 
 from __future__ import annotations
 
-import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .aliased import Blocks
 from .layout import ParallelLayout
-from .memory import ReservedBuffer, allocation_granularity, subtract_ranges
+from .memory import allocation_granularity, merge_ranges
 from .plan import GroupPlan
+from .rollout_memory import RolloutBuffer
 from .sharding import TPSpec
+
+# RolloutBuffer and merge_ranges lived here: importable from here still.
+__all__ = ["DTYPES", "DTYPE_NAMES", "EngineRolloutMemory", "HeldBuffer", "Placement", "RolloutBuffer",
+           "merge_ranges"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint union of ``[lo, hi)`` ranges."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a process-wide memo on purpose
-    if message not in _seen:
-        _seen.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-class RolloutBuffer:
-    """A reserved flat range of ``numel`` elements: ``own`` ranges always backed, the rest of ``used`` (the peers'
-    part) backed only while rolling out."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, own: list[tuple[int, int]],
-                 used: list[tuple[int, int]]) -> None:
-        self.dtype, self.device, self.numel = dtype, device, numel
-        self.memory = ReservedBuffer(max(numel, 1), dtype, device=device)
-        if not self.memory.releases_memory:
-            warn_once(f"no releasable memory backend on {device}: peers' slots stay allocated while training")
-        # Round the own ranges out to whole granules: they stay backed; the peers' part is what is left.
-        own_pages = self._granules(own)
-        self.own_ranges = own_pages
-        self.peer_ranges = subtract_ranges(self._granules(used), own_pages)
-        # Peers' elements that share a granule with the own slots, hence stay backed while training.
-        self.resident_peer_bytes = (sum(hi - lo for lo, hi in own_pages) - sum(hi - lo for lo, hi in merge_ranges(own))) \
-            * self.memory.element_size
-        self.memory.map_many(self.own_ranges)
-        self.peers_mapped = False
-        self._touched = False  # some peers' range is (partly) mapped
-        # The peers' ranges as pieces that are unmapped on their own: (lo, hi, transient). Transient pieces are
-        # needed only during the switch (see set_kept); by default nothing is.
-        self.pieces = [(lo, hi, False) for lo, hi in self.peer_ranges]
-
-    def _granules(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``ranges`` rounded out to whole granules (the last one may end at ``numel``), merged."""
-        g = self.memory.granularity_numel
-        return merge_ranges((lo // g * g, min(-(-hi // g) * g, self.memory.numel)) for lo, hi in ranges)
-
-    def set_kept(self, ranges: list[tuple[int, int]]) -> None:
-        """Mark every peers' element outside ``ranges`` as transient: :meth:`release_transient` gives it back
-        once the switch has consumed it (canonical mode reads the gathered shards once, into its own tensors)."""
-        transient = subtract_ranges(self.peer_ranges, self._granules(ranges))
-        kept = subtract_ranges(self.peer_ranges, transient)
-        self.pieces = sorted([(lo, hi, False) for lo, hi in kept] + [(lo, hi, True) for lo, hi in transient])
-
-    @property
-    def mapped_peer_bytes(self) -> int:
-        """Peers' bytes backed now: all of them while rolling out, less the transient ones once released."""
-        if not self._touched:
-            return 0
-        return self.peer_bytes - (0 if self.peers_mapped else self.transient_bytes)
-
-    @property
-    def transient_bytes(self) -> int:
-        return sum(hi - lo for lo, hi, t in self.pieces if t) * self.memory.element_size
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.memory.tensor()[: self.numel]
-
-    @property
-    def peer_bytes(self) -> int:
-        return sum(hi - lo for lo, hi in self.peer_ranges) * self.memory.element_size
-
-    def map_peers(self) -> None:
-        """Back the peers' ranges (each piece a mapping of its own, so that pieces are given back on their own)."""
-        if self.peers_mapped:
-            return
-        self.memory.map_many([(lo, hi) for lo, hi, _ in self.pieces])
-        self.peers_mapped = True
-        self._touched = self._touched or bool(self.pieces)
-
-    def _unmap(self, pieces: list[tuple[int, int, bool]], synchronize: bool) -> None:
-        for i, (lo, hi, _) in enumerate(pieces):
-            self.memory.unmap(lo, hi, synchronize=synchronize and i == 0)  # one device sync covers them all
-
-    def release_transient(self, *, synchronize: bool = True) -> None:
-        """Give back the transient pieces (after the switch has read them)."""
-        transient = [p for p in self.pieces if p[2]]
-        if transient:
-            self._unmap(transient, synchronize)
-            self.peers_mapped = False
-
-    def unmap_peers(self, *, synchronize: bool = True) -> None:
-        """``synchronize=False``: the caller has made sure that no queued kernel touches the peers' ranges."""
-        if self.peers_mapped or self._touched:
-            self._unmap(self.pieces, synchronize)  # pieces already released are not mapped: nothing to do there
-            self.peers_mapped = self._touched = False
-
-    def span(self) -> tuple[int, int]:
-        """The address range ``[start, end)`` reserved for this buffer."""
-        start = self.memory.data_ptr()
-        return start, start + self.memory.reserved_bytes
-
-    def close(self) -> None:
-        self.memory.close()
 
 
 @dataclass
@@ -172,7 +73,9 @@ class Placement:
         self.rollout_tp_rank = rollout_tp_rank
         self.device = device
         self.buffers: dict[str, RolloutBuffer] = {}
-        self.rollout_only: list[RolloutBuffer] = []
+        self._rollout_only: list[RolloutBuffer] = []
+        self.rolling_out = False  # between map_rollout() and unmap_rollout()
+        self.closed = False
         self.placed: list[str] = []  # the training tensors that live in this rank's buffers
         self._canonical_ids: set[int] = set()
         self.sources = plan.sources(member) if plan is not None else {}
@@ -298,18 +201,30 @@ class Placement:
         for dtype, buf in self.buffers.items():
             buf.set_kept(viewed.get(dtype, []))
 
-    def reserve_rollout(self, numel: int, dtype: torch.dtype, *, canonical: bool = False) -> RolloutBuffer:
-        """A range of its own, backed only while rolling out (by :meth:`map_rollout`; not mapped yet).
-        ``canonical``: it holds canonical rollout tensors (reported apart from other rollout memory)."""
-        buf = RolloutBuffer(numel, dtype, self.device, own=[], used=[(0, numel)])
-        self.rollout_only.append(buf)
+    @property
+    def rollout_only(self) -> list[RolloutBuffer]:
+        """The rollout-only ranges not yet closed (a generator closes its own reservations)."""
+        self._rollout_only = [b for b in self._rollout_only if not b.closed]
+        return self._rollout_only
+
+    def reserve_rollout(self, numel: int, dtype: torch.dtype, *, canonical: bool = False, grows: bool = False,
+                        backend: str = "auto") -> RolloutBuffer:
+        """A range of its own, backed only while rolling out (by :meth:`map_rollout`; at once if rolling out now).
+        ``canonical``: it holds canonical rollout tensors (reported apart from other rollout memory). ``grows``:
+        nothing is backed until :meth:`RolloutBuffer.extend` hands it out."""
+        assert not self.closed
+        buf = RolloutBuffer(numel, dtype, self.device, own=[], used=[] if grows else [(0, numel)], backend=backend)
+        self._rollout_only.append(buf)
         if canonical:
             self._canonical_ids.add(id(buf))
+        if self.rolling_out:
+            buf.map_peers()
         return buf
 
     # -- backing -------------------------------------------------------------------------------------------
     def map_rollout(self) -> None:
         """Back the peers' slots and every rollout-only range."""
+        self.rolling_out = True
         for buf in list(self.buffers.values()) + self.rollout_only:
             buf.map_peers()
 
@@ -322,6 +237,7 @@ class Placement:
         """Release everything that only rolling out needs (the caller has synchronised)."""
         for buf in list(self.buffers.values()) + self.rollout_only:
             buf.unmap_peers(synchronize=False)
+        self.rolling_out = False
 
     def detach_training_tensors(self) -> None:
         """Give every training tensor (and held buffer) ordinary memory again, one copy: before :meth:`close`."""
@@ -336,7 +252,8 @@ class Placement:
     def close(self) -> None:
         for buf in list(self.buffers.values()) + self.rollout_only:
             buf.close()
-        self.buffers, self.rollout_only, self._canonical_ids = {}, [], set()
+        self.buffers, self._rollout_only, self._canonical_ids = {}, [], set()
+        self.rolling_out, self.closed = False, True
 
     # -- accounting ----------------------------------------------------------------------------------------
     def spans(self) -> list[tuple[int, int]]:
@@ -361,3 +278,37 @@ class Placement:
                                                if b.peers_mapped and id(b) not in self._canonical_ids),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
         }
+
+
+class EngineRolloutMemory:
+    """The engine's :class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: reservations are rollout-only
+    ranges of its :class:`Placement`, backed from every switch to rollout until the switch back, like the peers'
+    slots. Its generate-call context is the one place a generate call switches the engine to rollout; the engine
+    then stays there after the call (until ``switch_to_training()``), so its reservations stay backed between two
+    generate calls of one rollout.
+
+    Args:
+        placement: the engine's placement (where the reservations live).
+        switch_to_rollout: the engine's switch (a no-op when it is rolling out already).
+    """
+
+    def __init__(self, placement: Placement, switch_to_rollout: Callable[[], None]) -> None:
+        self.placement = placement
+        self._switch_to_rollout = switch_to_rollout
+        self._depth = 0  # nested backed() bodies
+
+    def reserve(self, numel: int, dtype: torch.dtype, *, grows: bool = False,
+                backend: str = "auto") -> RolloutBuffer:
+        if self.placement.closed:
+            raise RuntimeError("the engine was closed")
+        return self.placement.reserve_rollout(numel, dtype, grows=grows, backend=backend)
+
+    @contextmanager
+    def backed(self) -> Iterator[None]:
+        if not self._depth:
+            self._switch_to_rollout()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1

@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from .sharding import global_name, layer_offset
+
 TRACE_FIELDS = ("rank", "index", "op", "group_ranks", "bytes_received", "seconds", "start", "end", "gbps")
 
 _OP_COLOURS = {"all_gather_into_tensor": "#3b7dd8", "broadcast": "#e8912d"}
@@ -32,8 +34,6 @@ def missing_bytes(engine: Any) -> int:
     """The least a switch can move to this rank: its rollout shard's bytes less those of its own training tensors
     (a tied output layer counts as its share of the embedding, which Megatron keeps equal to it); 0 with t_g > t,
     where the rollout shard is part of the training shard. From the modules' shapes alone, not from the plan."""
-    from .sharding import global_name, layer_offset
-
     if engine.layout.widens:
         return 0
     rollout = {}

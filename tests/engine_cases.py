@@ -526,6 +526,38 @@ def rollout_memory_case():
     return {"seen": seen, "late_mapped": late_mapped, "nbytes": buf.numel * 4}
 
 
+def rollout_memory_provider_case() -> dict:
+    """The engine's rollout-memory provider: entering ``backed()`` switches to rollout (as a generate call does), and
+    its reservations, one that grows while rolling out included, are backed until ``switch_to_training()``, then
+    again from the next switch at the same addresses; a closed one is forgotten."""
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    engine = HybridEngine(arch().build(), RolloutLayout(1, 1))
+    memory = engine.rollout_memory
+    fixed = memory.reserve(3 * 2**16, torch.float32)
+    grows = memory.reserve(2**20, torch.uint8, grows=True)
+    g = grows.memory.granularity_numel
+    ptr = grows.tensor.data_ptr()
+    out = {"nbytes": fixed.numel * 4, "grown": 2 * g, "training": (engine.mode, fixed.mapped_bytes, grows.mapped_bytes)}
+    with memory.backed():
+        out["in_call"] = (engine.mode, fixed.mapped_bytes)
+        grows.extend(0, g)
+        grows.extend(g, 2 * g)
+        out["grown_in_call"] = grows.mapped_bytes
+    out["after_call"] = (engine.mode, fixed.mapped_bytes, grows.mapped_bytes)
+    engine.switch_to_training()
+    out["training_again"] = (fixed.mapped_bytes, grows.mapped_bytes,
+                             engine.placement.report()["rollout_memory_bytes_mapped"])
+    engine.switch_to_rollout()
+    out["next_rollout"] = (fixed.mapped_bytes, grows.mapped_bytes, grows.tensor.data_ptr() == ptr,
+                           engine.communication_report()["rollout_memory_bytes_mapped"])
+    grows.close()
+    out["after_close"] = engine.placement.report()["rollout_memory_bytes_mapped"]
+    engine.switch_to_training()
+    engine.close()
+    return out
+
+
 def generate_stall_case(stall_s: float, timeout_s: float) -> dict:
     """Rank 1 stalls before ``generate``. Its agreement on the inputs (the first collective of a call) runs on the
     engine's groups, so rank 0 fails within the engine's timeout, naming it and the phase, instead of waiting

@@ -66,38 +66,38 @@ def _free_bytes() -> int:
 def _check_buckets(generator, cycle: int) -> dict:
     """Every captured graph (decode and prefill steps): replayed logits vs an eager run of the same step (same
     inputs, same cache), bit for bit."""
-    replica = generator.replica
-    num_slots = replica.geometry.num_slots
+    runner = generator.replica.runner  # the stage runner: its fixed-address inputs, staging and graphs
+    num_slots = runner.geometry.num_slots
     out = {}
-    with torch.no_grad(), replica.cache.backed(), replica.graphs.backed():
-        for key in replica.graphs.keys():
+    with torch.no_grad(), runner.cache.backed(), runner.graphs.backed():
+        for key in runner.graphs.keys():
             kind, rows, length, _ = key
             assert kind in ("decode", "prefill", "mixed"), f"no check written for graph {key}"
             g = torch.Generator(device="cuda").manual_seed(1000 + rows + length)  # the same inputs every rollout
             if kind in ("decode", "mixed"):
-                replica.slot_tokens[:rows] = torch.randint(0, VOCAB, (rows,), generator=g, device="cuda")
+                runner.slot_tokens[:rows] = torch.randint(0, VOCAB, (rows,), generator=g, device="cuda")
                 top = length if kind == "decode" else 64  # a mixed key's length is its prompt rows
-                replica.slot_positions[:rows] = torch.randint(0, top, (rows,), generator=g, device="cuda")
-                replica.slot_running[:rows] = 1
+                runner.slot_positions[:rows] = torch.randint(0, top, (rows,), generator=g, device="cuda")
+                runner.slot_running[:rows] = 1
             if kind == "mixed":  # rows: the decode batch; length: the prompt tokens riding along
                 # Two prompts into slots 0 and 1, whose decode rows are then idle (they write the spare slot).
                 half = max(1, length // 4)
                 prompts = torch.randint(0, VOCAB, (2, half), generator=g, device="cuda").tolist()
-                replica.slot_running[:2] = 0
-                values = replica._stage_mixed(length, replica.mixed_prompts, prompts, [0, 1])
-                replica.staging[: len(values)].copy_(torch.tensor(values, device="cuda"))
+                runner.slot_running[:2] = 0
+                values = runner.stage_mixed(length, runner.mixed_prompts, prompts, [0, 1])
+                runner.staging[: len(values)].copy_(torch.tensor(values, device="cuda"))
             elif kind == "prefill":
                 n = min(rows, num_slots)
                 prompts = torch.randint(0, VOCAB, (n, length), generator=g, device="cuda").tolist()
-                replica.stage_prefill(rows, length, prompts, list(range(n)))
-            captures = replica.graphs.captures
-            replayed = replica.graphs.run(key, replica.graph_step(key))[0].clone()
-            eager = replica.graph_step(key)()[0]
-            assert replica.graphs.captures == captures, "the check must replay an existing graph"
+                runner.stage_prefill(rows, length, prompts, list(range(n)))
+            captures = runner.graphs.captures
+            replayed = runner.graphs.run(key, runner.graph_step(key))[0].clone()
+            eager = runner.graph_step(key)()[0]
+            assert runner.graphs.captures == captures, "the check must replay an existing graph"
             out[f"{kind}:{rows}x{length}"] = {"bit_exact": bool(torch.equal(replayed, eager)),
                                              "max_abs_diff": float((replayed.float() - eager.float()).abs().max())}
-        replica.slot_running.zero_()
-        replica.slot_positions.zero_()
+        runner.slot_running.zero_()
+        runner.slot_positions.zero_()
     return out
 
 
@@ -235,7 +235,7 @@ def run_variant(graph_pool: str, optimizer: str = "sgd") -> dict:
     num_buffers = 4  # KV cache, graph pool, sampling noise, decode-state tensors
     first = cycles[0]
     generator.close()
-    # close() clears torch's cuBLAS workspaces (DecodeGraphs.close: the capture stream's lives in the graph pool),
+    # close() clears torch's cuBLAS workspaces (StepGraphs.close: the capture stream's lives in the graph pool),
     # those of the training stream too, which its next GEMM makes again: as here, before the measure.
     x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
     torch.nn.functional.linear(x, x, x[0])

@@ -318,7 +318,7 @@ def rotary_case() -> bool:
     replica._ensure_state()
     positions = torch.tensor([0, 1, 17, 2047, 2048, 3000, 4095])
     q = torch.randn(len(positions), 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    ours = replica.attention[0]._rotate(q, *replica._rotary(positions))
+    ours = replica.attention[0]._rotate(q, *replica.runner._rotary(positions))
     reference = apply_rotary_pos_emb(q, model.rotary_pos_emb(4096)[positions], config=model.config,
                                      cp_group=ps.get_context_parallel_group())
     replica.close()
@@ -340,8 +340,7 @@ def bucketed_case(state: dict, stops: list[int]) -> dict:
     from megatron_hybrid.inference.graphs import DecodeGraphs
 
     class EagerBuckets(DecodeGraphs):
-        def __init__(self, batch_sizes, *, length_granule, max_length):  # no CUDA pool
-            self.batch_sizes, self.length_granule, self.max_length = sorted(batch_sizes), length_granule, max_length
+        def __init__(self):  # no CUDA pool
             self.reserved, self.seen, self.captures, self.replays = None, set(), 0, 0
 
         def run(self, key, step):
@@ -353,20 +352,23 @@ def bucketed_case(state: dict, stops: list[int]) -> dict:
 
     model = _training_model(state)
     engine = HybridEngine(model, RolloutLayout(1, ps.get_pipeline_model_parallel_world_size()))
+    # The graphs' buckets (the planner rounds steps to them): batches 2 and 5, lengths whole granules of 16.
     generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=5, max_sequence_length=MAX_LEN,
                                                           prefill_graph_granule=16, overlap_host=True,
-                                                          mixed_prefill_tokens=48, compact_slots=True))
+                                                          mixed_prefill_tokens=48, compact_slots=True,
+                                                          graph_batch_sizes=(2, 5), graph_length_granule=16))
     replica = generator.replica
     engine.switch_to_rollout()
-    replica.use_graphs = True
-    replica.geometry = dataclasses.replace(replica.geometry, spare_slots=1)
-    replica._new_graphs = lambda sizes: EagerBuckets([2, 5], length_granule=16, max_length=MAX_LEN)
+    runner = replica.runner
+    runner.use_graphs = True
+    runner.geometry = dataclasses.replace(runner.geometry, spare_slots=1)
+    runner._new_graphs = EagerBuckets
     prompts = prompts_for(0, 13)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=40)
     results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)
     seen = sorted(replica.graphs.seen)
     report = generator.report()
-    replica.graphs = None
+    runner.graphs = None
     engine.switch_to_training()
     generated = [r.generated_tokens for r in results]
     return {"generated": generated, "reference": recompute_greedy(model, prompts, set(stops), 40),

@@ -43,7 +43,7 @@ def vocab_parallel_case(vocab_size: int):
     """Log-probs, entropies and their gradients with the vocabulary split over TP equal the unsplit ones."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.ppo import vocab_parallel_logprobs_entropy
+    from megatron_hybrid.rl.ppo import vocab_parallel_logprobs_entropy
 
     g = torch.Generator().manual_seed(0)
     full = torch.randn(2, 5, 16, generator=g)

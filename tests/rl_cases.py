@@ -12,7 +12,7 @@ VOCAB, PROMPT, NEW = 16, 4, 8
 
 def recipe_args(*argv: str) -> argparse.Namespace:
     """The recipe's flags (Megatron-LM names and ours), parsed and validated for this world."""
-    from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+    from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
 
     args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(list(argv))
     validate_args(args, dist.get_world_size() if dist.is_initialized() else 1)
@@ -30,7 +30,7 @@ def _batch(seed: int, num: int):
 
 def _nll(passes):
     """A loss through the recipe's log-prob path: the mean negative log-likelihood of the response tokens."""
-    from megatron_hybrid import ppo
+    from megatron_hybrid.rl import ppo
 
     def loss_fn(output, mb):
         logp, _ = passes.token_stats(output, mb)

@@ -1,4 +1,4 @@
-"""Command-line checks (megatron_hybrid.arguments) and --distributed-timeout-minutes on every process group.
+"""Command-line checks (megatron_hybrid.rl.arguments) and --distributed-timeout-minutes on every process group.
 
 Every numeric flag is checked before any collective, with a message naming the flag and the value. A rank that
 stalls makes the others fail within the timeout instead of hanging them (the recipe end to end under torchrun).
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, check_number, validate_args
+from megatron_hybrid.checks import check_number
+from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

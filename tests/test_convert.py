@@ -742,7 +742,7 @@ def test_corrupt_megatron_checkpoint_is_refused_naming_the_file(hf_models, tmp_p
     assert str(e.value).startswith(f"convert_checkpoint.py: error: {culprit}: {problem} {meta_path}"), str(e.value)
     assert not (tmp_path / "hf").exists()
     # The recipe opens it while validating its arguments: on every rank, before any collective.
-    from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+    from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
 
     args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(
         ["--pretrained-checkpoint", str(mg)])

@@ -271,6 +271,16 @@ def test_rollout_memory_is_backed_only_while_rolling_out():
         assert r["late_mapped"]
 
 
+def test_engine_rollout_memory_provider_backs_between_switches():
+    r = run_distributed(cases.rollout_memory_provider_case, 1)[0]
+    assert r["training"] == ("training", 0, 0), r
+    assert r["in_call"] == ("rollout", r["nbytes"]) and r["grown_in_call"] == r["grown"], r
+    assert r["after_call"] == ("rollout", r["nbytes"], r["grown"]), r  # the engine stays rolling out
+    assert r["training_again"] == (0, 0, 0), r
+    assert r["next_rollout"] == (r["nbytes"], r["grown"], True, r["nbytes"] + r["grown"]), r
+    assert r["after_close"] == r["nbytes"], r
+
+
 def test_generate_fails_within_the_engine_timeout():
     # The agreement on generate()'s inputs is the call's first collective: on the engine's world-sized group, with
     # the engine's timeout (3 s), not on the world group (300 s in the test harness).

@@ -270,40 +270,38 @@ def test_prefill_groups_fit_a_graph_once_padded():
     # With graphs, a prefill group is a rectangle: rows (exact up to 8, then whole eights) x the longest prompt
     # rounded up to the granule (16), at most 2 x prefill_tokens padded tokens and prefill_rows rows; the cut, by
     # length, minimises the padded tokens plus _PREFILL_FORWARD_TOKENS (384) per forward.
-    from megatron_hybrid.inference import GenerationConfig
-    from megatron_hybrid.inference.kv_cache import CacheGeometry
-    from megatron_hybrid.inference.replica import _PREFILL_FORWARD_TOKENS, ReplicaGenerator
+    import dataclasses
+
+    from megatron_hybrid.inference.planner import PlannerSettings, StepPlanner
+    from megatron_hybrid.inference.replica import _PREFILL_FORWARD_TOKENS
 
     assert _PREFILL_FORWARD_TOKENS == 384  # the hand-computed costs below
-    replica = ReplicaGenerator.__new__(ReplicaGenerator)  # the grouping alone: no model, no cache
-    replica.config = GenerationConfig(prefill_tokens=40, prefill_graph_granule=16)
-    replica.geometry = CacheGeometry(num_layers=1, num_slots=8, slot_tokens=128, kv_heads=1, head_dim=4,
-                                     dtype=torch.float32)
-    replica.prefill_rows, replica.prefill_tokens = 8, 40
+    # The grouping alone: no model, no cache. prefill_graph_tokens: 2 x the staging's prefill_tokens.
+    settings = PlannerSettings(num_slots=8, slot_tokens=128, prefill_tokens=40, batch_sizes=(8,), prefill_granule=16,
+                               prefill_rows=8, prefill_graph_tokens=80)
 
     def groups(prompts):
-        cut = replica._prefill_groups([(seq, seq) for seq in range(len(prompts))], prompts)
+        cut = StepPlanner(settings).prefill_groups([(seq, seq) for seq in range(len(prompts))], prompts)
         return [[seq for seq, _ in g] for g in cut]
 
     # Seven 1-token prompts and one of 33 hold 40 real tokens, one forward by tokens alone (as without graphs),
     # but 8 x 48 padded: that group was an eager prefill. Graph groups: at most 80 padded tokens, so five 1s
     # (5 x 16), two 1s (with the 33: 3 x 48 = 144), then the 33.
     prompts = [[5] * 33] + [[1]] * 7
-    replica.graphs = None
     assert groups(prompts) == [list(range(8))]
-    replica.graphs = object()
+    settings = dataclasses.replace(settings, graphs=True)
     assert groups(prompts) == [[1, 2, 3, 4, 5], [6, 7], [0]]
     # Eight prompts of 16 tokens and eight of 96 (odd and even sequences): one forward of 16 x 96 = 1536 padded
     # tokens costs 1920, two forwards of 8 x 16 and 8 x 96 cost 128 + 768 + 2 x 384 = 1664.
-    replica.config = GenerationConfig(prefill_tokens=1000, prefill_graph_granule=16)
-    replica.prefill_rows, replica.prefill_tokens = 16, 1000
+    settings = dataclasses.replace(settings, prefill_tokens=1000, prefill_rows=16, prefill_graph_tokens=2000)
     prompts = [[2] * 96, [3] * 16] * 8
     assert groups(prompts) == [list(range(1, 16, 2)), list(range(0, 16, 2))]
     # A prompt longer than any graph goes alone (an eager prefill); the others still fit graphs.
-    replica.prefill_tokens = 40
+    settings = dataclasses.replace(settings, prefill_graph_tokens=80)
     prompts = [[4] * 100, [1], [1]]
     cut = groups(prompts)
-    assert cut == [[1, 2], [0]] and not replica._prefill_graph_fits(*replica._prefill_shape(1, 100))
+    planner = StepPlanner(settings)
+    assert cut == [[1, 2], [0]] and not planner.prefill_graph_fits(*planner.prefill_shape(1, 100))
 
 
 def test_synchronizing_calls_counted_by_line():

@@ -1,4 +1,5 @@
-"""ReservedBuffer: fixed address across map/unmap cycles, memory really released, the always-mapped part kept."""
+"""ReservedBuffer: fixed address across map/unmap cycles, memory really released, the always-mapped part kept; the
+per-call rollout-memory provider's lifetime."""
 
 from __future__ import annotations
 
@@ -120,3 +121,35 @@ def test_cuda_vmm_cycles_at_fixed_address_release_device_memory() -> None:
         assert buf.tensor().data_ptr() == ptr
         assert bool((t[:own] == 1.5).all())
     buf.close()
+
+
+def test_per_call_rollout_memory_is_backed_for_each_call_only() -> None:
+    # A generator without an engine: its reservations (one fixed, one that grows during a call, as the CUDA-graph
+    # pool's does) are backed inside backed(), at the same addresses every call, and hold nothing between calls.
+    from megatron_hybrid.rollout_memory import PerCallRolloutMemory
+
+    memory = PerCallRolloutMemory(torch.device("cpu"))
+    page = mmap.PAGESIZE
+    fixed = memory.reserve(3 * page // 4 + 5, torch.float32)  # not a whole number of pages: mapped to its end
+    grows = memory.reserve(8 * page, torch.uint8, grows=True)
+    ptrs = (fixed.tensor.data_ptr(), grows.tensor.data_ptr())
+    assert fixed.mapped_bytes == grows.mapped_bytes == 0
+    for call in range(2):
+        with memory.backed():
+            assert fixed.mapped_bytes == fixed.memory.reserved_bytes
+            assert grows.mapped_bytes == (2 * page if call else 0)
+            if not call:
+                grows.extend(0, page)  # handed out while in use: backed at once
+                grows.extend(page, 2 * page)
+                assert grows.mapped_bytes == 2 * page and grows.pieces == [(0, 2 * page, False)]
+            with memory.backed():  # re-entrant: the inner body's end gives nothing back
+                late = memory.reserve(10, torch.bfloat16)
+            assert late.mapped_bytes == page and fixed.mapped_bytes == fixed.memory.reserved_bytes
+            fixed.tensor.fill_(1.5)
+            grows.tensor[: 2 * page].fill_(7)
+        assert fixed.mapped_bytes == grows.mapped_bytes == late.mapped_bytes == 0
+        assert (fixed.tensor.data_ptr(), grows.tensor.data_ptr()) == ptrs
+        late.close()
+    assert memory.buffers == [fixed, grows]  # closed ones are forgotten
+    fixed.close()
+    grows.close()

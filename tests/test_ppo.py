@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from megatron_hybrid import ppo, rl
+from megatron_hybrid import rl
+from megatron_hybrid.rl import ppo
 from tests import ppo_cases
 from tests.harness import run_distributed
 from tests.rl_cases import recipe_args

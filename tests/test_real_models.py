@@ -211,7 +211,7 @@ def test_bad_pretrained_arguments_fail_at_start_up(models, argv, message, monkey
 def _validated(*argv: str):
     import argparse
 
-    from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+    from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
 
     args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(argv)
     validate_args(args, 2)

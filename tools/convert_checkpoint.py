@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    from megatron_hybrid.arguments import check_number
+    from megatron_hybrid.checks import check_number
 
     if args.direction == "hf-to-megatron":
         check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)

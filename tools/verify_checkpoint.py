@@ -38,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     args = parser.parse_args(argv)
-    from megatron_hybrid.arguments import check_number
+    from megatron_hybrid.checks import check_number
 
     try:
         check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)

@@ -89,13 +89,13 @@ class Recorder:
                                      for k, v in self.host.items()}, "by_kind": by_kind}
 
 
-def replay_alone(replica, repeats: int = 20) -> dict:
+def replay_alone(runner, repeats: int = 20) -> dict:
     """Every captured decode graph replayed ``repeats`` times back to back, each slot at position 200: device ms
     per replay. (Prefill and mixed graphs read staged inputs that the last call left in another layout.)"""
     out = {}
-    graphs = replica.graphs
-    replica.slot_positions.fill_(200)
-    with torch.no_grad(), replica.cache.backed(), graphs.backed(), replica.noise.backed():
+    graphs = runner.graphs
+    runner.slot_positions.fill_(200)
+    with torch.no_grad(), runner.cache.backed(), graphs.backed(), runner.noise.backed():
         for key in [key for key in graphs.keys() if key[0] == "decode"]:
             graph = graphs._graphs[key][0]
             graph.replay()
@@ -139,17 +139,19 @@ def probe(arch, engine, args) -> None:
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
-    from megatron_hybrid.inference.graphs import DecodeGraphs
+    from megatron_hybrid.inference.graphs import StepGraphs
     from megatron_hybrid.inference.host_syncs import synchronizing_calls
     from megatron_hybrid.inference.replica import ReplicaGenerator
+    from megatron_hybrid.inference.runner import StageRunner
 
     rec = Recorder()
-    DecodeGraphs.run = rec.wrap(lambda self, key, step: key[:3], DecodeGraphs.run)
-    for name in ("_mixed", "_decode", "_prefill", "_stage_mixed", "_in_flight", "_start", "_advance"):
-        setattr(ReplicaGenerator, name, rec.host_only(name, getattr(ReplicaGenerator, name)))
-    ReplicaGenerator._compact = rec.wrap(lambda self, *a: ("compact",), ReplicaGenerator._compact)
-    ReplicaGenerator._eager_prefill = rec.wrap(lambda self, prompts, *a: ("eager_prefill", len(prompts)),
-                                               ReplicaGenerator._eager_prefill)
+    StepGraphs.run = rec.wrap(lambda self, key, step: key[:3], StepGraphs.run)
+    for name in ("_mixed", "_decode", "_prefill", "stage_mixed", "_start", "_advance"):
+        setattr(StageRunner, name, rec.host_only(name, getattr(StageRunner, name)))
+    ReplicaGenerator._in_flight = rec.host_only("_in_flight", ReplicaGenerator._in_flight)
+    StageRunner.move_slots = rec.wrap(lambda self, *a: ("compact",), StageRunner.move_slots)
+    StageRunner._eager_prefill = rec.wrap(lambda self, prompts, *a: ("eager_prefill", len(prompts)),
+                                          StageRunner._eager_prefill)
     sync = torch.cuda.Event.synchronize
 
     def timed_sync(event):
@@ -189,7 +191,7 @@ def probe(arch, engine, args) -> None:
                          synchronizing_calls=dict(synchronizing_calls(run)[1]))
             result[f"B={B} {name}"] = entry
             print(json.dumps({f"B={B} {name}": entry}), flush=True)
-        result[f"B={B} replay_alone_ms"] = replay_alone(gen.replica)
+        result[f"B={B} replay_alone_ms"] = replay_alone(gen.replica.runner)
         print(json.dumps({f"B={B} replay_alone_ms": result[f"B={B} replay_alone_ms"]}), flush=True)
         gen.close()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -52,11 +52,11 @@ def probe(arch, engine, out: str) -> None:
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
-    from megatron_hybrid.inference.replica import ReplicaGenerator
+    from megatron_hybrid.inference.runner import StageRunner
     from megatron_hybrid.inference.sampling import is_greedy
 
     stats: dict = {}
-    original = ReplicaGenerator._replay
+    original = StageRunner._replay
 
     def record(self, kind, logits, noise, params):
         sampled = logits.shape[0]
@@ -84,11 +84,11 @@ def probe(arch, engine, out: str) -> None:
         record(self, kind, logits, None if is_greedy(params) else self._noise(logits.shape[0], vocab), params)
         return out
 
-    ReplicaGenerator._replay = replay
+    StageRunner._replay = replay
     result = {}
     top_p = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=128)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=128)
-    # The bench's order: a generator at batch 32, closed, then one at 128 (before the fix in DecodeGraphs.close(),
+    # The bench's order: a generator at batch 32, closed, then one at 128 (before the fix in StepGraphs.close(),
     # the second one's KV cache had rows overwritten by the first one's dangling cuBLAS workspace).
     variants = [("B=32 top_p", 32, top_p, {}), ("B=128 top_p", 128, top_p, {}), ("B=128 greedy", 128, greedy, {}),
                 ("B=128 top_p private pool", 128, top_p, {"graph_pool_gib": 0.0})]

@@ -37,8 +37,9 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_hybrid import ppo, rl
-from megatron_hybrid.arguments import add_hybrid_args, add_megatron_args, validate_args
+from megatron_hybrid import rl
+from megatron_hybrid.rl import ppo
+from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
 
 
 def build_parser() -> argparse.ArgumentParser:

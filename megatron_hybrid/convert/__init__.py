@@ -1,7 +1,8 @@
 """Hugging Face ⇄ Megatron checkpoint conversion, streamed.
 
 - ``virtual.py``: tensors planned as rectangles of stored tensors and read in bands (the streaming).
-- ``safetensors_io.py``: header checks, lazy reads, a streaming safetensors writer.
+- ``safetensors_io.py``: header checks, lazy reads, :class:`CheckpointError`; ``safetensors_writer.py``: a streaming
+  safetensors writer.
 - ``families.py``: Llama/Mistral/Qwen2/Qwen3 configs ⇄ :class:`~megatron_hybrid.models.GPTArchitecture`, and
   their tensors ⇄ megatron-core's (QKV interleave, [gate; up], vocabulary padding).
 - ``layout.py``: the Megatron-side checkpoint (per-rank safetensors in Megatron-LM's directory layout), its

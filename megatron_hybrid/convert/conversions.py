@@ -26,7 +26,8 @@ from .families import architecture_from_hf, family_of, hf_config_from_architectu
 from .families import megatron_from_hf
 from .layout import (ASSETS_DIR, ITERATION_DIR, WEIGHTS_FILE, CheckpointMeta, MegatronCheckpoint, check_parallel_sizes,
                      json_ready, megatron_lm_args, rank_dir_name, rank_tensors, write_meta)
-from .safetensors_io import CheckpointError, TensorReader, write_safetensors
+from .safetensors_io import CheckpointError, TensorReader
+from .safetensors_writer import write_safetensors
 
 #: As ``save_pretrained``'s historical default.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

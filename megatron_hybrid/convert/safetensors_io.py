@@ -1,4 +1,4 @@
-"""Safetensors files, read lazily and written as a stream.
+"""Safetensors files, read lazily; the checkpoint error and the JSON checks every reader of a checkpoint shares.
 
 Reading is positioned ``read``s of whole row ranges into fresh buffers (:class:`TensorReader`). Not
 ``safetensors.safe_open``: its tensors are views of a memory map, and every page a conversion touches then stays
@@ -6,25 +6,19 @@ in the process's resident set until the file is closed (measured: converting a 2
 2.6 GB RSS that way, against the 0.3 GB baseline). Before a file is used its header is checked against its size,
 so a truncated download fails with the file's name, not deep inside a conversion.
 
-Writing is our own: ``safetensors.save_file`` wants every tensor in memory at once, but the format is only
-``[8-byte little-endian header length][JSON header][raw C-order bytes]``, so once the shapes are known the header
-can be written first and the tensors streamed after it, band by band. The files are ordinary safetensors files
-(the tests read them with ``safetensors.torch.load_file`` and transformers).
+Writing, which reads its tensors through :mod:`.virtual` (itself a reader of this module), is in
+:mod:`.safetensors_writer`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .virtual import Virtual
 
 
 class CheckpointError(ValueError):
@@ -198,36 +192,3 @@ def _check_finite(part: torch.Tensor, path: str, name: str, origin: list[int]) -
         raise CheckpointError(f"{path}: {name} holds non-finite values ({int(bad.sum())} of the {part.numel()} "
                               f"values read, e.g. {part[where].item()} at {[i + o for i, o in zip(where, origin)]}); "
                               "pass --allow-non-finite (allow_non_finite=True) to convert it as it is")
-
-
-def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, "Virtual"], reader: TensorReader, *,
-                      metadata: Optional[dict[str, str]] = None,
-                      progress: Optional[Callable[[int], None]] = None) -> str:
-    """Write ``tensors`` to a new safetensors file, reading each one band by band (memory: one band). Returns the
-    file's digest (see :mod:`.digests`), computed from the bytes as they are written."""
-    from .digests import ALGORITHM
-    from .virtual import iter_bands
-
-    # Like safetensors: larger elements first, so that every tensor starts aligned to its element size.
-    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for name in order:
-        v = tensors[name]
-        header[name] = {"dtype": DTYPE_NAMES[v.dtype], "shape": list(v.shape),
-                        "data_offsets": [offset, offset + v.nbytes]}
-        offset += v.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data then starts 8-byte aligned, as safetensors writes it
-    digest = hashlib.new(ALGORITHM)
-    with open(path, "wb") as f:
-        for chunk in (len(raw).to_bytes(8, "little"), raw):
-            f.write(chunk)
-            digest.update(chunk)
-        for name in order:
-            for band in iter_bands(tensors[name], reader):
-                f.write(band)
-                digest.update(band)
-                if progress is not None:
-                    progress(len(band))
-    return f"{ALGORITHM}:{digest.hexdigest()}"

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..patches import cpu_gloo
 from . import hf_checkpoint as hfc
 from .layout import MegatronCheckpoint, check_parallel_sizes, load_megatron_checkpoint, read_architecture
 
@@ -103,8 +104,6 @@ def megatron_logits_on_rank(megatron_dir: str | os.PathLike, tokens: torch.Tenso
 def _in_parallel_state(tp: int, pp: int, megatron_dir: str, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_hybrid.patches import cpu_gloo
 
     with cpu_gloo():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -3,11 +3,15 @@
 Pieces, one module each:
 
 - :mod:`.attention`: megatron-core's ``SelfAttention`` with a per-slot KV cache (swapped in by class; ragged
-  prompts, per-token positions); :mod:`.kv_cache`: the cache, one reserved range at a fixed address;
+  prompts, per-token positions); :mod:`.norms`: RMSNorm in one kernel during a step; :mod:`.context`: the step a
+  stage runs, the one object those modules read it from; :mod:`.kv_cache`: the cache, one reserved range at a
+  fixed address;
 - :mod:`.scheduler`: continuous batching over decode slots; :mod:`.sampling`: greedy / temperature / top-k /
-  top-p on the device; :mod:`.graphs`: decode steps captured once per bucket, replayed across rollouts;
-- :mod:`.replica`: the prefill/decode loop of one model replica (tensor and pipeline groups);
-  :mod:`.generator`: the HybridEngine's micro-DP data flow around it; :mod:`.validation`: argument checks that
+  top-p on the device; :mod:`.graphs`: step graphs captured once per bucket, replayed across rollouts;
+- the generator of one model replica (tensor and pipeline groups) in three rooms: :mod:`.planner` decides each step
+  (a typed plan, pure Python), :mod:`.runner` executes it on this stage (buffers, forwards, graphs, pipeline
+  exchange), :mod:`.replica` runs the loop, stops and results;
+- :mod:`.generator`: the HybridEngine's micro-DP data flow around it; :mod:`.validation`: argument checks that
   every rank agrees on before any generation collective; :mod:`.host_syncs`: which host lines wait on the device.
 
 Why our own attention path rather than megatron-core's: its static ``inference_context`` keeps one offset for the

@@ -1,12 +1,13 @@
 """Self-attention over a per-slot KV cache, swapped into a megatron-core model by class.
 
-megatron-core's own KV path (a ``StaticInferenceContext`` as ``inference_context``) keeps one scalar offset for
-the whole batch, so every sequence of a batch must sit at the same position: no ragged prompts, no slot reuse.
+megatron-core's own KV path (a ``StaticInferenceContext`` as ``inference_context``) keeps one scalar offset for the
+whole batch, so every sequence of a batch must sit at the same position: no ragged prompts, no slot reuse.
 :class:`KVCacheSelfAttention` keeps megatron-core's ``SelfAttention`` (its ``linear_qkv``, q/k layernorms and
-``linear_proj``, aliased or not) and replaces only what happens between the projections while a :class:`KVStep`
-is set on it: rotary embeddings at each token's own position, a write of K/V into the token's cache slot, and
-attention (``scaled_dot_product_attention``) over that slot's filled positions. Without a step the module is
-megatron-core's ``SelfAttention``, unchanged, so the model stays a drop-in megatron-core model.
+``linear_proj``, aliased or not) and replaces only what happens between the projections while its stage's
+:class:`~.context.StepContext` holds a :class:`~.context.KVStep`: rotary embeddings at each token's own position, a
+write of K/V into the token's cache slot, and attention (``scaled_dot_product_attention``) over that slot's filled
+positions. Without a step the module is megatron-core's ``SelfAttention``, unchanged, so the model stays a drop-in
+megatron-core model.
 
 Tokens always travel packed along the sequence dimension, ``[T, 1, H]`` (T tokens, batch 1): a prefill packs the
 prompts one after another, a decode step packs one token per slot, each with its own position.
@@ -23,7 +24,6 @@ query heads per key/value head on this tensor-parallel rank, L cached positions 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -31,47 +31,20 @@ import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 
 from . import kernels
+from .context import KVStep, StepContext
 
-
-@dataclass
-class KVStep:
-    """What one forward of the packed tokens needs to know, shared by every attention layer of a stage."""
-
-    keys: list[torch.Tensor]
-    """Per layer of the stage, the key cache ``[N, G, L, D]``."""
-    values: list[torch.Tensor]
-    """Per layer, the value cache ``[N, G, L, D]``."""
-    slots_T: torch.Tensor
-    """The cache slot of every packed token."""
-    positions_T: torch.Tensor
-    """The position of every packed token in its sequence."""
-    rotary_T11D: Optional[tuple[torch.Tensor, torch.Tensor]]
-    """Cosines and sines of the rotary angles at each token's position, or None without rotary embeddings."""
-    decode: bool
-    """One query token per row over the cache: a decode step (row b is slot b, T = B), or with ``read_slots_B`` a
-    decode step with prompt tokens riding along; otherwise a prefill of whole prompts from position 0."""
-    attended: int = 0
-    """Decode: cached positions read per slot (at least every slot's position + 1)."""
-    mask_B11L: Optional[torch.Tensor] = None
-    """Decode: which of the ``attended`` positions each slot may read (None with ``lengths_B``)."""
-    lengths_B: Optional[torch.Tensor] = None
-    """Decode: positions each row reads (its position + 1), for the attention kernel that reads only those."""
-    read_slots_B: Optional[torch.Tensor] = None
-    """Decode with ``lengths_B``: the slot each row reads (rows may share one: a prompt's tokens riding along a
-    decode step, each reading its slot up to its own position); None: row b reads slot b."""
-    prompts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    """Prefill: ``(length, token indices)`` per prompt length: the packed tokens of all prompts of that length,
-    prompt after prompt (one attention call per length, so repeated prompts cost one call)."""
+__all__ = ["KVCacheSelfAttention", "KVStep", "install_kv_attention"]
 
 
 class KVCacheSelfAttention(SelfAttention):
-    """megatron-core's ``SelfAttention`` that attends over a per-slot KV cache while ``kv_step`` is set."""
+    """megatron-core's ``SelfAttention`` that attends over a per-slot KV cache while its ``step_context`` holds a
+    step."""
 
-    kv_step: Optional[KVStep] = None
+    step_context: Optional[StepContext] = None  # the stage's, given once by install_kv_attention
     kv_layer: int = 0  # index of this layer among the stage's attention layers (its cache)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        step = self.kv_step
+        step = self.step_context.kv if self.step_context is not None else None
         if step is None:
             return super().forward(hidden_states, *args, **kwargs)
         return self._cached_forward(hidden_states, step)
@@ -173,9 +146,9 @@ def _unsupported(config) -> Optional[str]:
     return None
 
 
-def install_kv_attention(chunk: torch.nn.Module) -> list[KVCacheSelfAttention]:
+def install_kv_attention(chunk: torch.nn.Module, context: StepContext) -> list[KVCacheSelfAttention]:
     """Swap the class of every layer's ``self_attention`` in ``chunk`` (a GPTModel stage) for
-    :class:`KVCacheSelfAttention`; returns them in layer order. Idempotent.
+    :class:`KVCacheSelfAttention`, reading its steps from ``context``; returns them in layer order. Idempotent.
 
     The modules keep their parameters, submodules and attributes; outside a generation step they compute exactly
     what megatron-core's ``SelfAttention`` computes.
@@ -199,5 +172,6 @@ def install_kv_attention(chunk: torch.nn.Module) -> list[KVCacheSelfAttention]:
             raise ValueError(f"layer {i}'s self_attention is a {type(attn).__name__} (a SelfAttention subclass): "
                              "KV-cache generation would drop what it overrides")
         attn.kv_layer = i
+        attn.step_context = context
         out.append(attn)
     return out

@@ -8,13 +8,15 @@ generates for all of their prompts at once.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import compat
-from ..groups import collective_errors
+from ..groups import RolloutGroups, collective_errors
+from ..layout import ParallelLayout
+from ..rollout_memory import RolloutMemoryProvider
 from .config import GenerationConfig
 from .replica import GenerationResult, ReplicaGenerator
 from .validation import SEED_LIMIT, Limits, check_generate_call
@@ -39,6 +41,37 @@ def replica_seed(seed: int, replica: int) -> int:
     return (seed + REPLICA_SEED_STRIDE * replica) % SEED_LIMIT
 
 
+class RolloutEngine(Protocol):
+    """What a :class:`RolloutGenerator` reads of a :class:`~megatron_hybrid.engine.HybridEngine`, once, at
+    construction: the inference package never holds the engine itself."""
+
+    @property
+    def rollout_chunks(self) -> Sequence[torch.nn.Module]:
+        """The rollout model's chunks on this rank (generation takes one)."""
+        ...
+
+    @property
+    def rollout_groups(self) -> RolloutGroups:
+        """The rollout groups (tensor, pipeline, micro-DP, the world) with their timeout, and this rank's rollout
+        replica."""
+        ...
+
+    @property
+    def layout(self) -> ParallelLayout:
+        ...
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's training data-parallel rank (whose prompts it holds)."""
+        ...
+
+    @property
+    def rollout_memory(self) -> RolloutMemoryProvider:
+        """Backs the KV cache, sampling noise and graph pool while rolling out; entering its ``backed()`` switches
+        the engine to rollout."""
+        ...
+
+
 class RolloutGenerator:
     """KV-cache generation with a :class:`~megatron_hybrid.engine.HybridEngine`'s rollout model.
 
@@ -46,18 +79,21 @@ class RolloutGenerator:
     serve every later rollout. ``generate`` is called on every rank of the training layout.
 
     Args:
-        engine: the HybridEngine (its rollout model, groups and layout).
+        engine: the HybridEngine (its rollout model, groups, layout and rollout memory: :class:`RolloutEngine`).
         config: cache and decode settings (default :class:`GenerationConfig()`).
     """
 
-    def __init__(self, engine: Any, config: Optional[GenerationConfig] = None) -> None:
-        if len(engine.rollout_chunks) > 1:
-            raise ValueError(f"generation with virtual pipeline chunks ({len(engine.rollout_chunks)} rollout model "
-                             "chunks) is not supported")
-        self.engine = engine
+    def __init__(self, engine: RolloutEngine, config: Optional[GenerationConfig] = None) -> None:
+        chunks = engine.rollout_chunks
+        if len(chunks) > 1:
+            raise ValueError(f"generation with virtual pipeline chunks ({len(chunks)} rollout model chunks) is not "
+                             "supported")
+        self.groups, self.layout, self.dp_rank = engine.rollout_groups, engine.layout, engine.dp_rank
+        self.memory = engine.rollout_memory
         self.config = config if config is not None else GenerationConfig()
-        self.replica = ReplicaGenerator(engine.rollout_chunks[0], tp_group=engine.groups["tp"],
-                                        pp_group=engine.groups["pp"], config=self.config, engine=engine)
+        tp, pp = self.groups.groups["tp"], self.groups.groups["pp"]
+        self.replica = ReplicaGenerator(chunks[0], tp_group=tp, pp_group=pp, config=self.config, memory=self.memory,
+                                        groups=self.groups)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0,
@@ -76,39 +112,41 @@ class RolloutGenerator:
 
         Every argument is checked on every rank before any generation collective (integers are ints, numpy
         integers or integer tensor scalars, never bools or floats); a bad one raises the same ``ValueError`` on
-        every rank. Switches the engine to rollout if it is not there yet. Every collective runs on the engine's
-        groups, within its timeout (a :class:`~megatron_hybrid.groups.CollectiveError` naming it otherwise).
+        every rank. Switches the engine to rollout if it is not there yet (it stays there after the call). Every
+        collective runs on the engine's groups, within its timeout (a
+        :class:`~megatron_hybrid.groups.CollectiveError` naming it otherwise).
         """
-        engine = self.engine
-        groups = engine.rollout_groups
+        groups = self.groups
         with groups.errors("generate", "the ranks' agreement on the inputs"):
             call = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
                                        stop_token_ids=stop_token_ids, seed=seed, limits=self.replica.limits,
                                        group=groups.world)
         prompts, params = call.prompts, call.params
-        engine.switch_to_rollout()
-        lay = engine.layout
+        lay = self.layout
         kwargs = dict(vocab_size=call.vocab_size, stop_token_ids=call.stop_token_ids,
-                      seed=replica_seed(call.seed, engine.rollout_replica), tempered_log_probs=tempered_log_probs)
-        if lay.widens:
-            # This rollout replica spans m training replicas: generate for all of their prompts at once.
-            tp = engine.groups["tp"]
-            mine: list[Any] = [None] * tp.size()
-            with groups.errors("generate", "the rollout tensor-parallel group's gather of the prompts"):
-                dist.all_gather_object(mine, (engine.dp_rank, prompts), group=tp)
-            by_dp = dict(sorted(mine))
-            batch = [p for dp in by_dp for p in by_dp[dp]]
-            results = self.replica.generate(batch, params, **kwargs)
-            start = sum(len(by_dp[dp]) for dp in by_dp if dp < engine.dp_rank)
-            return results[start: start + len(prompts)]
-        replica = engine.rollout_replica - engine.dp_rank * lay.d_g  # index among this training replica's d_g
-        lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
-        results = self.replica.generate(prompts[lo:hi], params, **kwargs)
+                      seed=replica_seed(call.seed, groups.replica), tempered_log_probs=tempered_log_probs)
+        # The one place a generate call switches to rollout: the engine's provider switches when entered (on every
+        # rank, also one whose replica gets no prompts: the switch's collectives need every rank).
+        with self.memory.backed():
+            if lay.widens:
+                # This rollout replica spans m training replicas: generate for all of their prompts at once.
+                tp = groups.groups["tp"]
+                mine: list[Any] = [None] * tp.size()
+                with groups.errors("generate", "the rollout tensor-parallel group's gather of the prompts"):
+                    dist.all_gather_object(mine, (self.dp_rank, prompts), group=tp)
+                by_dp = dict(sorted(mine))
+                batch = [p for dp in by_dp for p in by_dp[dp]]
+                results = self.replica.generate(batch, params, **kwargs)
+                start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
+                return results[start: start + len(prompts)]
+            replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
+            lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
+            results = self.replica.generate(prompts[lo:hi], params, **kwargs)
         if lay.d_g == 1:
             return results
         gathered: list[Any] = [None] * lay.d_g
         with groups.errors("generate", "the micro-DP gather of the results"):
-            dist.all_gather_object(gathered, (replica, results), group=engine.groups["micro_dp"])
+            dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
         return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
 
     def report(self) -> dict[str, Any]:

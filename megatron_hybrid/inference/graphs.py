@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps, captured once per bucket and replayed for the generator's whole life.
+"""CUDA graphs of generation steps, captured once per bucket and replayed for the generator's whole life.
 
 A decode step's inputs (each slot's token and position, and the hidden states from the previous pipeline stage),
 the KV cache, the rotary frequencies and the weights all sit at fixed addresses; between rollouts the engine
@@ -8,27 +8,26 @@ captured again: what peers get wrong when their inference engine reallocates (st
 
 A graph bakes in the batch (slots ``0 .. B-1``) and how many cached positions attention reads, so a step is run by
 the graph of its bucket: the batch rounded up to a batch size of the list, the filled length rounded up to the
-length granule. megatron-core needs its inference RNG tracker for capture
-(``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the default tracker's ``fork()`` fails
-inside a capture.
+length granule (the step planner, :mod:`.planner`, rounds them and names the graph). megatron-core needs its
+inference RNG tracker for capture (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``): the
+default tracker's ``fork()`` fails inside a capture.
 
 All graphs share one memory pool (they never run concurrently). Its memory would otherwise stay allocated as long
 as the graphs live, training included; :class:`ReservedGraphPool` instead serves the pool's segments from one
-:class:`~megatron_hybrid.memory.ReservedBuffer` (a ``torch.cuda.MemPool`` over a custom allocator), so they keep
-their addresses but are backed only while generating.
+growing rollout-only reservation (a ``torch.cuda.MemPool`` over a custom allocator), so they keep their addresses
+but are backed only while rolling out, like the KV cache (see :mod:`megatron_hybrid.rollout_memory`).
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import warnings
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from ..memory import ReservedBuffer
+from ..rollout_memory import RolloutMemoryProvider
 
 # torch's pluggable-allocator callbacks (c10/cuda/CUDAPluggableAllocator): alloc(size, device, stream) -> ptr and
 # free(ptr, size, device, stream).
@@ -41,49 +40,50 @@ class ReservedGraphPool:
 
     The caching allocator asks for a segment only when a capture needs more memory; the segment is mapped then and
     handed out for the pool's life (the pool reuses its blocks itself; nothing is given back before the pool goes).
-    :meth:`backed` maps every segment handed out so far for the duration of a generate call and unmaps them after,
-    at the same addresses, which the graphs captured over them keep.
+    From then on it is backed with ``memory``'s other reservations, at the same addresses, which the graphs captured
+    over it keep: with the engine's provider from every switch to rollout to the switch back (so it stays backed
+    between two generate calls of one rollout, as the KV cache does; the GPU test checks what is held while
+    training, and nothing between calls), with a generator's own provider for each generate call.
 
     Args:
-        device: the GPU.
+        memory: the provider of the reservation (it needs CUDA virtual memory).
         reserve_bytes: address space to reserve (physical memory follows the segments actually handed out).
     """
 
-    def __init__(self, device: torch.device, reserve_bytes: int) -> None:
-        self.buffer = ReservedBuffer(reserve_bytes, torch.uint8, device=device, backend="cuda_vmm")
-        self.base = self.buffer.data_ptr()  # read here: the callback runs inside the caching allocator's lock
+    def __init__(self, memory: RolloutMemoryProvider, reserve_bytes: int) -> None:
+        self.memory = memory
+        self.buffer = memory.reserve(reserve_bytes, torch.uint8, grows=True, backend="cuda_vmm")
+        # Read here: the callback runs inside the caching allocator's lock.
+        self.base, self.granule = self.buffer.memory.data_ptr(), self.buffer.memory.granularity
         self.top = 0  # bytes handed out
         # The callbacks must outlive the allocator that calls them. torch._C._cuda_customAllocator is what
         # torch.cuda.memory.CUDAPluggableAllocator calls with a shared library's function pointers (torch >= 2.0);
         # a MemPool over such an allocator serves CUDA-graph captures from torch 2.6 (checked up to 2.13).
         self._alloc_cb, self._free_cb = _ALLOC(self._alloc), _FREE(self._free)
-        allocator = torch._C._cuda_customAllocator(ctypes.cast(self._alloc_cb, ctypes.c_void_p).value,
-                                                   ctypes.cast(self._free_cb, ctypes.c_void_p).value)
-        self.pool = torch.cuda.MemPool(allocator)
+        try:
+            allocator = torch._C._cuda_customAllocator(ctypes.cast(self._alloc_cb, ctypes.c_void_p).value,
+                                                       ctypes.cast(self._free_cb, ctypes.c_void_p).value)
+            self.pool = torch.cuda.MemPool(allocator)
+        except Exception:
+            self.buffer.close()  # no pool (a torch without custom MemPools): the provider forgets the reservation
+            raise
         self.id = self.pool.id
 
     def _alloc(self, size: int, device: int, stream: Any) -> Optional[int]:
-        granule = self.buffer.granularity
+        granule = self.granule
         size = -(-size // granule) * granule
         if self.top + size > self.buffer.numel:
             return None  # the caching allocator turns a null pointer into its out-of-memory error
         lo, self.top = self.top, self.top + size
-        self.buffer.map(lo, self.top)
+        self.buffer.extend(lo, self.top)  # mapped now, and from now on with the provider's other reservations
         return self.base + lo
 
     def _free(self, ptr: Any, size: int, device: int, stream: Any) -> None:
         """Segments are only freed when the pool goes; the reservation goes with :meth:`close`."""
 
-    @contextmanager
-    def backed(self) -> Iterator[None]:
+    def backed(self) -> ContextManager[None]:
         """Every segment handed out is backed for the body (new ones are mapped as they are handed out)."""
-        if self.top:
-            self.buffer.map(0, self.top)
-        try:
-            yield
-        finally:
-            if self.top:
-                self.buffer.unmap(0, self.top)
+        return self.memory.backed()
 
     @property
     def mapped_bytes(self) -> int:
@@ -94,26 +94,22 @@ class ReservedGraphPool:
         self.buffer.close()
 
 
-class DecodeGraphs:
-    """Graphs of one stage's decode step, keyed by ``(batch, attended)`` bucket.
+class StepGraphs:
+    """The CUDA graphs of one stage's steps, keyed by the step plan's graph key (:attr:`.planner.StepPlan.graph_key`:
+    ``(kind, rows, length, sampling signature)`` of decode, prefill and mixed steps; the planner rounds the steps to
+    the keys' buckets).
 
     Args:
-        batch_sizes: the batch buckets (sorted, the largest is the slot count).
-        length_granule: attended lengths are rounded up to a multiple of this.
-        max_length: positions per slot (the largest attended length).
         device: the GPU.
         pool_bytes: address space for a :class:`ReservedGraphPool` (0: a private pool that stays allocated).
+        memory: the rollout-memory provider the reserved pool reserves from.
     """
 
-    def __init__(self, batch_sizes: Sequence[int], *, length_granule: int, max_length: int, device: torch.device,
-                 pool_bytes: int) -> None:
-        self.batch_sizes = sorted(set(batch_sizes))
-        self.length_granule = length_granule
-        self.max_length = max_length
+    def __init__(self, *, device: torch.device, pool_bytes: int, memory: RolloutMemoryProvider) -> None:
         self.reserved: Optional[ReservedGraphPool] = None
         if pool_bytes > 0:
             try:
-                self.reserved = ReservedGraphPool(device, pool_bytes)
+                self.reserved = ReservedGraphPool(memory, pool_bytes)
             except (AttributeError, RuntimeError, OSError) as exc:  # no VMM, or a torch without custom MemPools
                 warnings.warn(f"decode graphs: no reserved memory pool ({exc}); their memory stays allocated "
                               "between generate calls", RuntimeWarning, stacklevel=2)
@@ -123,17 +119,11 @@ class DecodeGraphs:
         # (torch.cuda.graph's default one) their captures would write into this pool's memory, unmapped between
         # calls and freed at close (and the workspace would outlive it, see close()).
         self.stream = torch.cuda.Stream(device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures = 0
         self.replays = 0
 
-    def bucket(self, batch: int, attended: int) -> tuple[int, int]:
-        """The graph that runs a step over ``batch`` slots whose longest sequence has ``attended`` positions."""
-        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)]
-        length = min(-(-attended // self.length_granule) * self.length_granule, self.max_length)
-        return b, length
-
-    def run(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run(self, key: tuple, step: Callable[[], Any]) -> Any:
         """Replay the graph of ``key`` (capturing ``step`` first if it has none) and return its output.
 
         ``step`` must read only fixed-address tensors. The output is overwritten by the next replay of any graph.
@@ -155,7 +145,8 @@ class DecodeGraphs:
         self.replays += 1
         return out
 
-    def keys(self) -> list[tuple[int, int]]:
+    def keys(self) -> list[tuple]:
+        """The keys of the graphs captured so far, sorted."""
         return sorted(self._graphs)
 
     def backed(self) -> ContextManager[None]:
@@ -178,3 +169,7 @@ class DecodeGraphs:
             torch._C._cuda_clearCublasWorkspaces()
         if self.reserved is not None:
             self.reserved.close()
+
+
+#: The former name: the storage holds prefill and mixed steps' graphs too.
+DecodeGraphs = StepGraphs

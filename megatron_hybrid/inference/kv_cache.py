@@ -4,22 +4,22 @@ Per layer, keys and values are ``[N, G, L, D]`` (slot, key/value head of this te
 dimension): a slot's positions are contiguous, so a decode step over slots ``0 .. B-1`` and positions
 ``0 .. A-1`` reads the strided view ``cache[:B, :, :A]`` (no gather, nothing past the filled part).
 
-The whole cache is one :class:`~megatron_hybrid.memory.ReservedBuffer`, reserved once for the generator's life: its
-address never changes, so CUDA graphs captured over it replay in every later rollout. It is backed by memory only
-while rolling out: with a :class:`~megatron_hybrid.engine.HybridEngine` the engine maps its rollout reservations at
-every ``switch_to_rollout()`` and unmaps them at ``switch_to_training()``; a generator without an engine (on a
-training-layout model) maps its cache for the duration of each ``generate`` call.
+The whole cache is one :class:`~megatron_hybrid.rollout_memory.RolloutBuffer`, reserved once for the generator's
+life from a :class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: its address never changes, so CUDA graphs
+captured over it replay in every later rollout. It is backed by memory only while rolling out: with a
+:class:`~megatron_hybrid.engine.HybridEngine`'s provider from every ``switch_to_rollout()`` to the
+``switch_to_training()``; for a generator without an engine (on a training-layout model) for the duration of each
+``generate`` call.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import ContextManager, Optional
 
 import torch
 
-from ..memory import ReservedBuffer
+from ..rollout_memory import PerCallRolloutMemory, RolloutMemoryProvider
 
 
 @dataclass(frozen=True)
@@ -64,74 +64,42 @@ class CacheGeometry:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-class RolloutMemory:
-    """``numel`` elements of ``dtype`` at an address fixed for this object's life, backed only while generating.
+class KVCache:
+    """Keys and values of every attention layer of one stage, as views of one rollout-only reservation.
 
-    With an engine (``reserve_rollout_memory``), the engine maps the range at every ``switch_to_rollout()`` and
-    unmaps it at ``switch_to_training()``; without one, :meth:`backed` maps it for the duration of its body.
+    Args:
+        geometry: the cache's shape.
+        device: where it lives.
+        memory: the provider whose lifetime backs the cache (the engine's: from every switch to rollout until the
+            switch back); default: one of its own that backs it for the duration of :meth:`backed`.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, engine: Optional[Any] = None) -> None:
-        if engine is not None and hasattr(engine, "reserve_rollout_memory"):
-            self.buffer = engine.reserve_rollout_memory(numel, dtype)
-            self._maps_itself = False
-            if not self.buffer.is_mapped(0, self.buffer.numel):
-                # Reserved while rolling out: the engine maps its reservations at the next switch, this rollout
-                # needs the memory now (one mapping over the whole range, which the engine's unmap removes).
-                self.buffer.map(0, self.buffer.numel)
-        else:
-            self.buffer = ReservedBuffer(numel, dtype, device=device)
-            self._maps_itself = True
+    def __init__(self, geometry: CacheGeometry, device: torch.device, *,
+                 memory: Optional[RolloutMemoryProvider] = None) -> None:
+        self.memory: RolloutMemoryProvider = memory if memory is not None else PerCallRolloutMemory(device)
+        self.buffer = self.memory.reserve(geometry.numel, geometry.dtype)
+        self.geometry = geometry
+        flat = self.buffer.tensor
+        n, shape = geometry.layer_numel, (geometry.cache_slots, geometry.kv_heads, geometry.slot_tokens,
+                                          geometry.head_dim)
+        self.keys = [flat[(2 * i) * n: (2 * i + 1) * n].view(shape) for i in range(geometry.num_layers)]
+        self.values = [flat[(2 * i + 1) * n: (2 * i + 2) * n].view(shape) for i in range(geometry.num_layers)]
 
-    def tensor(self) -> torch.Tensor:
-        return self.buffer.tensor()
-
-    @contextmanager
-    def backed(self) -> Iterator[None]:
-        """Memory behind the range for the body (mapped by the engine's rollout, or here)."""
-        if not self._maps_itself:
-            if not self.buffer.is_mapped(0, self.buffer.numel):
-                raise RuntimeError("rollout memory is not backed: generate only while the engine is rolling out")
-            yield
-            return
-        self.buffer.map(0, self.buffer.numel)
-        try:
-            yield
-        finally:
-            self.buffer.unmap(0, self.buffer.numel)
+    def backed(self) -> ContextManager[None]:
+        """Memory behind the cache (and the provider's other reservations) for the body."""
+        return self.memory.backed()
 
     def data_ptr(self) -> int:
-        """Address of the range (the same for its whole life)."""
-        return self.buffer.data_ptr()
+        """Address of the cache (the same for its whole life)."""
+        return self.buffer.memory.data_ptr()
 
     @property
     def mapped_bytes(self) -> int:
         return self.buffer.mapped_bytes
 
     def close(self) -> None:
-        """Give the reservation back (only one made here; the engine frees its own)."""
-        if self._maps_itself:
-            self.buffer.close()
-
-
-class KVCache(RolloutMemory):
-    """Keys and values of every attention layer of one stage, as views of one :class:`RolloutMemory`.
-
-    Args:
-        geometry: the cache's shape.
-        device: where it lives.
-        engine: the HybridEngine whose rollout phases back the cache (``reserve_rollout_memory``), or None: the
-            cache then maps itself for the duration of :meth:`backed`.
-    """
-
-    def __init__(self, geometry: CacheGeometry, device: torch.device, *, engine: Optional[Any] = None) -> None:
-        super().__init__(geometry.numel, geometry.dtype, device, engine=engine)
-        self.geometry = geometry
-        flat = self.tensor()
-        n, shape = geometry.layer_numel, (geometry.cache_slots, geometry.kv_heads, geometry.slot_tokens,
-                                          geometry.head_dim)
-        self.keys = [flat[(2 * i) * n: (2 * i + 1) * n].view(shape) for i in range(geometry.num_layers)]
-        self.values = [flat[(2 * i + 1) * n: (2 * i + 2) * n].view(shape) for i in range(geometry.num_layers)]
+        """Give the reservation back."""
+        self.buffer.close()
 
     def move_slots(self, sources: torch.Tensor, targets: torch.Tensor, positions: int) -> None:
         """Copy the first ``positions`` keys and values of slots ``sources`` into slots ``targets`` (int64 on the

@@ -1,7 +1,9 @@
 """Reinforcement learning on the HybridEngine: the library half of ``examples/ppo/train_ppo.py``.
 
-One module per piece, over megatron-core (the algorithm maths are in :mod:`megatron_hybrid.ppo`):
+One module per piece, over megatron-core:
 
+- :mod:`.arguments`: the recipe's command line (Megatron-LM's flags and ours) and its validation, no collective;
+- :mod:`.ppo`: the PPO and GRPO algebra as pure tensor functions (advantages, KL, losses, KL controllers);
 - :mod:`.models`: actor, frozen reference, critic (the GPTModel trunk with a scalar :class:`ValueHead`) and
   reward-model I/O on Megatron's training layout;
 - :mod:`.passes`: rollout batches and the log-prob/entropy, value and score passes through Megatron's 1F1B
@@ -17,11 +19,12 @@ One module per piece, over megatron-core (the algorithm maths are in :mod:`megat
 - :mod:`.phases`: each rank records the phase it is in, so that a collective that times out names the phase, the
   timeout and the ranks that did not arrive;
 - :mod:`.data`: prompt files (JSONL, verl's parquet) and each step's prompts; :mod:`.rewards`: built-in
-  verifiable rewards, ``--reward-fn`` in either convention (ours, verl's ``compute_score``), held-out accuracy.
+  verifiable rewards, ``--reward-fn`` in either convention (ours, verl's ``compute_score``), held-out accuracy;
+- :mod:`.task`: what a run trains on (tokenizer, architecture, prompts, reward), loaded before any process group.
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Example, Prompts, Task, eval_prompts, load_prompt_data, load_task
+from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, flag_values, reward_scores
 from .initialize import initialize
 from .metrics import MetricsLogger, StepTimer, aggregate_metrics, summary
@@ -35,6 +38,7 @@ from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_
                       format_score)
 from .pretrained import export_hf, load_pretrained, model_architecture, model_args_from_checkpoint
 from .rollout import generation_config, Rollout, generate_in_training_layout, generate_on_engine
+from .task import Task, load_task
 from .tokenizers import build_tokenizer
 
 __all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "TrainedModel", "TrainingPasses",

@@ -244,7 +244,7 @@ class Prompts:
 
 def data_file_error(flag: str, path: str) -> Optional[str]:
     """Why ``path`` cannot be a ``flag`` prompt file without reading it (missing, unknown suffix, parquet without
-    pyarrow), or ``None``; for :func:`megatron_hybrid.arguments.validate_args`."""
+    pyarrow), or ``None``; for :func:`megatron_hybrid.rl.arguments.validate_args`."""
     if not os.path.isfile(path):
         return f"{flag} ({path!r}) does not exist"
     if not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
@@ -252,38 +252,3 @@ def data_file_error(flag: str, path: str) -> Optional[str]:
     if path.endswith(PARQUET_SUFFIXES) and importlib.util.find_spec("pyarrow") is None:
         return f"{flag} ({path!r}) is parquet, which needs pyarrow (pip install pyarrow)"
     return None
-
-
-@dataclass
-class Task:
-    """What a run trains on, loaded and checked before any process group exists: every rank reads the same files,
-    so a bad row is the same ``ValueError`` on every rank and nothing waits in a collective."""
-
-    tokenizer: Tokenizer
-    arch: Any
-    """The model's :class:`~megatron_hybrid.models.GPTArchitecture` (``--pretrained-checkpoint``'s, or the flags')."""
-    prompts: Prompts
-    eval_prompts: Optional[list[Example]]
-    reward: Any
-    """:func:`megatron_hybrid.rl.rewards.build_reward`'s (``None`` when ``--reward-model-load`` scores)."""
-    generation: Any
-    """The rollout's :class:`~megatron_hybrid.inference.GenerationConfig`: its KV cache sized to these prompts."""
-
-
-def load_task(args: argparse.Namespace) -> Task:
-    """The tokenizer, the architecture, the training and held-out prompts and the reward of a run."""
-    from .pretrained import model_architecture
-    from .rewards import build_reward
-    from .tokenizers import build_tokenizer
-
-    from .rollout import generation_config
-
-    tokenizer = build_tokenizer(args)
-    arch = model_architecture(args, tokenizer.vocab_size)
-    positions = arch.max_position_embeddings
-    prompts = Prompts(args, tokenizer, max_positions=positions)
-    held_out = eval_prompts(args, tokenizer, max_positions=positions)
-    longest = max([prompts.max_length] + [len(e.tokens) for e in held_out or []])
-    return Task(tokenizer, arch, prompts, held_out, build_reward(args, tokenizer),
-                generation_config(args, max_prompt_length=longest))
-

@@ -12,6 +12,11 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from ..patches import cpu_gloo
+from . import phases
 
 
 @contextlib.contextmanager
@@ -24,12 +29,6 @@ def initialize(args: argparse.Namespace) -> Iterator[None]:
 
     ``ValueError`` when Megatron's groups exist with other (tensor, pipeline) sizes than the arguments'.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from ..patches import cpu_gloo
-    from . import phases
-
     use_cuda = torch.cuda.is_available()
     own_pg = not dist.is_initialized()
     if own_pg:

@@ -16,7 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..compat import unwrap_model
 from ..models import GPTArchitecture
+from ..sharding import full_state_dict, load_full_state_dict
 
 VALUE_MODEL_CONFIG = "value_model.json"
 VALUE_MODEL_WEIGHTS = "model.safetensors"
@@ -121,16 +123,12 @@ def copy_weights(dst: torch.nn.Module, src: torch.nn.Module, *, skip_missing: bo
 
 def parameters_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached CPU copies of ``model``'s parameters (plain or wrapped), by name: for checkpoints."""
-    from ..compat import unwrap_model
-
     return {n: p.detach().cpu().clone() for n, p in unwrap_model(model).named_parameters()}
 
 
 def load_parameters(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy :func:`parameters_state`'s values back in place (views of the parameters, e.g. the HybridEngine's,
     stay valid)."""
-    from ..compat import unwrap_model
-
     with torch.no_grad():
         for n, p in unwrap_model(model).named_parameters():
             p.copy_(state[n])
@@ -139,8 +137,6 @@ def load_parameters(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
 def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
                     sequence_parallel: bool = False) -> torch.nn.Module:
     """A frozen copy of the actor's stage (``actor`` plain or DDP-wrapped): the KL reference policy."""
-    from ..compat import unwrap_model
-
     reference = build_stage(arch, device=device, sequence_parallel=sequence_parallel).requires_grad_(False).eval()
     copy_weights(reference, unwrap_model(actor))
     return reference
@@ -149,8 +145,6 @@ def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: to
 def build_critic(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
                  sequence_parallel: bool = False) -> torch.nn.Module:
     """A value model started from the actor's trunk (its value head from zero), not yet wrapped."""
-    from ..compat import unwrap_model
-
     critic = build_stage(arch, value_head=True, device=device, sequence_parallel=sequence_parallel)
     copy_weights(critic, unwrap_model(actor), skip_missing=True)
     return critic
@@ -163,8 +157,6 @@ def save_value_model(model: torch.nn.Module, directory: str, arch: GPTArchitectu
     """
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
-
-    from ..sharding import full_state_dict
 
     full = full_state_dict([model], tp_group=ps.get_tensor_model_parallel_group(),
                            pp_group=ps.get_pipeline_model_parallel_group())
@@ -180,8 +172,6 @@ def load_value_model(directory: str, *, device: torch.device) -> torch.nn.Module
     """A value model written by :func:`save_value_model`, as this rank's frozen stage (any TP/PP)."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
-
-    from ..sharding import load_full_state_dict
 
     with open(os.path.join(directory, VALUE_MODEL_CONFIG)) as f:
         arch = GPTArchitecture.from_dict(json.load(f)["architecture"])

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import ppo
 from ..compat import megatron_groups
+from . import ppo
 from .phases import recorded
 
 #: ``loss_fn(output, micro_batch) -> (loss, stats)``: Megatron's loss function of one micro-batch. ``output`` is

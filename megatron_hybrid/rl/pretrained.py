@@ -34,9 +34,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..compat import ddp_finish_param_sync, megatron_groups
+from ..checks import check_number, flag_name, output_dir_error
+from ..compat import ddp_finish_param_sync, megatron_groups, unwrap_model
+from ..convert import CheckpointError, MegatronCheckpoint, load_megatron_checkpoint, megatron_to_hf, read_architecture
+# The converter's release directory; this module's ITERATION_DIR is the interval exports' (iter_NNNNNNN).
+from ..convert.layout import ITERATION_DIR as RELEASE
+from ..convert.layout import (ASSETS_DIR, WEIGHTS_FILE, CheckpointMeta, check_parallel_sizes, megatron_lm_args,
+                              rank_dir_name, read_meta, write_meta)
 from ..models import GPTArchitecture
 from .faults import errors_on_every_rank
+from .models import architecture_from_args
 from .phases import recorded
 
 #: The recipe's model flags (arguments dest) and the checkpoint architecture's value of each.
@@ -69,14 +76,8 @@ _INPUT_PATH_FLAGS = ("pretrained_checkpoint", "load", "save", "prompt_data", "ev
 _OUTPUT_PATH_FLAGS = ("log_dir", "tensorboard_dir")
 
 
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
 def _open_checkpoint(directory: str):
     """The converted checkpoint at ``directory`` (metadata and every rank file's header read: cheap)."""
-    from ..convert import CheckpointError, MegatronCheckpoint
-
     if not os.path.isdir(directory):
         raise ValueError(f"--pretrained-checkpoint ({directory!r}) is not a directory")
     try:
@@ -92,8 +93,6 @@ def model_args_from_checkpoint(args: argparse.Namespace) -> None:
     the export flags; no collective. ``ValueError`` for a missing or unconverted directory, a model flag given on
     the command line with another value than the checkpoint's (both named), a checkpoint without a tokenizer when
     none is given, or parallel sizes the model cannot be split into."""
-    from ..convert.layout import ASSETS_DIR, check_parallel_sizes
-
     _check_export_args(args)
     if args.pretrained_checkpoint is None:
         return
@@ -103,7 +102,7 @@ def model_args_from_checkpoint(args: argparse.Namespace) -> None:
     for name, of in MODEL_FLAGS.items():
         given, stored = getattr(args, name), of(arch)
         if given is not None and given != stored:
-            raise ValueError(f"{_flag(name)} ({given}) contradicts --pretrained-checkpoint {directory!r}, whose "
+            raise ValueError(f"{flag_name(name)} ({given}) contradicts --pretrained-checkpoint {directory!r}, whose "
                              f"model has {stored}; leave the flag out to take the checkpoint's")
         setattr(args, name, stored)
     try:
@@ -121,8 +120,6 @@ def model_args_from_checkpoint(args: argparse.Namespace) -> None:
 
 
 def _check_export_args(args: argparse.Namespace) -> None:
-    from ..arguments import check_number
-
     if args.export_hf_interval is not None:
         check_number("--export-hf-interval", args.export_hf_interval, ge=1)
         if args.export_hf is None:
@@ -140,7 +137,7 @@ def _check_export_args(args: argparse.Namespace) -> None:
             continue
         other = Path(os.path.realpath(path))
         if out == other or out in other.parents or (other in out.parents and name in _INPUT_PATH_FLAGS):
-            raise ValueError(f"--export-hf ({args.export_hf!r}) and {_flag(name)} ({path!r}) must not contain one "
+            raise ValueError(f"--export-hf ({args.export_hf!r}) and {flag_name(name)} ({path!r}) must not contain one "
                              "another (an export replaces its whole directory)")
     error = export_target_error(out)
     if error:
@@ -151,8 +148,6 @@ def export_target_error(target: Path) -> Optional[str]:
     """Why an export must not replace ``target`` (``"is not a directory"``, ``"holds X, which no export
     wrote ..."``), or ``None`` when it is missing, empty or an earlier export: its marked files, its interval
     exports (each an export itself) and a killed interval export's hidden leftovers."""
-    from ..arguments import output_dir_error
-
     error = output_dir_error(str(target))
     if error or not target.is_dir():
         return error  # None: to be made
@@ -190,9 +185,6 @@ def model_architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitec
     """The run's model: ``--pretrained-checkpoint``'s architecture in the training dtype (``--bf16``), or the
     model flags' (:func:`~megatron_hybrid.rl.architecture_from_args`); ``vocab_size`` is the tokenizer's.
     ``ValueError`` when the tokenizer has more tokens than the checkpoint's vocabulary."""
-    from ..convert import read_architecture
-    from .models import architecture_from_args
-
     if args.pretrained_checkpoint is None:
         return architecture_from_args(args, vocab_size)
     arch = read_architecture(args.pretrained_checkpoint)
@@ -204,8 +196,6 @@ def model_architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitec
 
 def load_pretrained(model: torch.nn.Module, directory: str) -> None:
     """Copy a converted checkpoint's weights into this rank's stage (plain or DDP-wrapped), at its TP/PP."""
-    from ..convert import load_megatron_checkpoint
-
     tp = megatron_groups()[0]
     load_megatron_checkpoint([model], directory, tp_rank=tp.rank(), tp_size=tp.size())
 
@@ -258,8 +248,6 @@ def _attempt(fn: Callable[[], None], what: str) -> Optional[str]:
 
 
 def _fresh_dir(path: Path) -> None:
-    from ..convert.layout import ITERATION_DIR as RELEASE
-
     shutil.rmtree(path, ignore_errors=True)  # left by an export that was killed
     (path / RELEASE).mkdir(parents=True)
 
@@ -268,9 +256,6 @@ def _write_shard(model: torch.nn.Module, staging: Path, *, tp, pp) -> None:
     """This rank's stage as the converter's rank file: its own shard, under its stage's local-spec names (a tied
     embedding's last-stage copy included, as ``hf-to-megatron`` writes it)."""
     from safetensors.torch import save_file
-
-    from ..compat import unwrap_model
-    from ..convert.layout import ITERATION_DIR as RELEASE, WEIGHTS_FILE, rank_dir_name
 
     rank_dir = staging / RELEASE / rank_dir_name(tp.rank(), pp.rank(), pp.size())
     rank_dir.mkdir()
@@ -283,9 +268,6 @@ def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: tor
              pp: int, iteration: Optional[int]) -> None:
     """Rank 0: the metadata next to the rank files, then the converter's Megatron → Hugging Face, marked as our
     export, onto ``target``."""
-    from ..convert import megatron_to_hf
-    from ..convert.layout import ASSETS_DIR, CheckpointMeta, megatron_lm_args, read_meta, write_meta
-
     source = read_meta(pretrained_checkpoint)
     dtype = next(model.parameters()).dtype
     arch = dataclasses.replace(source.architecture, params_dtype=str(dtype).removeprefix("torch."))

@@ -29,6 +29,7 @@ text with the response's final-answer text (both stripped).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..arguments import load_callable
+from ..inference import split_evenly
 from .data import Example
 from .phases import recorded
 from .tokenizers import Tokenizer
@@ -116,6 +117,22 @@ def text_reward(score: Callable[[str, Optional[str]], float], tokenizer: Tokeniz
     def reward(prompts: list[list[int]], responses: list[list[int]], examples: Sequence[Example]) -> list[float]:
         return [score(decode_response(tokenizer, r), e.answer) for r, e in zip(responses, examples)]
     return reward
+
+
+def load_callable(spec: str) -> Callable:
+    """``--reward-fn``'s ``module:function`` → the function; ``ValueError`` naming the spec when it is not there."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--reward-fn ({spec!r}) must be 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module runs on import: a SyntaxError, a missing package, its own raise
+        raise ValueError(f"--reward-fn ({spec!r}): cannot import module {module_name!r}: {type(e).__name__}: "
+                         f"{e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--reward-fn ({spec!r}): module {module_name!r} has no function {attr!r}")
+    return fn
 
 
 def reward_fn_style(fn: Callable) -> str:
@@ -213,8 +230,6 @@ def evaluate_accuracy(generate: Callable[[list[list[int]]], list[list[int]]], ex
     contiguous share of the examples (an empty one when there are fewer examples than replicas: generation
     takes empty lists on every layout); the counts are summed over ``dp_group``, so every rank returns the same
     value, that of the whole set."""
-    from ..inference import split_evenly
-
     lo, hi = split_evenly(len(examples), dp_size)[dp_rank]
     mine = examples[lo:hi]
     responses = generate([e.tokens for e in mine])

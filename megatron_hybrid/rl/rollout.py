@@ -9,6 +9,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
+from ..inference import GenerationConfig, generate_with_model, replica_seed, split_evenly
+from ..layout import ParallelLayout
 from .phases import phase, recorded
 
 
@@ -35,13 +38,11 @@ class Rollout:
         return sum(len(r) for r in self.responses)
 
 
-def generation_config(args: Any, *, max_prompt_length: int) -> Any:
+def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
     """The rollout's KV-cache settings for a run: ``--inference-max-requests`` slots of
     ``--inference-max-seq-length`` positions (default: ``max_prompt_length`` + ``--max-new-tokens``). Sizing the
     slots to the model's whole context instead would cost, for a 135 M-parameter model with 8,192 positions and
     64 slots, 24 GiB of cache."""
-    from ..inference import GenerationConfig
-
     length = args.inference_max_seq_length or max_prompt_length + args.max_new_tokens
     if length < max_prompt_length + args.max_new_tokens:
         raise ValueError(f"--inference-max-seq-length ({length}) must hold the longest prompt ({max_prompt_length} "
@@ -81,10 +82,6 @@ def generate_in_training_layout(model: torch.nn.Module, prompts: list[list[int]]
     resharding: the prompts are cut and seeded as the rollout replicas would (for rollout layouts that do not
     widen TP). ``model``: this rank's stage, plain or wrapped; on Megatron's training groups. A sequence-parallel
     model generates without sequence parallelism, as the engine's rollout model does."""
-    from ..compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
-    from ..inference import generate_with_model, replica_seed, split_evenly
-    from ..layout import ParallelLayout
-
     start = time.perf_counter()
     ddp_finish_param_sync(model)  # the stage is called unwrapped: DDP's hooks would not gather the last step's
     tp, pp, dp, _ = megatron_groups()

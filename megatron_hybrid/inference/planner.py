@@ -1,0 +1,331 @@
+"""Which step runs next: the generator's step planner (pure Python: no tensors, no ``torch.distributed``).
+
+The policy room of the generator (vLLM's scheduler and its ``SchedulerOutput``, megatron-core's scheduler): from the
+slot scheduler's state (:class:`~.scheduler.SlotScheduler`) and the tokens each sequence has launched, it decides each
+step and emits it as a typed plan, which the stage runner (:mod:`.runner`) executes and the replica
+(:mod:`.replica`) books:
+
+- :class:`StepPlan`: a prefill of whole prompts, a decode step over slots ``0 .. B-1``, or a mixed step (a decode step
+  with refills riding along), with its rows, slots, owners, attended positions and, for a CUDA-graph step, the key
+  of its graph (derived here: the batch and length rounded up to the graphs' buckets);
+- :class:`SlotMoves`: slot compaction, sequences of high slots moved into free low ones.
+
+Every rank of a replica plans the same steps from the same prompts, so the plans need no communication.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+from .scheduler import SlotScheduler
+
+# Mixed steps (prompts riding along a decode step): at most this many prompts, and by default this many tokens.
+MIXED_PROMPTS = 8
+MIXED_TOKENS = 512
+# What one more prefill forward costs, in padded prompt tokens (gpu-1b on an H200: a forward's weight read and
+# launches ~1.5 ms, a padded token ~4 µs), when prompts are cut into graph prefills.
+PREFILL_FORWARD_TOKENS = 384
+
+
+def batch_sizes(num_slots: int, configured: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """The decode batch buckets: ``configured`` (``GenerationConfig.graph_batch_sizes``), or powers of two below the
+    slot count; and the slot count."""
+    sizes = configured or [2**i for i in range(num_slots.bit_length())]
+    return tuple(sorted({min(b, num_slots) for b in sizes} | {num_slots}))
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """What the planner plans within: the cache's slots, the step buffers' sizes and the graphs' buckets."""
+
+    num_slots: int
+    """Decode slots of the KV cache."""
+    slot_tokens: int
+    """Positions per slot (the most any step attends to)."""
+    prefill_tokens: int
+    """Prompt tokens per prefill forward (``GenerationConfig.prefill_tokens``; a longer prompt goes alone)."""
+    batch_sizes: tuple[int, ...]
+    """Decode batch buckets, sorted, the largest the slot count: graph steps run at them, compaction aims at them."""
+    graphs: bool = False
+    """Steps run as CUDA graphs: rounded up to buckets, each named by a graph key."""
+    length_granule: int = 1
+    """Graph decode steps: attended positions are rounded up to a multiple of this."""
+    reads_lengths: bool = False
+    """The attention reads each row's own filled length: a graph decode step attends to ``slot_tokens`` whatever
+    the sequences' lengths (no length bucket)."""
+    prefill_granule: int = 1
+    """Graph prefills: prompts are right-padded to a multiple of this."""
+    prefill_rows: int = 0
+    """Graph prefills: the most rows (prompts) the staging buffer holds."""
+    prefill_graph_tokens: int = 0
+    """Graph prefills: the most padded tokens (rows x length) the staging buffers hold."""
+    mixed_prompts: int = 0
+    """Mixed steps: the most prompts riding along a decode step (0: no mixed steps)."""
+    mixed_tokens: int = 0
+    """Mixed steps: the most prompt tokens riding along a decode step."""
+    compact: bool = False
+    """Move sequences into free low slots once no prompt waits, when that gives a smaller batch bucket."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: what the stage runner computes and whose rows the replica books.
+
+    ``kind`` is ``"prefill"`` (whole prompts into their slots, from position 0), ``"decode"`` (one token for each of
+    the slots ``0 .. batch-1``) or ``"mixed"`` (a decode step with prompts riding along). Sampled rows, in order: the
+    decode rows (``batch``), then one per prompt row (``rows``); ``owners`` names the sequence of each.
+    """
+
+    kind: str
+    batch: int
+    """Decode rows, slots ``0 .. batch-1`` (a graph's bucket: rows past the running slots are idle); 0 in a
+    prefill."""
+    rows: int
+    """Prompt rows: the prompts, then padded rows of a graph step; 0 in a decode step."""
+    length: int
+    """A graph prefill's padded prompt length; a mixed step's prompt-token rows (its prompts' tokens, then padding
+    in a graph step); 0 otherwise."""
+    attended: int
+    """Decode and mixed steps: cached positions a decode row reads (at least every running slot's position + 1)."""
+    prompts: tuple[Sequence[int], ...]
+    """The prompts of a prefill or mixed step, in row order."""
+    slots: tuple[int, ...]
+    """Each prompt's slot."""
+    owners: tuple[Optional[int], ...]
+    """Per sampled row, its sequence (None: an idle slot or a padded row)."""
+    graph_key: Optional[tuple] = None
+    """``(kind, batch or rows, length or attended, sampling signature)``: the CUDA graph that runs the step; None for
+    an eager step."""
+
+
+@dataclass(frozen=True)
+class SlotMoves:
+    """Slot compaction: the sequences of slots ``sources`` move to ``targets`` (cache and decode state)."""
+
+    sources: tuple[int, ...]
+    targets: tuple[int, ...]
+    positions: int
+    """Cache positions to copy per slot: what the moved sequences' launched steps will have written, at most."""
+
+
+class StepPlanner:
+    """The generator's policy: prefill grouping, mixed steps, batch buckets and compaction, within ``settings``."""
+
+    def __init__(self, settings: PlannerSettings) -> None:
+        self.settings = settings
+
+    def schedule(self, prompts: Sequence[Sequence[int]], *, signature: tuple) -> "CallSchedule":
+        """The steps of one generate call over ``prompts``; ``signature`` (the call's sampling settings) completes
+        the graph keys."""
+        return CallSchedule(self, prompts, signature)
+
+    # -- buckets -----------------------------------------------------------------------------------------------
+
+    def batch_bucket(self, batch: int) -> int:
+        """The decode batch a step over slots ``0 .. batch-1`` runs at with graphs (their bucket), and the bucket
+        slot compaction aims at without them (eager steps run at ``batch`` itself)."""
+        sizes = self.settings.batch_sizes
+        return sizes[bisect.bisect_left(sizes, batch)]
+
+    def length_bucket(self, attended: int) -> int:
+        """A graph decode step's attended positions: rounded up to the length granule, at most a slot's."""
+        granule = self.settings.length_granule
+        return min(-(-attended // granule) * granule, self.settings.slot_tokens)
+
+    # -- prefills ----------------------------------------------------------------------------------------------
+
+    def prefill_groups(self, admitted: list[tuple[int, int]],
+                       prompts: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+        """``admitted`` (``(sequence, slot)`` pairs) cut into prefill forwards of at most ``prefill_tokens`` prompt
+        tokens (a longer prompt alone), in order. With graphs, see :meth:`graph_prefill_groups`."""
+        if self.settings.graphs:
+            return self.graph_prefill_groups(admitted, prompts)
+        groups: list[list[tuple[int, int]]] = [[]]
+        size = 0
+        for item in admitted:
+            n = len(prompts[item[0]])
+            if groups[-1] and size + n > self.settings.prefill_tokens:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += n
+        return groups
+
+    def graph_prefill_groups(self, admitted: list[tuple[int, int]],
+                             prompts: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+        """``admitted`` cut into graph prefills, each a rectangle of rows x padded length that fits the graphs'
+        buffers and holds at most ``prefill_tokens`` prompt tokens (a prompt too long for any graph goes alone, an
+        eager prefill): by length, the cut with the least padded tokens plus ``PREFILL_FORWARD_TOKENS`` per
+        forward (a forward reads the weights once more). An eager prefill of many ragged prompts costs an attention
+        call per length and layer: a first fill of 83 prompts cut by tokens alone took 268 ms on an H200."""
+        items = sorted(admitted, key=lambda item: len(prompts[item[0]]))
+        lengths = [len(prompts[seq]) for seq, _ in items]
+        # cost[j]: the cheapest cut of the first j prompts; start[j]: where its last group starts.
+        cost, start = [0] + [float("inf")] * len(items), [0] * (len(items) + 1)
+        for j in range(1, len(items) + 1):
+            size = 0
+            for i in range(j - 1, -1, -1):  # the group items[i:j], whose longest prompt is items[j - 1]
+                size += lengths[i]
+                rows, length = self.prefill_shape(j - i, lengths[j - 1])
+                alone = i == j - 1
+                if not alone and (size > self.settings.prefill_tokens or not self.prefill_graph_fits(rows, length)):
+                    break  # and so is every larger group
+                total = cost[i] + PREFILL_FORWARD_TOKENS + rows * length
+                if total < cost[j]:
+                    cost[j], start[j] = total, i
+        groups, j = [], len(items)
+        while j:
+            groups.append(items[start[j]: j])
+            j = start[j]
+        return groups[::-1]
+
+    def prefill_shape(self, count: int, longest: int) -> tuple[int, int]:
+        """A graph prefill's rows and padded length for ``count`` prompts of at most ``longest`` tokens. Rows: exact
+        up to 8 (refills are a few prompts: a power of two would pad 3 to 4), then whole eights; the length a
+        multiple of ``prefill_granule``."""
+        granule = self.settings.prefill_granule
+        rows = count if count <= 8 else -(-count // 8) * 8
+        return rows, min(-(-longest // granule) * granule, self.settings.slot_tokens)
+
+    def prefill_graph_fits(self, rows: int, length: int) -> bool:
+        """Whether a graph prefill of ``rows`` x ``length`` fits the staging buffers (else the prefill is eager)."""
+        return rows <= self.settings.prefill_rows and rows * length <= self.settings.prefill_graph_tokens
+
+    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], seqs: Sequence[int], *,
+                signature: tuple) -> StepPlan:
+        """The prefill of ``prompts`` (sequences ``seqs``) into ``slots``: a graph's rectangle when one fits."""
+        rows, length, key = len(prompts), 0, None
+        if self.settings.graphs:
+            shape = self.prefill_shape(len(prompts), max(len(p) for p in prompts))
+            if self.prefill_graph_fits(*shape):
+                rows, length = shape
+                key = ("prefill", rows, length, signature)
+        return StepPlan("prefill", batch=0, rows=rows, length=length, attended=0, prompts=tuple(prompts),
+                        slots=tuple(slots), owners=(*seqs, *[None] * (rows - len(seqs))), graph_key=key)
+
+    # -- decode and mixed steps --------------------------------------------------------------------------------
+
+    def decode(self, owners: Sequence[Optional[int]], attended: int, *, signature: tuple) -> StepPlan:
+        """A decode step over the slots of ``owners`` (each slot's sequence, None: idle), the longest of which has
+        ``attended`` positions: with graphs, at its batch and length buckets."""
+        batch, key = len(owners), None
+        if self.settings.graphs:
+            batch = self.batch_bucket(batch)
+            attended = self.length_bucket(self.settings.slot_tokens if self.settings.reads_lengths else attended)
+            key = ("decode", batch, attended, signature)
+        return StepPlan("decode", batch=batch, rows=0, length=0, attended=attended, prompts=(), slots=(),
+                        owners=(*owners, *[None] * (batch - len(owners))), graph_key=key)
+
+    def mixed_fits(self, admitted: list[tuple[int, int]], prompts: Sequence[Sequence[int]]) -> bool:
+        """Whether the ``admitted`` prompts can ride along the next decode step."""
+        return (0 < len(admitted) <= self.settings.mixed_prompts
+                and sum(len(prompts[seq]) for seq, _ in admitted) <= self.settings.mixed_tokens)
+
+    def mixed_chunk(self, total: int) -> int:
+        """Prompt-token rows of a graph mixed step carrying ``total`` tokens: 32, 48, 64, 96, 128, ... (at most a
+        third of them padding), at most ``mixed_tokens``."""
+        size = 32
+        while size < total:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        return min(size, self.settings.mixed_tokens)
+
+    def mixed(self, owners: Sequence[Optional[int]], attended: int, prompts: Sequence[Sequence[int]],
+              slots: Sequence[int], seqs: Sequence[int], *, signature: tuple) -> StepPlan:
+        """A decode step over the slots of ``owners`` (None: idle, or taking one of the prompts), with ``prompts``
+        (sequences ``seqs``) riding along into ``slots``: with graphs, at the batch bucket, the prompts' tokens
+        padded to :meth:`mixed_chunk` rows and the prompt rows to ``mixed_prompts``."""
+        batch, total = len(owners), sum(len(p) for p in prompts)
+        if self.settings.graphs:
+            batch, length, rows = self.batch_bucket(batch), self.mixed_chunk(total), self.settings.mixed_prompts
+            attended, key = self.settings.slot_tokens, ("mixed", batch, length, signature)
+        else:
+            length, rows, key = total, len(prompts), None
+            attended = max(attended, max(len(p) for p in prompts))
+        return StepPlan("mixed", batch=batch, rows=rows, length=length, attended=attended, prompts=tuple(prompts),
+                        slots=tuple(slots), graph_key=key,
+                        owners=(*owners, *[None] * (batch - len(owners)), *seqs, *[None] * (rows - len(seqs))))
+
+
+class CallSchedule:
+    """One generate call's steps, in order: iterate it for :class:`StepPlan` and :class:`SlotMoves`; the iteration
+    ends when every sequence is closed.
+
+    Between two plans the replica books the step just run: :meth:`finish` closes a sequence (its slot is free for
+    the next prompt), and the plans that follow see it. Tokens launched per sequence are counted as the plans are
+    made (the host knows them before they arrive): :attr:`launched`.
+    """
+
+    def __init__(self, planner: StepPlanner, prompts: Sequence[Sequence[int]], signature: tuple) -> None:
+        self.planner, self.prompts, self.signature = planner, prompts, signature
+        self.scheduler = SlotScheduler(len(prompts), planner.settings.num_slots)
+        self.launched = [0] * len(prompts)
+
+    def finish(self, seq: int) -> int:
+        """No more steps for sequence ``seq``: its slot (returned) is free."""
+        return self.scheduler.finish(seq)
+
+    def __iter__(self) -> Iterator[Union[StepPlan, SlotMoves]]:
+        sched, planner, prompts, sig = self.scheduler, self.planner, self.prompts, self.signature
+        while True:
+            if planner.settings.compact and not sched.waiting:
+                moves = self._compaction()
+                if moves is not None:
+                    yield moves
+            extent = sched.extent()  # the slots decoding, before this step's admissions
+            admitted = sched.admit()
+            if admitted and extent and planner.mixed_fits(admitted, prompts):
+                sched.decode_batch()  # counts the step: every slot decodes or takes a prompt in it
+                seqs = [seq for seq, _ in admitted]
+                owners, attended = self._decoding(extent, frozenset(seqs))
+                yield self._launch(planner.mixed(owners, attended, [prompts[seq] for seq in seqs],
+                                                 [slot for _, slot in admitted], seqs, signature=sig))
+                continue
+            while admitted:  # a prompt whose first token ends it frees its slot for the next at once
+                for group in planner.prefill_groups(admitted, prompts):
+                    seqs = [seq for seq, _ in group]
+                    yield self._launch(planner.prefill([prompts[seq] for seq in seqs], [slot for _, slot in group],
+                                                       seqs, signature=sig))
+                admitted = sched.admit()
+            batch = sched.decode_batch()
+            if not batch:  # nothing runs, so nothing waits: every sequence is closed
+                assert sched.done
+                return
+            owners, attended = self._decoding(batch)
+            yield self._launch(planner.decode(owners, attended, signature=sig))
+
+    def _launch(self, plan: StepPlan) -> StepPlan:
+        for seq in plan.owners:
+            if seq is not None:
+                self.launched[seq] += 1
+        return plan
+
+    def _decoding(self, width: int, new: frozenset = frozenset()) -> tuple[list[Optional[int]], int]:
+        """Per slot ``0 .. width-1``, the sequence it decodes (None: idle, or taking one of the ``new`` prompts), and
+        the most cache positions any of them reads."""
+        owners: list[Optional[int]] = [None] * width
+        attended = 0
+        for slot, seq in self.scheduler.active():
+            if seq not in new:
+                owners[slot] = seq
+                attended = max(attended, len(self.prompts[seq]) + self.launched[seq])
+        return owners, attended
+
+    def _compaction(self) -> Optional[SlotMoves]:
+        """The moves of the sequences of high slots into free low ones when the running ones fit a smaller batch
+        bucket than the slots they span (None: no move). Every rank of the replica moves its own stage's cache:
+        the schedule is the same on all."""
+        sched, planner = self.scheduler, self.planner
+        running = len(sched.slot_of)
+        if not running:
+            return None
+        target = planner.batch_bucket(running)
+        if planner.batch_bucket(sched.extent()) <= target:
+            return None
+        moves = sched.compact(target)
+        # Cache positions the moved sequences' launched steps will have written, at most.
+        positions = max(len(self.prompts[sched.slots[to]]) + self.launched[sched.slots[to]] for _, to in moves)
+        return SlotMoves(sources=tuple(a for a, _ in moves), targets=tuple(b for _, b in moves),
+                         positions=min(positions, planner.settings.slot_tokens))
+

@@ -1,0 +1,348 @@
+"""Command-line arguments: the Megatron-LM subset our recipes use, under Megatron-LM's names, and ours.
+
+:func:`add_hybrid_args` follows Megatron-LM's ``extra_args_provider`` convention (it takes the parser and returns
+it), so a Megatron-LM launch script can add the rollout layout and the RL settings to its own arguments:
+``initialize_megatron(extra_args_provider=add_hybrid_args)``. :func:`add_megatron_args` adds the Megatron-LM
+flags themselves, for standalone recipes. :func:`validate_args` checks everything that can be checked without a
+collective and raises ``ValueError`` naming the values; its range check, :func:`~megatron_hybrid.checks.check_number`,
+is shared with the tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import warnings
+
+from ..checks import check_number, flag_name, output_dir_error
+from .data import data_file_error
+from .pretrained import model_args_from_checkpoint
+from .rewards import load_callable, resolved_reward_type, reward_fn_style
+
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+#: The built-in tiny model: the model flags' values when neither the command line nor --pretrained-checkpoint
+#: gives them.
+TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=False, swiglu=False,
+                  normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=False,
+                  max_position_embeddings=256, make_vocab_size_divisible_by=8)
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's model, parallelism, training, checkpoint and tokenizer flags (the subset we use)."""
+    # Unset (None) unless given: validate_args fills them from --pretrained-checkpoint, else from TINY_MODEL.
+    g = parser.add_argument_group("model (Megatron-LM names; default: --pretrained-checkpoint's, else the built-in "
+                                  "tiny model's)")
+    g.add_argument("--num-layers", type=int, default=None, help="tiny model: 2")
+    g.add_argument("--hidden-size", type=int, default=None, help="tiny model: 64")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="tiny model: 4")
+    g.add_argument("--group-query-attention", action="store_true", default=None)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="tiny model: 4 × hidden size")
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None, help="tiny model: RMSNorm")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None,
+                   help="tiny model: rope")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="tiny model: 256")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="tiny model: 8")
+    g = parser.add_argument_group("parallelism (Megatron-LM names)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    # A float, unlike Megatron-LM's int: short timeouts (tests, quick failure on a small job) are fractions.
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of every collective, on every process group (fractions allowed); raise it above "
+                   "the longest generation phase and checkpoint write, not only the switch")
+    g.add_argument("--sequence-parallel", action="store_true", help="split the norms' and dropouts' activations "
+                   "along the sequence over the tensor-parallel group in training (needs TP > 1; the rollout model "
+                   "runs without it); actor, reference and critic")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard the optimizer's states and "
+                   "fp32 main parameters over data-parallel ranks (megatron-core's DistributedOptimizer); actor "
+                   "and critic")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="overlap DDP's gradient reduction with the "
+                   "backward pass")
+    g.add_argument("--overlap-param-gather", action="store_true", help="overlap the distributed optimizer's "
+                   "parameter all-gather with the next forward (needs --use-distributed-optimizer and "
+                   "--overlap-grad-reduce)")
+    g = parser.add_argument_group("training (Megatron-LM names)")
+    g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all DP replicas")
+    g.add_argument("--train-iters", type=int, default=30)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
+    g = parser.add_argument_group("optimizer and learning-rate schedule (Megatron-LM names: megatron-core's Adam "
+                                  "and OptimizerParamScheduler)")
+    g.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate (the actor's)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the rate the decay ends at")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup from 0")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="after warmup (Megatron-LM's default is linear; RL keeps the rate constant as a rule)")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="iterations from 0 to the end of the decay "
+                   "(default: --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled (AdamW); none on biases and norms")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    g = parser.add_argument_group("checkpoints (Megatron-LM names)")
+    g.add_argument("--pretrained-checkpoint", default=None, help="start from this converted Hugging Face model "
+                   "(tools/convert_checkpoint.py hf-to-megatron): architecture, vocabulary, tokenizer and weights of "
+                   "actor, reference and critic trunk; a fresh run (step 0, fresh optimizer)")
+    g.add_argument("--export-hf", default=None, help="write the trained actor here at the end as a Hugging Face "
+                   "model (needs --pretrained-checkpoint: its family, config and tokenizer)")
+    g.add_argument("--export-hf-interval", type=int, default=None, help="also export every N steps, into "
+                   "--export-hf DIR/iter_NNNNNNN")
+    g.add_argument("--load", default=None, help="resume from this directory (its latest iteration)")
+    g.add_argument("--save", default=None, help="write checkpoints here")
+    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the "
+                   "end only)")
+    g = parser.add_argument_group("tokenizer (Megatron-LM names)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="NullTokenizer")
+    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a directory; "
+                   "SentencePieceTokenizer: a .model file")
+    g.add_argument("--vocab-size", type=int, default=16, help="NullTokenizer: the synthetic vocabulary size")
+    return parser
+
+
+def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The rollout layout and the RL settings (Megatron-LM's ``extra_args_provider`` convention)."""
+    g = parser.add_argument_group("hybrid engine")
+    g.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
+    g.add_argument("--reshard-bucket-size-mb", type=float, default=None,
+                   help="HybridEngine gather bucket, MiB per dtype (default: the engine's, 1024 on a GPU, 32 on a "
+                        "CPU)")
+    g.add_argument("--inference-max-requests", type=int, default=64,
+                   help="decode slots of the rollout's KV cache: sequences generated at once per rollout replica")
+    g.add_argument("--inference-max-seq-length", type=int, default=None,
+                   help="positions per KV-cache slot (default: the longest prompt plus --max-new-tokens, not the "
+                   "model's whole context: the cache is slots x this x layers x KV bytes)")
+    g.add_argument("--no-hybrid-rollout", action="store_true",
+                   help="generate with the training-layout model on Megatron's groups (no resharding); for "
+                   "comparisons")
+    g.add_argument("--no-offload-optimizer", action="store_true",
+                   help="keep optimizer states and gradients resident while generating")
+    g = parser.add_argument_group("reinforcement learning")
+    g.add_argument("--algorithm", choices=["ppo", "grpo"], default="ppo")
+    g.add_argument("--reward-fn", default=None, help="module:function(prompts, responses) -> list[float] on token "
+                   "lists (with an 'answers' parameter: also given the ground truths), or verl's "
+                   "compute_score(data_source, solution_str, ground_truth, extra_info) on text, told apart by the "
+                   "signature (default: --reward-type)")
+    g.add_argument("--reward-model-load", default=None, help="a directory written by save_value_model(): a "
+                   "Megatron model with a scalar head that scores prompt + response")
+    g.add_argument("--target-token", type=int, default=3, help="built-in task: the token to be rewarded")
+    g.add_argument("--prompt-length", type=int, default=4, help="built-in prompts: tokens per prompt")
+    g.add_argument("--prompt-file", default=None, help="one prompt per line (tokenised), instead of the "
+                   "built-in random prompts")
+    d = parser.add_argument_group("data and rewards (file formats and answer rules: megatron_hybrid/rl/data.py, "
+                                  "rewards.py)")
+    d.add_argument("--prompt-data", default=None, help="prompts with ground truths: JSONL ({\"prompt\": text or "
+                   "chat messages, \"answer\": ...} a line) or verl's parquet (prompt, reward_model.ground_truth)")
+    d.add_argument("--reward-type", choices=["exact-match", "format", "target-token"], default=None,
+                   help="a built-in reward: the final numeric answer equals the ground truth (1/0), the response "
+                   "marks a final answer ('#### N' or \\boxed{N}), or the synthetic task's --target-token "
+                   "fraction (default: exact-match with --prompt-data, else target-token)")
+    d.add_argument("--eval-prompt-data", default=None, help="held-out prompts with ground truths (same formats "
+                   "as --prompt-data), generated greedily every --eval-interval steps: eval_accuracy")
+    d.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations on "
+                   "--eval-prompt-data")
+    g.add_argument("--num-samples-per-prompt", type=int, default=1, help="responses per prompt (GRPO's group)")
+    g.add_argument("--max-new-tokens", type=int, default=8)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=0.0)
+    g.add_argument("--ppo-epochs", type=int, default=2, help="optimizer steps over each rollout batch")
+    g.add_argument("--clip-ratio", type=float, default=0.2)
+    g.add_argument("--clip-ratio-high", type=float, default=None, help="upper clip (default: --clip-ratio)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="value clipping range (0: off)")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lam", type=float, default=0.95)
+    g.add_argument("--kl-coef", type=float, default=0.02, help="KL penalty in the reward (PPO)")
+    g.add_argument("--kl-ctl-type", choices=["fixed", "adaptive"], default="fixed")
+    g.add_argument("--kl-target", type=float, default=6.0)
+    g.add_argument("--kl-horizon", type=float, default=10000.0)
+    g.add_argument("--kl-estimator", choices=["k1", "abs", "mse", "k3"], default="k1")
+    g.add_argument("--kl-loss-coef", type=float, default=None, help="KL loss (k3) in the policy loss "
+                   "(default: 0.01 for GRPO, 0 for PPO)")
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--value-loss-coef", type=float, default=1.0)
+    g.add_argument("--critic-lr", type=float, default=None, help="default: --lr")
+    g.add_argument("--no-whiten-advantages", action="store_true")
+    g.add_argument("--offload-reference", action="store_true", help="keep the reference policy in host memory "
+                   "between uses")
+    g.add_argument("--tis-imp-ratio-cap", type=float, default=None, help="truncated importance sampling "
+                   "(verl's name): weight each token's policy loss by min(π_old / π_rollout, C), for the mismatch "
+                   "between the generator's and the training layout's log-probs (default: off)")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
+                   "package)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser
+
+
+#: The range of every numeric flag, as :func:`~megatron_hybrid.checks.check_number`'s bounds (and a hint where
+#: one helps).
+_RANGES: dict[str, dict] = {
+    **dict.fromkeys(("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "rollout_tensor_model_parallel_size", "rollout_pipeline_model_parallel_size", "micro_batch_size",
+                     "global_batch_size", "train_iters", "save_interval", "num_layers", "hidden_size",
+                     "num_attention_heads", "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+                     "make_vocab_size_divisible_by", "vocab_size", "prompt_length", "num_samples_per_prompt",
+                     "max_new_tokens", "ppo_epochs", "lr_decay_iters", "eval_interval", "inference_max_requests",
+                     "inference_max_seq_length"), {"ge": 1}),
+    **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
+                     "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters"),
+                    {"ge": 0}),
+    **dict.fromkeys(("clip_ratio", "clip_ratio_high", "kl_target", "kl_horizon", "reshard_bucket_size_mb",
+                     "tis_imp_ratio_cap",
+                     "distributed_timeout_minutes", "adam_eps"), {"gt": 0}),
+    **dict.fromkeys(("gamma", "lam"), {"ge": 0, "le": 1}),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), {"ge": 0, "lt": 1}),
+    "temperature": {"gt": 0, "hint": "use --top-k 1 for greedy"},
+    "top_k": {"ge": 0, "hint": "0: off"},
+    "top_p": {"ge": 0, "le": 1, "hint": "0 or 1: off"},
+}
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Every check that needs no collective; ``ValueError`` with the values and the arithmetic. Fills the model
+    flags left unset from ``--pretrained-checkpoint`` (a contradicting one is an error) or :data:`TINY_MODEL`."""
+    model_args_from_checkpoint(args)
+    for name, value in TINY_MODEL.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    # Ranges first: the arithmetic below divides by several of these. None is an optional flag left unset.
+    for name, bounds in _RANGES.items():
+        if getattr(args, name) is not None:
+            check_number(flag_name(name), getattr(args, name), **bounds)
+    # Megatron-LM seeds numpy with --seed (+ 100 × the pipeline rank), which takes [0, 2**32). Within it every seed
+    # derived from it fits the int64 that torch's generators and megatron-core's RNG tracker take, with room to
+    # spare: the prompts' seed × 1,000,003 + step, generation's seed × 7919 + step + 1,000,003 × replica, the
+    # tracker's seed + 2718 + TP rank (2**63 itself overflowed in megatron-core after the process groups were up).
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed ({args.seed}) must be in [0, {2**32 - 1}] (Megatron-LM's range: it seeds numpy "
+                         "with it)")
+    # Megatron's OptimizerParamScheduler asserts these; a usage error names them instead.
+    for flag, peak in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
+        if peak is not None and args.min_lr > peak:
+            raise ValueError(f"--min-lr ({args.min_lr:g}) must be at most {flag} ({peak:g})")
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    if args.lr_warmup_iters >= decay_iters:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be less than --lr-decay-iters "
+                         f"({decay_iters}{', from --train-iters' if args.lr_decay_iters is None else ''})")
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
+    if args.sequence_parallel and t == 1:  # as Megatron-LM does: warned and turned off
+        warnings.warn("--sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1 (it is 1)",
+                      stacklevel=2)
+        args.sequence_parallel = False
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        missing = [f for f, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                   ("--overlap-grad-reduce", args.overlap_grad_reduce)) if not on]
+        raise ValueError(f"--overlap-param-gather needs {' and '.join(missing)} (as in Megatron-LM)")
+    if args.tokenizer_type == "NullTokenizer":  # the only vocabulary whose size is known before loading
+        V = args.vocab_size
+        if args.top_k > V:
+            raise ValueError(f"--top-k ({args.top_k}) must be at most --vocab-size ({V})")
+        if args.reward_fn is None and args.reward_model_load is None and args.target_token >= V:
+            raise ValueError(f"--target-token ({args.target_token}) must be a token of the vocabulary, in "
+                             f"[0, {V - 1}] (--vocab-size {V})")
+    n_pos, n_new = args.max_position_embeddings, args.max_new_tokens
+    from_file = args.prompt_file is not None or args.prompt_data is not None
+    if not from_file and n_pos < args.prompt_length + n_new:
+        raise ValueError(f"--max-position-embeddings ({n_pos}) must be at least --prompt-length "
+                         f"({args.prompt_length}) + --max-new-tokens ({n_new}) = {args.prompt_length + n_new}")
+    if from_file and n_pos <= n_new:  # the file's prompts are measured once tokenised
+        raise ValueError(f"--max-position-embeddings ({n_pos}) must exceed --max-new-tokens ({n_new}): the prompt "
+                         "takes positions too")
+    if world_size % (t * p):
+        raise ValueError(f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size ({t}) × "
+                         f"--pipeline-model-parallel-size ({p}) = {t * p}")
+    d = world_size // (t * p)
+    if args.global_batch_size % (args.micro_batch_size * d):
+        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                         f"--micro-batch-size ({args.micro_batch_size}) × data-parallel size ({d}) = "
+                         f"{args.micro_batch_size * d}")
+    if args.global_batch_size % (args.num_samples_per_prompt * d):
+        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                         f"--num-samples-per-prompt ({args.num_samples_per_prompt}) × data-parallel size ({d})")
+    if args.algorithm == "grpo" and args.num_samples_per_prompt < 2:
+        raise ValueError(f"--algorithm grpo needs --num-samples-per-prompt ≥ 2 (got {args.num_samples_per_prompt})")
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
+                         f"({args.hidden_size})")
+    if args.num_attention_heads % t:
+        raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --num-attention-heads "
+                         f"({args.num_attention_heads})")
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % t:  # the default, 4 × hidden, divides
+        raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --ffn-hidden-size ({args.ffn_hidden_size})")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups")
+    if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
+        raise ValueError(f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads "
+                         f"({args.num_attention_heads})")
+    if args.num_layers % p:
+        raise ValueError(f"--pipeline-model-parallel-size ({p}) must divide --num-layers ({args.num_layers})")
+    if t_g <= t and t % t_g or t_g > t and (t_g % t or d % (t_g // t) or p_g != p):
+        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --tensor-model-parallel-size "
+                         f"({t}), or be m × {t} with m dividing the data-parallel size ({d}) and the same pipeline "
+                         "size")
+    if p % p_g:
+        raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide "
+                         f"--pipeline-model-parallel-size ({p})")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.tokenizer_model is not None:
+            raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "
+                             "vocabulary needs no files); pass --tokenizer-type too")
+    elif args.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    elif args.tokenizer_type == "HuggingFaceTokenizer" and not os.path.isdir(args.tokenizer_model):
+        raise ValueError(f"--tokenizer-model ({args.tokenizer_model!r}) is not a directory (HuggingFaceTokenizer "
+                         "loads a tokenizer directory)")
+    elif args.tokenizer_type == "SentencePieceTokenizer" and not os.path.isfile(args.tokenizer_model):
+        raise ValueError(f"--tokenizer-model ({args.tokenizer_model!r}) is not a file (SentencePieceTokenizer "
+                         "loads a .model file)")
+    if args.reward_fn is not None and args.reward_model_load is not None:
+        raise ValueError("pass --reward-fn or --reward-model-load, not both")
+    if args.reward_fn is not None:
+        load_callable(args.reward_fn)
+    if args.reward_model_load is not None and not os.path.isfile(os.path.join(args.reward_model_load,
+                                                                              "value_model.json")):
+        raise ValueError(f"--reward-model-load ({args.reward_model_load!r}) has no value_model.json")
+    if args.load is not None and not os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+        raise ValueError(f"--load ({args.load!r}) has no latest_checkpointed_iteration.txt")
+    if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
+        raise ValueError(f"--prompt-file ({args.prompt_file!r}) does not exist")
+    # MetricsLogger makes them on rank 0 only, after the process groups exist: a file there failed that rank alone.
+    for flag, path in (("--log-dir", args.log_dir), ("--tensorboard-dir", args.tensorboard_dir)):
+        error = path is not None and output_dir_error(path)
+        if error:
+            raise ValueError(f"{flag} ({path!r}) {error}")
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        # torch.utils.tensorboard needs it; without it the SummaryWriter would fail on rank 0 only, mid-run.
+        raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "
+                         "(pip install tensorboard)")
+    _validate_data_and_rewards(args)
+
+
+def _validate_data_and_rewards(args: argparse.Namespace) -> None:
+    if args.prompt_data is not None and args.prompt_file is not None:
+        raise ValueError("pass --prompt-data or --prompt-file, not both")
+    for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        error = path is not None and data_file_error(flag, path)
+        if error:
+            raise ValueError(error)
+    if args.reward_type is not None and (args.reward_fn is not None or args.reward_model_load is not None):
+        raise ValueError(f"pass one of --reward-type ({args.reward_type}), --reward-fn and --reward-model-load")
+    if resolved_reward_type(args) == "exact-match" and args.prompt_data is None:
+        raise ValueError("--reward-type exact-match needs ground truths: pass --prompt-data")
+    if args.reward_fn is not None and args.prompt_data is None and reward_fn_style(load_callable(args.reward_fn)) \
+            == "verl":
+        raise ValueError(f"--reward-fn {args.reward_fn} is a verl compute_score(..., ground_truth, ...): it needs "
+                         "--prompt-data")
+    if args.eval_interval is not None and args.eval_prompt_data is None:
+        raise ValueError(f"--eval-interval ({args.eval_interval}) needs --eval-prompt-data")
+    if args.eval_prompt_data is not None and args.eval_interval is None:
+        warnings.warn(f"--eval-prompt-data ({args.eval_prompt_data}) is ignored without --eval-interval",
+                      stacklevel=3)

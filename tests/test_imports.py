@@ -1,0 +1,222 @@
+"""The package's import graph: no circle, and the layers import only downwards.
+
+The graph is read from the source, not from an import: every ``import`` / ``from ... import`` statement of every
+module of ``megatron_hybrid/`` (and of ``patches/``, installed as ``megatron_hybrid.patches``), at the top of a
+module, inside a function or under ``if TYPE_CHECKING:`` alike, since a function-local import only hides a circle.
+Relative imports are resolved; ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
+``pkg``. A parent package is not an edge of its submodule's import (``rl/__init__.py`` imports its modules, which
+import one another as ``.phases``, not ``megatron_hybrid.rl``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "megatron_hybrid"
+#: Folders whose modules the library must never import.
+NOT_LIBRARY = ("tests", "examples", "bench", "tools")
+#: What ``patches/`` (behaviour changes of megatron-core, below everything of ours) must not import: the layers
+#: built on it. Today it imports nothing of the package beyond itself.
+NOT_FOR_PATCHES = (f"{PACKAGE}.rl", f"{PACKAGE}.inference", f"{PACKAGE}.engine")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's edge: ``source`` imports ``target`` at ``path:line``."""
+
+    source: str
+    target: str
+    """The module imported: ours (a key of the graph) or, for other packages, the name as written."""
+    where: str
+    """``FILE:LINE`` of the statement, the file relative to the root of the tree."""
+    text: str
+    """The statement's (first) source line."""
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.text.strip()}"
+
+
+def module_files(root: Path, package: str, extra: dict[str, Path] | None = None) -> dict[str, Path]:
+    """Module name → file for every ``.py`` under ``root/package`` (and under each ``extra`` folder, installed
+    under the given module name)."""
+    folders = {package: root / package, **(extra or {})}
+    modules = {}
+    for name, folder in folders.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [name, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str:
+    """``name``, or the longest prefix of it that is one of ours (``pkg._C``, an extension module, is ``pkg``)."""
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path], root: Path) -> list[Import]:
+    """Every import statement of ``module`` (anywhere in it), one :class:`Import` per module it names."""
+    source = path.read_text()
+    lines = source.splitlines()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                if node.level - 1 >= len(base):
+                    raise ValueError(f"{path}:{node.lineno}: a relative import beyond the top-level package")
+                base = base[:len(base) - (node.level - 1)]
+                where = ".".join(base + ([node.module] if node.module else []))
+            else:
+                where = node.module
+            targets = [f"{where}.{a.name}" if f"{where}.{a.name}" in modules else where for a in node.names]
+        else:
+            continue
+        for target in dict.fromkeys(targets):
+            ours = _resolve(target, modules)
+            found.append(Import(module, ours if ours in modules else target,
+                                f"{path.relative_to(root).as_posix()}:{node.lineno}", lines[node.lineno - 1]))
+    return found
+
+
+def import_graph(modules: dict[str, Path], root: Path) -> list[Import]:
+    """Every import of every module in ``modules`` (files under ``root``)."""
+    return [imp for module, path in modules.items() for imp in imports_of(module, path, modules, root)]
+
+
+def strongly_connected(nodes: list[str], edges: list[Import]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    succ: dict[str, set[str]] = {n: set() for n in nodes}
+    for e in edges:
+        if e.target in succ and e.target != e.source:
+            succ[e.source].add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(succ[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def circles_report(modules: dict[str, Path], edges: list[Import]) -> str:
+    """Each import circle's modules and the import lines that form it ("" when there is none)."""
+    report = []
+    for component in strongly_connected(list(modules), edges):
+        inside = set(component)
+        lines = [f"    {e}" for e in edges if e.source in inside and e.target in inside and e.source != e.target]
+        report.append(f"import circle of {len(component)} modules: {', '.join(component)}\n" + "\n".join(lines))
+    return "\n".join(report)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Path]:
+    return module_files(ROOT, PACKAGE, {f"{PACKAGE}.patches": ROOT / "patches"})
+
+
+@pytest.fixture(scope="module")
+def edges(modules) -> list[Import]:
+    return import_graph(modules, ROOT)
+
+
+def test_the_graph_is_read(modules, edges):
+    """The walk finds the package's modules and their imports of every kind (not vacuously acyclic)."""
+    edges = {(e.source, e.target) for e in edges}
+    assert {f"{PACKAGE}.rl.passes", f"{PACKAGE}.patches.cpu", f"{PACKAGE}.convert.virtual"} <= modules.keys()
+    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.rl.ppo") in edges  # from . import ppo: a module
+    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.compat") in edges  # from ..compat import name
+    assert (f"{PACKAGE}.sharding", f"{PACKAGE}.compat") in edges  # function-local
+    assert (f"{PACKAGE}.rl.checkpoint", f"{PACKAGE}.patches.distrib_optimizer") in edges  # into patches/
+
+
+def test_no_import_circle(modules, edges):
+    report = circles_report(modules, edges)
+    assert not report, "\n" + report
+
+
+def test_library_does_not_import_scripts(edges):
+    bad = [str(e) for e in edges if e.target.split(".")[0] in NOT_LIBRARY]
+    assert not bad, "the library imports tests, examples, bench or tools:\n" + "\n".join(bad)
+
+
+def test_patches_stay_below_the_library(edges):
+    patches = f"{PACKAGE}.patches"
+    bad = [str(e) for e in edges if (e.source == patches or e.source.startswith(patches + "."))
+           and any(e.target == p or e.target.startswith(p + ".") for p in NOT_FOR_PATCHES)]
+    assert not bad, "patches/ imports a layer built on it:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("back_import", [
+    "from . import a",
+    "from .a import thing",
+    "import pkg.a",
+    "def later():\n    from pkg import a",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import thing",
+])
+def test_a_circle_is_reported(tmp_path, back_import):
+    """A two-module circle, closed by each spelling of an import, is found and named with its import lines;
+    a module that only imports into the circle is not part of it."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os\nfrom .b import other\nthing = 1\n")
+    (pkg / "b.py").write_text(f"{back_import}\nother = 2\n")
+    (pkg / "c.py").write_text("from pkg import a, b\n")
+    modules = module_files(tmp_path, "pkg")
+    edges = import_graph(modules, tmp_path)
+    assert strongly_connected(list(modules), edges) == [["pkg.a", "pkg.b"]]
+    report = circles_report(modules, edges)
+    assert "import circle of 2 modules: pkg.a, pkg.b" in report
+    assert "pkg/a.py:2: from .b import other" in report
+    assert f"pkg/b.py:{back_import.count(chr(10)) + 1}: {back_import.splitlines()[-1].strip()}" in report
+    assert "pkg/c.py" not in report
+
+
+def test_old_import_paths_still_work():
+    """The recipe's arguments and the PPO algebra moved into ``rl/``; their former paths re-export them."""
+    for old, new, names in (("arguments", "rl.arguments", ("add_hybrid_args", "add_megatron_args", "validate_args",
+                                                           "TINY_MODEL", "TOKENIZER_TYPES")),
+                            ("arguments", "checks", ("check_number", "output_dir_error")),
+                            ("arguments", "rl.rewards", ("load_callable",)),
+                            ("ppo", "rl.ppo", ("policy_loss", "compute_gae", "vocab_parallel_logprobs_entropy",
+                                               "KLConfig", "make_kl_controller"))):
+        old_module = importlib.import_module(f"{PACKAGE}.{old}")
+        new_module = importlib.import_module(f"{PACKAGE}.{new}")
+        for name in names:
+            assert getattr(old_module, name) is getattr(new_module, name), (old, name)
