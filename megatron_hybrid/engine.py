@@ -36,6 +36,7 @@ from . import compat
 from .binding import BINDINGS, named_parameters
 from .executor import CollectiveRecord, PlanExecutor, held_buffers, make_group_plan
 from .groups import RolloutGroups, create_rollout_groups
+from .inference import RolloutGenerator
 from .layout import Grid, ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
 from .placement import EngineRolloutMemory, Placement
@@ -395,8 +396,6 @@ class HybridEngine:
         (untempered, over the real vocabulary), and with ``tempered_log_probs`` also
         ``.generated_tempered_log_probs`` (at the sampling temperature, before top-k/top-p).
         """
-        from .inference import RolloutGenerator
-
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
         if self._generator is None or (config is not None and config != self._generator.config):

@@ -220,3 +220,36 @@ def test_old_import_paths_still_work():
         new_module = importlib.import_module(f"{PACKAGE}.{new}")
         for name in names:
             assert getattr(old_module, name) is getattr(new_module, name), (old, name)
+
+
+def _step_state_writes(root: Path) -> list[str]:
+    """``FILE:LINE in FUNCTION`` of every statement in the package that writes step state: an assignment to a
+    module attribute ``step_context`` (or the old ``kv_step`` / ``in_step``), a write of ``StepContext.kv``, or
+    entering a context's ``step(...)``."""
+    out = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(func):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                hits = [t for t in targets if isinstance(t, ast.Attribute)
+                        and t.attr in ("step_context", "kv_step", "in_step", "kv")]
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step"
+                        and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "context"):
+                    hits.append(node)
+                out += [f"{path.relative_to(root).as_posix()}:{h.lineno} in {func.name}" for h in hits]
+    return sorted(set(out))
+
+
+def test_step_state_is_set_on_modules_only_by_the_stage_runner():
+    """The modules reach the step through the context the runner gave them once (the install functions); the step
+    itself is set and cleared in one place, the runner's forward (and inside StepContext.step)."""
+    where = {w.split(":")[0] + " in " + w.split(" in ")[1] for w in _step_state_writes(ROOT)}
+    assert where == {
+        "megatron_hybrid/inference/attention.py in install_kv_attention",
+        "megatron_hybrid/inference/norms.py in install_step_norms",
+        "megatron_hybrid/inference/context.py in __init__",
+        "megatron_hybrid/inference/context.py in step",
+        "megatron_hybrid/inference/runner.py in _forward",
+    }, sorted(_step_state_writes(ROOT))
