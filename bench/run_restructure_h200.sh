@@ -4,7 +4,8 @@
 #   - bench/generate.py --methods ours on both trees, interleaved before/after/after/before (the same bench script
 #     for both: this tree's, with digests), then bench/compare_generate.py: tok/s ratios and digests row by row;
 #   - tests/gpu_inference.py on this tree for both graph pools and both optimizers.
-# Returns steps.txt, compare_h200.json and one archive of every JSON and log (the device tool returns 8 files).
+# Returns steps.txt, compare_h200.json and one archive of every JSON and log (the device tool returns 8 files),
+# refreshed after every step. Order: a before/after pair, the GPU tests, then a second pair (after, before).
 set -u
 if [ "${1:-}" = "--prepare" ]; then  # on the development machine: the old commit's package and patches in .old/
   rm -rf .old && mkdir -p .old/bench && git archive "$2" megatron_hybrid patches setup.py | tar -x -C .old
@@ -23,18 +24,23 @@ step() {  # step NAME LIMIT_S DIR COMMAND...
   local t0=$SECONDS
   (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout "$limit" "$@") > "$OUT/all/$name.txt" 2>&1
   echo "$name: rc=$? $((SECONDS - t0)) s: (in $dir) $*" | tee -a "$OUT/steps.txt"
+  tar czf "$OUT/restructure_h200.tgz" -C "$OUT" all  # after every step: a run cut short still returns its logs
 }
 GEN="python3 bench/generate.py --methods ours ${GEN_ARGS:-}"
-step gen_before1 150 .old $GEN --out "$OUT/all/before1.json"
-step gen_after1 150 . $GEN --out "$OUT/all/after1.json"
-step gen_after2 150 . $GEN --out "$OUT/all/after2.json"
-step gen_before2 150 .old $GEN --out "$OUT/all/before2.json"
-python3 bench/compare_generate.py --before "$OUT"/all/before*.json --after "$OUT"/all/after*.json \
-  --out "$OUT/compare_h200.json" | tee -a "$OUT/steps.txt"
+compare() {
+  python3 bench/compare_generate.py --before "$OUT"/all/before*.json --after "$OUT"/all/after*.json \
+    --out "$OUT/compare_h200.json" | tee -a "$OUT/steps.txt"
+}
+step gen_before1 140 .old $GEN --out "$OUT/all/before1.json"
+step gen_after1 140 . $GEN --out "$OUT/all/after1.json"
+compare
 for pool in reserved private; do
   for opt in sgd distributed; do
-    step "gpu_inference_${pool}_${opt}" 90 . python3 tests/gpu_inference.py --graph-pool $pool --optimizer $opt \
+    step "gpu_inference_${pool}_${opt}" 60 . python3 tests/gpu_inference.py --graph-pool $pool --optimizer $opt \
       --output "$OUT/all/gpu_inference_${pool}_${opt}_h200.json"
   done
 done
-tar czf "$OUT/restructure_h200.tgz" -C "$OUT" all && rm -rf "$OUT/all"
+step gen_after2 140 . $GEN --out "$OUT/all/after2.json"
+step gen_before2 140 .old $GEN --out "$OUT/all/before2.json"
+compare
+rm -rf "$OUT/all"
