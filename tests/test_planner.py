@@ -61,21 +61,28 @@ def test_decode_and_mixed_plans():
     assert (plan.batch, plan.rows, plan.length, plan.attended, plan.graph_key) == (3, 2, 35, 30, None)
 
 
+def _drive(schedule, limits: list[int], record) -> list[tuple]:
+    """Run ``schedule`` as the replica would, each sequence closed once ``limits[seq]`` tokens are launched (its
+    by-length end); what ``record`` says of each step plan, and every slot move."""
+    seen = []
+    for plan in schedule:
+        if isinstance(plan, SlotMoves):
+            seen.append(("moves", plan.sources, plan.targets, plan.positions))
+            continue
+        seen.append(record(plan))
+        for seq in plan.owners:
+            if seq is not None and schedule.launched[seq] == limits[seq]:
+                schedule.finish(seq)
+    return seen
+
+
 def test_a_call_schedule_refills_mixes_and_compacts():
     # Three slots, five prompts; each sequence ends after its second token (the replica's by-length close).
     settings = dataclasses.replace(EAGER, num_slots=3, batch_sizes=batch_sizes(3), mixed_prompts=2,
                                    mixed_tokens=8, compact=True)
     prompts = [[1] * 6, [2] * 2, [3] * 3, [4] * 2, [5] * 2]
     schedule = StepPlanner(settings).schedule(prompts, signature=SIG)
-    seen = []
-    for plan in schedule:
-        if isinstance(plan, SlotMoves):
-            seen.append(("moves", plan.sources, plan.targets, plan.positions))
-            continue
-        seen.append((plan.kind, plan.owners, plan.attended))
-        for seq in plan.owners:
-            if seq is not None and schedule.launched[seq] == 2:
-                schedule.finish(seq)
+    seen = _drive(schedule, [2] * 5, lambda plan: (plan.kind, plan.owners, plan.attended))
     assert seen == [
         ("prefill", (0, 1), 0), ("prefill", (2,), 0),  # 6 + 2 + 3 > 10 tokens: two forwards
         ("decode", (0, 1, 2), 7),  # the longest: 6 prompt tokens + 1; every sequence has its second token
@@ -89,15 +96,7 @@ def test_a_call_schedule_refills_mixes_and_compacts():
     prompts = [[1] * 2, [2] * 2, [3] * 2, [4] * 2]
     limits = [4, 2, 6, 3]
     schedule = StepPlanner(settings).schedule(prompts, signature=SIG)
-    seen = []
-    for plan in schedule:
-        if isinstance(plan, SlotMoves):
-            seen.append(("moves", plan.sources, plan.targets, plan.positions))
-            continue
-        seen.append((plan.kind, plan.owners))
-        for seq in plan.owners:
-            if seq is not None and schedule.launched[seq] == limits[seq]:
-                schedule.finish(seq)
+    seen = _drive(schedule, limits, lambda plan: (plan.kind, plan.owners))
     assert seen == [
         ("prefill", (0, 1, 2)),
         ("decode", (0, 1, 2)),  # sequence 1 ends: slot 1 free
