@@ -1,6 +1,6 @@
 """Where every tensor lives, and which ranges are backed: the training shards, the peers' slots, rollout-only memory.
 
-Where the bytes live (the bytes move in :meth:`megatron_hybrid.engine.HybridEngine.switch_to_rollout`). One
+Where the bytes live (they move in :class:`megatron_hybrid.executor.PlanExecutor`, at every switch to rollout). One
 :class:`~megatron_hybrid.rollout_memory.RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`).
 At construction each training tensor of this rank moves, once, into its own slot, and stays there: the own slots are
 backed for the engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the
