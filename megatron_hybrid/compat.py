@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from typing import Iterator, Optional
 
 from packaging.version import Version
 
@@ -34,6 +34,30 @@ def build_gpt_model(*args, **kwargs):
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             warnings.filterwarnings("ignore", message=".*GPTModel.*deprecat.*")
         return GPTModel(*args, **kwargs)
+
+
+def gpt_decoder_block_spec(config, *, use_transformer_engine: bool, normalization: Optional[str] = None,
+                           vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """``get_gpt_decoder_block_spec``: this pipeline stage's layer specs, dense and MoE mixed by
+    ``config.moe_layer_freq``.
+
+    0.16.1 takes ``(config, use_transformer_engine, normalization, qk_l2_norm, vp_stage, pp_rank)``; older and
+    some newer trees drop ``pp_rank`` or ``normalization`` (and the newest drop ``use_transformer_engine``), so
+    only the keywords this version's signature names are passed.
+    """
+    import inspect
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    accepted = inspect.signature(get_gpt_decoder_block_spec).parameters
+    wanted = dict(use_transformer_engine=use_transformer_engine, normalization=normalization,
+                  vp_stage=vp_stage, pp_rank=pp_rank)
+    if not use_transformer_engine and "use_transformer_engine" not in accepted:
+        wanted.pop("use_transformer_engine")  # a local-only signature
+    missing = [name for name, value in wanted.items() if name not in accepted and value is not None]
+    if missing:
+        raise RuntimeError(f"megatron-core {MCORE_VERSION}'s get_gpt_decoder_block_spec takes none of {missing}")
+    return get_gpt_decoder_block_spec(config, **{k: v for k, v in wanted.items() if k in accepted})
 
 
 def all_gather_into_tensor(output, input_, group, async_op: bool = False):

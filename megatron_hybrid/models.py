@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+_DISPATCHERS = ("allgather", "alltoall")
+_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
 
 @dataclass
@@ -66,6 +69,28 @@ class GPTArchitecture:
     """float32, bfloat16 or float16 (--bf16 / --fp16)."""
     init_method_std: float = 0.02
     """--init-method-std"""
+    num_experts: Optional[int] = None
+    """--num-experts (None: a dense model)."""
+    moe_router_topk: int = 2
+    """--moe-router-topk: experts per token."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """--moe-ffn-hidden-size: each expert's hidden size (None: ``ffn_hidden_size``)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """--moe-shared-expert-intermediate-size: the shared experts' total hidden size (None: no shared expert)."""
+    moe_router_score_function: str = "softmax"
+    """--moe-router-score-function: softmax or sigmoid."""
+    moe_aux_loss_coeff: float = 0.0
+    """--moe-aux-loss-coeff: weight of the load-balancing loss."""
+    moe_token_dispatcher_type: str = "allgather"
+    """--moe-token-dispatcher-type: allgather, or alltoall (NCCL only on megatron-core 0.16.1: on gloo its
+    ``all_to_all_single`` rejects the tensor split sizes)."""
+    moe_layer_freq: Union[int, list] = 1
+    """--moe-layer-freq: N makes every N-th layer (0, N, 2N, ...) an MoE layer; a list of 0/1, one per layer,
+    says which are (1: MoE)."""
+    moe_router_enable_expert_bias: bool = False
+    """--moe-router-enable-expert-bias: aux-loss-free balancing by a per-expert routing bias (sigmoid scores)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """--moe-router-load-balancing-type: aux_loss, seq_aux_loss or none."""
     extra: dict = field(default_factory=dict)
     """Further TransformerConfig fields, passed through as given."""
 
@@ -78,9 +103,21 @@ class GPTArchitecture:
     def dtype(self) -> torch.dtype:
         return _DTYPES[self.params_dtype]
 
-    def validate(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
-        """Raise ``ValueError`` when the sizes do not divide the model."""
+    def moe_layer_pattern(self) -> list[int]:
+        """One entry per layer, 1 for an MoE layer and 0 for a dense one (all 0 without experts), read from
+        ``moe_layer_freq`` as Megatron-LM reads it."""
+        if self.num_experts is None:
+            return [0] * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [int(i % self.moe_layer_freq == 0) for i in range(self.num_layers)]
+        return list(self.moe_layer_freq)
+
+    def validate(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                 expert_model_parallel_size: int = 1) -> None:
+        """Raise ``ValueError`` when a field is invalid or the sizes do not divide the model."""
         t, p = tensor_model_parallel_size, pipeline_model_parallel_size
+        self._validate_moe(expert_model_parallel_size=expert_model_parallel_size,
+                           tensor_model_parallel_size=t)
         groups = self.num_query_groups or self.num_attention_heads
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype ({self.params_dtype!r}) must be one of {sorted(_DTYPES)}")
@@ -98,13 +135,51 @@ class GPTArchitecture:
         if ffn % t:
             raise ValueError(f"tensor_model_parallel_size ({t}) must divide ffn_hidden_size ({ffn})")
 
+    def _validate_moe(self, *, expert_model_parallel_size: int, tensor_model_parallel_size: int) -> None:
+        e, t = expert_model_parallel_size, tensor_model_parallel_size
+        if self.num_experts is None:
+            if e != 1:
+                raise ValueError(f"expert_model_parallel_size ({e}) needs num_experts (None: a dense model)")
+            return
+        n = self.num_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_experts ({n!r}) must be an integer ≥ 1, or None for a dense model")
+        k = self.moe_router_topk
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) must be between 1 and num_experts ({n})")
+        for name, value, allowed in (
+                ("moe_router_score_function", self.moe_router_score_function, _SCORE_FUNCTIONS),
+                ("moe_token_dispatcher_type", self.moe_token_dispatcher_type, _DISPATCHERS),
+                ("moe_router_load_balancing_type", self.moe_router_load_balancing_type, _LOAD_BALANCING)):
+            if value not in allowed:
+                raise ValueError(f"{name} ({value!r}) must be one of {list(allowed)}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(f"moe_router_enable_expert_bias needs moe_router_score_function 'sigmoid' "
+                             f"(got {self.moe_router_score_function!r})")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff ({self.moe_aux_loss_coeff}) must be ≥ 0")
+        freq = self.moe_layer_freq
+        if isinstance(freq, bool) or not isinstance(freq, (int, list)):
+            raise ValueError(f"moe_layer_freq ({freq!r}) must be an int or a list of 0/1 per layer")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"moe_layer_freq ({freq}) must be ≥ 1")
+        if isinstance(freq, list) and (len(freq) != self.num_layers or any(v not in (0, 1) for v in freq)):
+            raise ValueError(f"moe_layer_freq ({freq}) must list 0 or 1 for each of the {self.num_layers} layers")
+        for name, size in (("moe_ffn_hidden_size", self.moe_ffn_hidden_size),
+                           ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)):
+            if size is not None and (size < 1 or size % t):
+                raise ValueError(f"{name} ({size}) must be ≥ 1 and divisible by tensor_model_parallel_size ({t})")
+        if e < 1 or n % e:
+            raise ValueError(f"expert_model_parallel_size ({e}) must divide num_experts ({n})")
+
     def transformer_config(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                           **overrides: Any):
+                           expert_model_parallel_size: int = 1, **overrides: Any):
         """The megatron-core ``TransformerConfig`` for this architecture at the given parallel sizes."""
         from megatron.core.transformer import TransformerConfig
 
         self.validate(tensor_model_parallel_size=tensor_model_parallel_size,
-                      pipeline_model_parallel_size=pipeline_model_parallel_size)
+                      pipeline_model_parallel_size=pipeline_model_parallel_size,
+                      expert_model_parallel_size=expert_model_parallel_size)
         kwargs: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -132,6 +207,22 @@ class GPTArchitecture:
             # Initialise the full weight on the host and split it, so every layout starts from the same numbers.
             use_cpu_initialization=True,
         )
+        if self.num_experts is not None:  # a dense config gets no MoE keys: its TransformerConfig is unchanged
+            kwargs.update(
+                num_moe_experts=self.num_experts,
+                moe_router_topk=self.moe_router_topk,
+                moe_ffn_hidden_size=self.moe_ffn_hidden_size or kwargs["ffn_hidden_size"],
+                moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+                moe_router_score_function=self.moe_router_score_function,
+                moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+                moe_layer_freq=self.moe_layer_freq,
+                moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
+                moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+                # SequentialMLP: 0.16.1's GroupedMLP needs the CUDA-only grouped_gemm package.
+                moe_grouped_gemm=False,
+                expert_model_parallel_size=expert_model_parallel_size,
+            )
         kwargs.update(self.extra)
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
@@ -140,24 +231,44 @@ class GPTArchitecture:
         """Megatron's GPT layer spec: ``local`` (plain PyTorch) or ``transformer_engine``."""
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
+        # Every layer's spec: with experts, each layer is an MoE layer (mixed layers go through build()'s block spec).
+        moe = {} if self.num_experts is None else dict(num_experts=self.num_experts, moe_grouped_gemm=False)
         if transformer_impl == "transformer_engine":
-            return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_layernorm)
+            return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_layernorm, **moe)
         if transformer_impl != "local":
             raise ValueError(f"transformer_impl ({transformer_impl!r}) must be 'local' or 'transformer_engine'")
-        return specs.get_gpt_layer_local_spec(normalization=self.normalization, qk_layernorm=self.qk_layernorm)
+        return specs.get_gpt_layer_local_spec(normalization=self.normalization, qk_layernorm=self.qk_layernorm,
+                                              **moe)
 
     def build(self, config=None, *, pre_process: bool = True, post_process: bool = True, pg_collection=None,
               transformer_impl: str = "local", tensor_model_parallel_size: int = 1,
-              pipeline_model_parallel_size: int = 1, vp_stage: Optional[int] = None):
-        """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`."""
-        from .compat import build_gpt_model  # megatron-core only where a model is built (convert/ needs none)
+              pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+              vp_stage: Optional[int] = None):
+        """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`.
+
+        With experts it applies :func:`megatron_hybrid.patches.moe.moe_router_without_te` first; with dense and
+        MoE layers mixed (``moe_layer_freq``) the stage's layers come from megatron-core's decoder block spec.
+        """
+        from .compat import build_gpt_model, gpt_decoder_block_spec  # megatron-core only where a model is built
 
         if config is None:
             config = self.transformer_config(tensor_model_parallel_size=tensor_model_parallel_size,
-                                             pipeline_model_parallel_size=pipeline_model_parallel_size)
+                                             pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                             expert_model_parallel_size=expert_model_parallel_size)
+        spec = self.layer_spec(transformer_impl)
+        if self.num_experts is not None:
+            from .patches.moe import moe_router_without_te
+
+            moe_router_without_te()
+            if 0 in self.moe_layer_pattern():
+                pp = getattr(pg_collection, "pp", None) if pg_collection is not None else None
+                spec = gpt_decoder_block_spec(
+                    config, use_transformer_engine=transformer_impl == "transformer_engine",
+                    normalization=self.normalization, vp_stage=vp_stage,
+                    pp_rank=pp.rank() if pp is not None else None)
         kwargs = dict(
             config=config,
-            transformer_layer_spec=self.layer_spec(transformer_impl),
+            transformer_layer_spec=spec,
             vocab_size=self.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=self.max_position_embeddings,
             pre_process=pre_process,

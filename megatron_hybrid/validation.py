@@ -77,6 +77,12 @@ def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str) -> None:
     """The model (its unwrapped chunks; the first one's ``config``) against the layout and the weight mode."""
     lay, config = layout, modules[0].config
+    # The plan knows no expert tensors yet (issue 24): refuse MoE models before any collective.
+    experts, ep = getattr(config, "num_moe_experts", None), getattr(config, "expert_model_parallel_size", 1)
+    if ep > 1:
+        raise ValueError(f"expert_model_parallel_size ({ep}) > 1 is not supported by the HybridEngine yet")
+    if experts is not None:
+        raise ValueError(f"MoE models (num_moe_experts={experts}) are not supported by the HybridEngine yet")
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if heads % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "

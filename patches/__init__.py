@@ -9,6 +9,8 @@ context manager the caller chooses to use. Each states the megatron-core version
 - :func:`~megatron_hybrid.patches.distrib_optimizer.distributed_optimizer_loading` (``distrib_optimizer.py``):
   loading a ``DistributedOptimizer`` checkpoint with torch's Adam (no Apex or Transformer Engine), which
   megatron-core 0.16.1 fails on; applied by ``megatron_hybrid.rl.checkpoint.load_checkpoint``.
+- :func:`~megatron_hybrid.patches.moe.moe_router_without_te` (``moe.py``): the MoE router's gating GEMM without
+  Transformer Engine (a ``NameError`` on 0.16.1); applied by ``GPTArchitecture.build`` for a model with experts.
 """
 
 from .cpu import cpu_gloo, cpu_gloo_active
