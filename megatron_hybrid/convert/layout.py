@@ -89,6 +89,9 @@ def check_parallel_sizes(arch: GPTArchitecture, *, tensor_model_parallel_size: i
                          pipeline_model_parallel_size: int) -> None:
     """``CheckpointError`` unless megatron-core can build ``arch`` at this TP/PP."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if arch.num_experts is not None:  # the families' weight maps know dense layers only: experts would be dropped
+        raise CheckpointError(f"converting mixture-of-experts models (num_experts={arch.num_experts}) is not "
+                              "supported yet")
     if tp < 1 or pp < 1:
         raise CheckpointError(f"parallel sizes must be ≥ 1 (tensor {tp}, pipeline {pp})")
     try:
