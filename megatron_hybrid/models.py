@@ -156,8 +156,9 @@ class GPTArchitecture:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError(f"moe_router_enable_expert_bias needs moe_router_score_function 'sigmoid' "
                              f"(got {self.moe_router_score_function!r})")
-        if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"moe_aux_loss_coeff ({self.moe_aux_loss_coeff}) must be ≥ 0")
+        coeff = self.moe_aux_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < float("inf"):
+            raise ValueError(f"moe_aux_loss_coeff ({coeff!r}) must be a finite number ≥ 0")
         freq = self.moe_layer_freq
         if isinstance(freq, bool) or not isinstance(freq, (int, list)):
             raise ValueError(f"moe_layer_freq ({freq!r}) must be an int or a list of 0/1 per layer")

@@ -59,6 +59,7 @@ _BAD = [
     (dict(num_experts=4, moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias needs "
                                                               "moe_router_score_function 'sigmoid'"),
     (dict(num_experts=4, moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff (-1.0)"),
+    (dict(num_experts=4, moe_aux_loss_coeff=float("nan")), "moe_aux_loss_coeff (nan)"),
     (dict(num_experts=4, moe_ffn_hidden_size=33), "moe_ffn_hidden_size (33) must be ≥ 1 and divisible by "
                                                   "tensor_model_parallel_size (2)"),
 ]
