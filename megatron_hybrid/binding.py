@@ -19,78 +19,103 @@ import torch
 
 from . import ops
 from .aliased import Blocks, BlockTable, placeholder
-from .placement import DTYPE_NAMES, Placement
-from .sharding import global_name, layer_offset
+from .placement import DTYPE_NAMES, Placement, Placements
+from .sharding import expert_indices, global_name, layer_offset
+
+#: Buffers that decide what the model computes and change during training, so they move like weights: the MoE
+#: router's expert bias (aux-loss-free balancing; Megatron updates it in place after every step).
+WEIGHT_BUFFERS = ("router.expert_bias",)
 
 
-def named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(global name, parameter) of every parameter of a rank's chunks (layer numbers counted model-wide)."""
+def named_weights(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(global name, name in its chunk, tensor) of every weight of a rank's chunks: the parameters and the
+    :data:`WEIGHT_BUFFERS` (layer numbers counted model-wide, routed experts by their global index)."""
     for chunk in chunks:
-        offset = layer_offset(chunk)
+        offset, experts = layer_offset(chunk), expert_indices(chunk)
         for name, prm in chunk.named_parameters():
-            yield global_name(name, offset), prm
+            yield global_name(name, offset, experts), name, prm
+        for name, buf in chunk.named_buffers():
+            if name.endswith(WEIGHT_BUFFERS):
+                yield global_name(name, offset, experts), name, buf
 
 
-def _replace(chunk: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
+def named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of every weight of a rank's chunks (see :func:`named_weights`)."""
+    for name, _, tensor in named_weights(chunks):
+        yield name, tensor
+
+
+def _replace(chunk: torch.nn.Module, old: torch.Tensor, new: torch.nn.Parameter) -> None:
     for module in chunk.modules():
         for attr, value in module._parameters.items():
             if value is old:
                 module._parameters[attr] = new
                 return
+        for attr, value in module._buffers.items():
+            if value is old:  # a weight buffer stays a plain tensor (its binding is a view: already set)
+                module._buffers[attr] = new.data
+                return
     raise AssertionError("parameter not found in its chunk")
 
 
 class Binding:
-    """Binds a rank's rollout chunks to a :class:`Placement`; :meth:`refill` rebuilds the canonical tensors."""
+    """Binds a rank's rollout chunks to its :class:`Placements` (a :class:`Placement` per plane: the dense tensors,
+    an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors."""
 
     mode = ""
 
-    def __init__(self, chunks: list[torch.nn.Module], placement: Placement) -> None:
-        self.chunks, self.placement = chunks, placement
+    def __init__(self, chunks: list[torch.nn.Module], placements: Placements) -> None:
+        self.chunks, self.placement = chunks, placements
         self.table = BlockTable()
         self._refills: list[Callable[[], None]] = []
-        pending: dict[torch.dtype, list[tuple[str, torch.nn.Parameter, Blocks]]] = {}
-        viewed: dict[str, list[tuple[int, int]]] = {}  # peers' ranges that rollout parameters view directly
+        # Per plane: the canonical tensors to rebuild by dtype, and the peers' ranges rollout parameters view.
+        pending: dict[int, dict[torch.dtype, list[tuple[str, torch.nn.Parameter, Blocks]]]] = {}
+        viewed: dict[int, dict[str, list[tuple[int, int]]]] = {id(p): {} for p in placements.planes.values()}
         for chunk in chunks:
             for name, prm in list(named_parameters([chunk])):
+                placement = placements.of(name)
                 blocks = placement.blocks(name)
                 new = placeholder(prm)
                 if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
                     new.data = blocks.views[0]
                     for dtype, lo, hi in placement.peer_ranges(name):
-                        viewed.setdefault(dtype, []).append((lo, hi))
+                        viewed[id(placement)].setdefault(dtype, []).append((lo, hi))
                 elif self.computes_on_blocks(prm):
                     self.table.set(new, blocks)
                 else:
-                    pending.setdefault(prm.dtype, []).append((name, new, blocks))
+                    assert isinstance(prm, torch.nn.Parameter), name  # weight buffers are replicated: views
+                    pending.setdefault(id(placement), {}).setdefault(prm.dtype, []).append((name, new, blocks))
                 _replace(chunk, prm, new)
             for module in chunk.modules():
                 if hasattr(module, "block_table"):
                     module.block_table = self.table
-        self._after_views(viewed)
-        for dtype, items in pending.items():
-            self._refills.append(self._canonical(dtype, items))
+        for placement in placements.planes.values():
+            self._after_views(placement, viewed[id(placement)])
+            for dtype, items in pending.get(id(placement), {}).items():
+                self._refills.append(self._canonical(placement, dtype, items))
 
     def computes_on_blocks(self, prm: torch.nn.Parameter) -> bool:
         """Whether a multi-block rollout parameter stays blocks (else it gets a canonical tensor)."""
         raise NotImplementedError
 
-    def _after_views(self, viewed: dict[str, list[tuple[int, int]]]) -> None:
-        """Told which peers' ranges rollout parameters view directly."""
+    def _after_views(self, placement: Placement, viewed: dict[str, list[tuple[int, int]]]) -> None:
+        """Told which peers' ranges of ``placement`` rollout parameters view directly."""
 
-    def _canonical(self, dtype: torch.dtype, items: list[tuple[str, torch.nn.Parameter, Blocks]]) -> Callable[[], None]:
-        """Give ``items`` storage in a rollout-only range; return what refills them from the gathered buffers."""
+    def _canonical(self, placement: Placement, dtype: torch.dtype,
+                   items: list[tuple[str, torch.nn.Parameter, Blocks]]) -> Callable[[], None]:
+        """Give ``items`` (tensors of ``placement``'s plane) storage in a rollout-only range; return what refills
+        them from the gathered buffers."""
         # 16-element alignment keeps every canonical tensor's start vector-friendly for the copy kernels.
         offsets, total = [], 0
         for _, new, _ in items:
             offsets.append(total)
             total += -(-new.numel() // 16) * 16
-        flat = self.placement.reserve_rollout(total, dtype, canonical=True).tensor
+        flat = placement.reserve_rollout(total, dtype, canonical=True).tensor
         dsts = []
         for (_, new, _), off in zip(items, offsets):
             new.data = flat[off: off + new.numel()].view(new.shape)
             dsts.append(new.data)
-        plan = self.placement.plan
+        plan = placement.plan
         if plan is None:  # t_g > t: pieces of the own shard, no gather buffer involved
             pairs = [(blocks, dst) for (_, _, blocks), dst in zip(items, dsts)]
 
@@ -102,11 +127,11 @@ class Binding:
             return refill
         tables = []
         for i, (name, _, blocks) in enumerate(items):
-            src = self.placement.sources[name]
-            offs = [self.placement.where(b.member, b.name)[1] for b in src.blocks]
+            src = placement.sources[name]
+            offs = [placement.where(b.member, b.name)[1] for b in src.blocks]
             tables.append(ops.plan_stack(blocks.views[0].shape, offs, partition_dim=src.dim,
                                          partition_stride=src.stride, dst_index=i))
-        source = self.placement.buffers[DTYPE_NAMES[dtype]].tensor
+        source = placement.buffers[DTYPE_NAMES[dtype]].tensor
         table = torch.cat(tables)
         return lambda: ops.scatter_blocks(source, dsts, table)
 
@@ -126,7 +151,7 @@ class Binding:
     def unbind(self) -> None:
         """The rollout model loses its weights (placeholders again); the table forgets them."""
         for chunk in self.chunks:
-            for _, prm in list(chunk.named_parameters()):
+            for _, _, prm in list(named_weights([chunk])):
                 _replace(chunk, prm, placeholder(prm))
         self.table.clear()
         self._refills = []
@@ -153,8 +178,8 @@ class CanonicalBinding(Binding):
     def computes_on_blocks(self, prm: torch.nn.Parameter) -> bool:
         return False
 
-    def _after_views(self, viewed: dict[str, list[tuple[int, int]]]) -> None:
-        self.placement.keep_only(viewed)
+    def _after_views(self, placement: Placement, viewed: dict[str, list[tuple[int, int]]]) -> None:
+        placement.keep_only(viewed)
 
 
 BINDINGS = {cls.mode: cls for cls in (AliasedBinding, CanonicalBinding)}

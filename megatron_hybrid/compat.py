@@ -80,6 +80,14 @@ def megatron_groups():
             ps.get_data_parallel_group(), ps.get_context_parallel_group())
 
 
+def megatron_expert_groups():
+    """Megatron's global training groups of the expert grid (expert tp, ep, expert dp), read in this one place."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group(),
+            ps.get_expert_data_parallel_group())
+
+
 #: 0.17+ dropped ``InferenceWrapperConfig``: the wrapper takes its process groups from the context's config.
 INFERENCE_WRAPPER_CONFIG = MCORE_VERSION < Version("0.17")
 

@@ -34,14 +34,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
 from .binding import BINDINGS, named_parameters
-from .executor import CollectiveRecord, PlanExecutor, held_buffers, make_group_plan
+from .executor import CollectiveRecord, PlaneSpec, PlanExecutor, held_buffers, make_group_plan
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
-from .layout import Grid, ParallelLayout, RolloutLayout
+from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
-from .placement import EngineRolloutMemory, Placement
+from .placement import EngineRolloutMemory, Placement, Placements
 from .rollout_model import ModelProvider, build_rollout_chunks
-from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_layout, check_model
+from .sharding import is_expert
+from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
 
 __all__ = ["HybridEngine", "CollectiveRecord", "WEIGHT_MODES"]
 DEFAULT_BUCKET_MB_GPU = 1024.0
@@ -152,6 +153,11 @@ class HybridEngine:
         check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
         check_model(self.modules, lay, weight_mode=weight_mode)
+        # An MoE model's routed experts: their own grid (expert tp, ep, expert dp) and rollout sizes.
+        expert_groups = compat.megatron_expert_groups() if self.config.num_moe_experts is not None else None
+        self.expert_layout: Optional[ExpertLayout] = check_experts(
+            self.chunks, self.modules, lay, rollout, expert_groups=expert_groups, held=bool(held_buffers(
+                self.chunks, optimizers=[])[0]), world_size=dist.get_world_size())
         if timeout is None:
             timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
         self.timeout = as_timeout(timeout)
@@ -168,25 +174,35 @@ class HybridEngine:
         # ---- collectives from here on ----
         self.rollout_groups: RolloutGroups = create_rollout_groups(
             lay, tp_group, pp_group, dp_group, timeout=self.timeout, cp_group=cp_group,
-            tied_embedding=self._tied is not None)
+            tied_embedding=self._tied is not None,
+            experts=(self.expert_layout, expert_groups) if self.expert_layout is not None else None)
         self.rollout_chunks = build_rollout_chunks(self.modules, lay, pg_collection=self.pg_collection,
                                                    rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
-                                                   guard=self._check_rollout_mode, model_provider=model_provider)
+                                                   guard=self._check_rollout_mode, model_provider=model_provider,
+                                                   experts=self.expert_layout)
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
         self._optimizers = [optimizer] if optimizer is not None else []  # close() may add one: read at the move
         held, held_at = held_buffers(self.chunks, optimizers=self._optimizers)
-        self.plan, self.member_index = make_group_plan(
-            self.modules, self.rollout_chunks, lay, self.rollout_groups, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
-            bucket_size_mb=self.bucket_size_mb, held=held, held_at=held_at, tied=self._tied,
-            alignment=Placement.alignment(self.device) if align_slots else None, strided=weight_mode == "canonical")
-        self.placement = Placement(self.plan, self.member_index, self._train_params, lay,
-                                   rollout_tp_rank=self.rollout_tp_rank, device=self.device,
-                                   held=held if self.plan is not None else ())
-        # The switch's collectives (none when the rollout layout widens TP: every rank holds its rollout shard).
-        self._executor = (PlanExecutor(self.plan, self.member_index, self.rollout_groups,
-                                       training_params=self._train_params, device=self.device)
-                          if self.plan is not None else None)
+        alignment = Placement.alignment(self.device) if align_slots else None
+        planes: dict[str, Placement] = {}
+        self.plans: dict[str, tuple[Optional[Any], int]] = {}
+        self._executors: list[PlanExecutor] = []  # the switch's collectives, plane by plane
+        for spec in self._plane_specs(expert_groups):
+            dense = spec.name == "dense"
+            plan, index = make_group_plan(
+                self.modules, self.rollout_chunks, spec, self.rollout_groups,
+                layers_per_stage=self.config.num_layers // lay.p, bucket_size_mb=self.bucket_size_mb,
+                held=held if dense else (), held_at=held_at if dense else {}, alignment=alignment,
+                tied=self._tied if dense else None, strided=weight_mode == "canonical")
+            self.plans[spec.name] = (plan, index)
+            planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
+                                          device=self.device, held=held if dense and plan is not None else ())
+            if plan is not None:  # none when the rollout layout widens TP: every rank holds its rollout shard
+                self._executors.append(PlanExecutor(plan, index, self.rollout_groups, plane=spec.name,
+                                                    training_params=self._train_params, device=self.device))
+        self.plan, self.member_index = self.plans["dense"]
+        self.placement = Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
@@ -199,6 +215,18 @@ class HybridEngine:
         self.profiling = False
         for prm in params:
             _SERVED_BY[prm] = weakref.ref(self)
+
+    def _plane_specs(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> list[PlaneSpec]:
+        """The dense plane over the micro-DP groups, and an MoE model's routed experts over the micro-EP groups."""
+        lay = self.layout
+        specs = [PlaneSpec("dense", "micro_dp", lay.t, lay.t_g, lay.k, lay.q, 1, self.tp_rank, self.pp_rank,
+                           gathers=not lay.widens)]
+        ex = self.expert_layout
+        if ex is not None:
+            et_rank, ep_rank, _ = (dist.get_rank(g) for g in expert_groups)
+            specs.append(PlaneSpec("experts", "micro_ep", ex.et, ex.et_g, ex.ke, ex.q, ex.ue, et_rank, self.pp_rank,
+                                   ep_rank))
+        return specs
 
     # ---- the rollout groups: where this rank sits in the rollout layout -------------------------------------
     # Read from ``self.rollout_groups`` (:class:`~megatron_hybrid.groups.RolloutGroups`), the one owner.
@@ -289,9 +317,10 @@ class HybridEngine:
         self.placement.map_rollout()  # every piece first: one access update per contiguous span
         t_map = time.perf_counter()
         records: list[CollectiveRecord] = []
-        if self._executor is not None:
-            buffers = {dtype: self.placement.buffers[dtype].tensor for dtype in self.plan.regions}
-            records = self._executor.run(buffers, profile=self.profiling)
+        for executor in self._executors:
+            placement = self.placement.planes[executor.plane]
+            buffers = {dtype: placement.buffers[dtype].tensor for dtype in executor.plan.regions}
+            records += executor.run(buffers, profile=self.profiling)
         t_coll = time.perf_counter()
         self.binding.refill()
         t_canon = time.perf_counter()
@@ -410,6 +439,8 @@ class HybridEngine:
     def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
         return {
             "total_bytes": sum(r.bytes_received for r in records),
+            # An MoE model's routed experts: received over the micro-EP groups (part of total_bytes).
+            "expert_bytes": sum(r.bytes_received for r in records if r.plane == "experts"),
             "num_collectives": len(records),
             "switch_seconds": seconds,
             # Where the switch's time went. Without profiling, GPU phases are launch times and the device is
@@ -421,6 +452,7 @@ class HybridEngine:
             **self.placement.report(),
             "weight_mode": self.weight_mode,
             "layout": dataclasses.asdict(self.layout),
+            **({"expert_layout": dataclasses.asdict(self.expert_layout)} if self.expert_layout is not None else {}),
         }
 
     def communication_report(self) -> dict[str, Any]:

@@ -18,12 +18,11 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .binding import named_parameters
+from .binding import named_parameters, named_weights
 from .groups import RolloutGroups
-from .layout import ParallelLayout
 from .placement import DTYPE_NAMES, DTYPES, HeldBuffer
 from .plan import GroupPlan, MemberInfo, ParamInfo, Region, RegionKind, build_group_plan
-from .sharding import TPSpec
+from .sharding import TPSpec, is_expert
 
 
 @dataclasses.dataclass
@@ -37,6 +36,7 @@ class CollectiveRecord:
     start: float  # time.time() at the start
     end: float
     rank: int
+    plane: str = "dense"  # the tensors it moved: "dense", or an MoE model's routed "experts"
 
 
 # ---- the exchange that makes the plan ----------------------------------------------------------------------
@@ -59,65 +59,94 @@ def held_buffers(chunks: Sequence[torch.nn.Module], *, optimizers: list[Any]
 
 def param_infos(modules: Sequence[torch.nn.Module], *,
                 held_at: Mapping[int, tuple[int, int]]) -> list[ParamInfo]:
-    """The plan's description of every training parameter of ``modules``, in module order (global names)."""
+    """The plan's description of every training weight of ``modules``, in module order (global names)."""
     out = []
-    for chunk in modules:
-        for (name, prm), (local, _) in zip(named_parameters([chunk]), chunk.named_parameters()):
-            spec = TPSpec.of(prm)
-            out.append(ParamInfo(name, local, tuple(prm.shape), DTYPE_NAMES[prm.dtype], spec.sharded, spec.dim,
-                                 spec.stride, held=held_at.get(id(prm))))
+    for name, local, prm in named_weights(list(modules)):
+        spec = TPSpec.of(prm)
+        out.append(ParamInfo(name, local, tuple(prm.shape), DTYPE_NAMES[prm.dtype], spec.sharded, spec.dim,
+                             spec.stride, held=held_at.get(id(prm))))
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PlaneSpec:
+    """A *plane*: a set of training tensors with a micro group of its own, and this rank's place in it.
+
+    The dense tensors gather over the micro-DP group (``ParallelLayout``); an MoE model's routed experts over the
+    micro-EP group (``ExpertLayout``), on the expert grid: tensor parallelism is then expert TP.
+    """
+
+    name: str
+    """``"dense"`` or ``"experts"``."""
+    group: str
+    """The rollout group kind its members form (``micro_dp`` or ``micro_ep``)."""
+    tp_size: int
+    rollout_tp_size: int
+    """Training and rollout (expert) tensor-parallel sizes: a rollout shard has tp_size / rollout_tp_size times the
+    training shard's rows along ``partition_dim``."""
+    k: int
+    q: int
+    u: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int = 0
+    gathers: bool = True
+    """False when every rollout shard is a sub-block of the own shard (a rollout TP wider than training's)."""
+
+    def holds(self, name: str) -> bool:
+        return is_expert(name) == (self.name == "experts")
+
+
 def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence[torch.nn.Module],
-                    layout: ParallelLayout, groups: RolloutGroups, *, tp_rank: int, pp_rank: int,
-                    bucket_size_mb: float, held: Sequence[HeldBuffer], held_at: Mapping[int, tuple[int, int]],
+                    plane: PlaneSpec, groups: RolloutGroups, *, layers_per_stage: int, bucket_size_mb: float,
+                    held: Sequence[HeldBuffer] = (), held_at: Mapping[int, tuple[int, int]] = {},
                     alignment: Optional[dict[str, int]] = None,
                     tied: Optional[tuple[str, str]] = None, strided: bool = False
                     ) -> tuple[Optional[GroupPlan], int]:
-    """Gather the micro-DP members' parameter descriptions and plan the switch (the same plan on each member).
+    """Gather the members' descriptions of ``plane``'s tensors and plan their switch (the same plan on each member).
 
-    ``modules``: this rank's training model chunks (unwrapped), at training coordinates (``tp_rank``,
-    ``pp_rank``); ``rollout_chunks``: the rollout model built without weights, whose parameters get their
-    tensor-parallel attributes here and are checked against the training shapes. ``held``/``held_at``: see
-    :func:`held_buffers`; ``alignment``, ``tied``, ``strided``: see :func:`~megatron_hybrid.plan.build_group_plan`.
-    Returns the plan (``None`` when the rollout layout widens TP: nothing is gathered) and this rank's member index.
+    ``modules``: this rank's training model chunks (unwrapped); ``rollout_chunks``: the rollout model built without
+    weights, whose parameters get their tensor-parallel attributes here and are checked against the training
+    shapes. ``held``/``held_at``: see :func:`held_buffers`; ``alignment``, ``tied``, ``strided``: see
+    :func:`~megatron_hybrid.plan.build_group_plan`. Returns the plan (``None`` when the plane does not gather)
+    and this rank's member index.
     """
-    mine = param_infos(modules, held_at=held_at)
+    mine = [info for info in param_infos(modules, held_at=held_at) if plane.holds(info.name)]
     names = [info.name for info in mine]
     if len(set(names)) != len(names):
         raise ValueError("duplicate parameter names across model chunks")
-    rollout_params = dict(named_parameters(rollout_chunks))
-    member = MemberInfo(dist.get_rank(), tp_rank, pp_rank, tuple(mine), modules[0].config.num_layers // layout.p,
-                        held=tuple((DTYPE_NAMES[h.dtype], h.numel) for h in held))
+    rollout_params = {n: p for n, p in named_parameters(list(rollout_chunks)) if plane.holds(n)}
+    member = MemberInfo(dist.get_rank(), plane.tp_rank, plane.pp_rank, tuple(mine), layers_per_stage,
+                        held=tuple((DTYPE_NAMES[h.dtype], h.numel) for h in held), ep=plane.ep_rank)
     members: list[Any] = [member]
-    if not layout.widens:
-        members = [None] * groups.groups["micro_dp"].size()
-        with groups.errors("HybridEngine()", "the micro-DP gather of the parameter descriptions"):
-            dist.all_gather_object(members, member, group=groups.groups["micro_dp"])
+    if plane.gathers:
+        members = [None] * groups.groups[plane.group].size()
+        with groups.errors("HybridEngine()", f"the {plane.group.replace('_', '-')} gather of the parameter "
+                                             "descriptions"):
+            dist.all_gather_object(members, member, group=groups.groups[plane.group])
     members.sort(key=lambda m: m.rank)
     # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
     # attributes: they are layout-invariant, so take them from the training tensor of the same name.
     info_by_name = {p.name: p for m in members for p in m.params}
     for name, prm in rollout_params.items():
         if name not in info_by_name:
-            raise ValueError(f"no training rank of this micro-DP group holds {name}: the rollout model does "
-                             "not correspond to the training model")
+            raise ValueError(f"no training rank of this {plane.group.replace('_', '-')} group holds {name}: the "
+                             "rollout model does not correspond to the training model")
         info = info_by_name[name]
         shape = list(info.shape)
         if info.sharded:
             prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
-            shape[info.dim] = shape[info.dim] * layout.t // layout.t_g
+            shape[info.dim] = shape[info.dim] * plane.tp_size // plane.rollout_tp_size
         if tuple(shape) != tuple(prm.shape):
             raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
                              "from the training model")
     index = [m.rank for m in members].index(dist.get_rank())
-    if layout.widens:
+    if not plane.gathers:
         return None, index
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
                     for name, dt in DTYPES.items()}
-    plan = build_group_plan(members, list(rollout_params), k=layout.k, q=layout.q, bucket_numel=bucket_numel,
-                            alignment=alignment, tied=tied, strided=strided)
+    plan = build_group_plan(members, list(rollout_params), k=plane.k, q=plane.q, u=plane.u,
+                            bucket_numel=bucket_numel, alignment=alignment, tied=tied, strided=strided)
     return plan, index
 
 
@@ -133,6 +162,7 @@ class PlanExecutor:
         training_params: this rank's training parameters by global name: a ``strided`` region is gathered
             straight from them (read at every switch).
         device: where the buffers live; with profiling, a CUDA device is synchronised after every collective.
+        plane: the name of the plane the plan moves (its records carry it).
     """
 
     #: The collective that fills each kind of region, as the report names it (a stage_gather region is a gather
@@ -143,8 +173,10 @@ class PlanExecutor:
                                             RegionKind.BROADCAST: "broadcast"}
 
     def __init__(self, plan: GroupPlan, member: int, groups: RolloutGroups, *,
-                 training_params: Mapping[str, torch.nn.Parameter], device: torch.device) -> None:
+                 training_params: Mapping[str, torch.nn.Parameter], device: torch.device,
+                 plane: str = "dense") -> None:
         self.plan = plan
+        self.plane = plane
         self.member = member
         self.groups = groups
         self.training_params = training_params
@@ -178,7 +210,7 @@ class PlanExecutor:
         if profile and self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank())
+        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank(), self.plane)
 
     def _broadcast(self, region: torch.Tensor, reg: Region, group: Any) -> int:
         """A tensor of one training stage, sent in place by its owner."""

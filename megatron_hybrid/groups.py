@@ -25,10 +25,13 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from . import compat
-from .layout import Grid, ParallelLayout
+from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout
 
-#: Group kinds, in creation order (every rank creates every group in the same order).
-KINDS = ("tp", "pp", "dp", "micro_dp", "cross_stage", "tied_embedding", "single")
+#: Group kinds, in creation order (every rank creates every group in the same order). The expert kinds (an MoE
+#: model's: its rollout expert groups and the micro-EP groups its switch gathers expert tensors over) and
+#: ``stage`` (every rank of a rollout stage, megatron-core's tensor × data-parallel group) exist only with experts.
+KINDS = ("tp", "pp", "dp", "micro_dp", "cross_stage", "tied_embedding", "single", "stage", "ep", "expt_tp",
+         "tp_ep", "expt_dp", "micro_ep")
 
 
 @dataclass
@@ -51,6 +54,8 @@ class RolloutGroups:
     timeout: datetime.timedelta
     world: Any
     """Every rank, in rank order, with ``timeout``: for what needs the whole world."""
+    expert_grid: Optional[ExpertGrid] = None
+    """Where every expert coordinate lives (MoE models only)."""
 
     def group_of(self, ranks: list[int]) -> Any:
         return self.by_ranks[tuple(ranks)]
@@ -88,24 +93,34 @@ def collective_errors(phase: str, what: str, *, timeout: datetime.timedelta,
                               "(a rank may have left it after an error or a timeout of its own)") from exc
 
 
-def training_grid(tp_group, pp_group, dp_group, *, world) -> Grid:
-    """Where every training coordinate (tp, pp, dp) lives, as the training groups say (one collective on
-    ``world``, a group of every rank)."""
+def training_grid(tp_group, pp_group, dp_group, *, world,
+                  expert_groups: Optional[tuple[Any, Any, Any]] = None) -> tuple[Grid, Optional[ExpertGrid]]:
+    """Where every training coordinate (tp, pp, dp) lives, as the training groups say, and with
+    ``expert_groups`` (expert tp, ep, expert dp) every expert coordinate (one collective on ``world``, a group of
+    every rank)."""
+    mine = (dist.get_rank(tp_group), dist.get_rank(pp_group), dist.get_rank(dp_group))
+    if expert_groups is not None:
+        mine += tuple(dist.get_rank(g) for g in expert_groups)
     coords: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(coords, (dist.get_rank(tp_group), dist.get_rank(pp_group), dist.get_rank(dp_group)),
-                           group=world)
-    return Grid.from_coords({r: tuple(c) for r, c in enumerate(coords)})
+    dist.all_gather_object(coords, mine, group=world)
+    grid = Grid.from_coords({r: tuple(c[:3]) for r, c in enumerate(coords)})
+    if expert_groups is None:
+        return grid, None
+    return grid, ExpertGrid.from_coords({r: (c[3], c[4], c[5], c[1]) for r, c in enumerate(coords)})
 
 
 def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, *, timeout: datetime.timedelta,
-                          cp_group: Optional[Any] = None, tied_embedding: bool = False) -> RolloutGroups:
+                          cp_group: Optional[Any] = None, tied_embedding: bool = False,
+                          experts: Optional[tuple[ExpertLayout, tuple[Any, Any, Any]]] = None) -> RolloutGroups:
     """Create every rollout group on every rank (torch needs all ranks in every ``new_group`` call), from where
-    the training groups ``tp_group``, ``pp_group``, ``dp_group`` place each rank."""
+    the training groups ``tp_group``, ``pp_group``, ``dp_group`` place each rank. ``experts``: an MoE model's
+    expert layout and training expert groups (expert tp, ep, expert dp)."""
     me = dist.get_rank()
     everyone = list(range(dist.get_world_size()))
     world = compat.new_group(everyone, timeout=timeout)
     with collective_errors("HybridEngine()", "the gather of every rank's training coordinates", timeout=timeout):
-        grid = training_grid(tp_group, pp_group, dp_group, world=world)
+        grid, expert_grid = training_grid(tp_group, pp_group, dp_group, world=world,
+                                          expert_groups=experts[1] if experts is not None else None)
     lists = {
         "tp": layout.rollout_tp_groups(grid),
         "pp": layout.rollout_pp_groups(grid),
@@ -116,13 +131,18 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
         # The rollout model's context-parallel group when Megatron has none: one rank each.
         "single": [[r] for r in range(dist.get_world_size())] if cp_group is None else [],
     }
+    if experts is not None:
+        ex = experts[0]
+        lists.update(stage=layout.rollout_stage_groups(grid), ep=ex.rollout_ep_groups(expert_grid),
+                     expt_tp=ex.rollout_expt_tp_groups(expert_grid), tp_ep=ex.rollout_tp_ep_groups(expert_grid),
+                     expt_dp=ex.rollout_expt_dp_groups(expert_grid), micro_ep=ex.micro_ep_groups(expert_grid))
     groups: dict[str, Any] = {}
     ranks: dict[str, list[int]] = {}
     by_ranks: dict[tuple[int, ...], Any] = {}
     # One group per distinct rank list (the lists are the same everywhere); the world group is one of them.
     created: dict[tuple[int, ...], Any] = {tuple(everyone): world}
     for kind in KINDS:
-        for members in lists[kind]:
+        for members in lists.get(kind, []):
             key = tuple(members)
             if key not in created:
                 created[key] = compat.new_group(members, timeout=timeout)
@@ -139,7 +159,11 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
     pgc.dp_cp = pgc.dp
     pgc.embd = None
     pgc.pos_embd = None
+    if experts is not None:  # what megatron-core's MoE layer, router, dispatcher and experts read
+        pgc.ep, pgc.expt_tp, pgc.tp_ep, pgc.expt_dp = (groups[k] for k in ("ep", "expt_tp", "tp_ep", "expt_dp"))
+        pgc.tp_dp_cp = groups["stage"]
     coord = dict(grid.coords())[me]
     tp_rank, pp_rank, replica = layout.rollout_coords(coord)
     assert ranks["tp"].index(me) == tp_rank and ranks["pp"].index(me) == pp_rank, (ranks, coord)
-    return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout, world)
+    return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout, world,
+                         expert_grid)

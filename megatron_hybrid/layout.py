@@ -19,7 +19,7 @@ already holds, so the switch moves nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,27 @@ class RolloutLayout:
     """Rollout tensor-parallel size t_g (a divisor of the training TP size, or a multiple that divides TP × DP)."""
     pipeline_model_parallel_size: int = 1
     """Rollout pipeline-parallel size p_g (a divisor of the training PP size)."""
+    expert_model_parallel_size: int = 1
+    """Rollout expert-parallel size e_g (a divisor of the training EP size; MoE models only)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Rollout expert tensor-parallel size et_g (a divisor of the training expert TP size); ``None``: t_g, as
+    Megatron's ``expert_tensor_parallel_size`` defaults to the TP size."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size"):
             v = getattr(self, name)
+            if v is None and name == "expert_tensor_parallel_size":
+                continue
             # bool is an int subclass: RolloutLayout(True, 1) must not pass as t_g = 1.
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"rollout {name} ({v!r}) must be a positive integer")
+
+    @property
+    def expert_tp(self) -> int:
+        """et_g, with Megatron's default (the rollout TP size) applied."""
+        return self.tensor_model_parallel_size if self.expert_tensor_parallel_size is None \
+            else self.expert_tensor_parallel_size
 
 
 Coord = tuple[int, int, int]  # (tp, pp, dp)
@@ -172,10 +186,11 @@ class ParallelLayout:
         """Ranks grouped by ``key(coord)``; inside a group in ``order(coord)`` order (default: global rank)."""
         if grid.sizes != (self.t, self.p, self.d):
             raise ValueError(f"grid sizes {grid.sizes} do not match the layout ({self.t}, {self.p}, {self.d})")
-        groups: dict[tuple, list[tuple[int, int]]] = {}
-        for rank, coord in grid.coords():
-            groups.setdefault(key(coord), []).append((rank if order is None else order(coord), rank))
-        return sorted([r for _, r in sorted(g)] for g in groups.values())
+        return _group_ranks(grid.coords(), key, order)
+
+    def rollout_stage_groups(self, grid: Grid) -> list[list[int]]:
+        """Every rank of one rollout stage (megatron-core's tensor × data-parallel group of the rollout model)."""
+        return self._groups(grid, lambda c: self.rollout_coords(c)[1])
 
     def rollout_tp_groups(self, grid: Grid) -> list[list[int]]:
         """Rollout TP groups, each in rollout TP rank order (group rank j holds rollout TP shard j)."""
@@ -219,3 +234,159 @@ class ParallelLayout:
     def missing_fraction(self) -> float:
         """Fraction of the model (M) each rank receives per switch: (d_g − 1) / (t · p) (HybridFlow §5)."""
         return (self.d_g - 1) / (self.t * self.p)
+
+
+def _group_ranks(coords: Iterable[tuple[int, Any]], key: Callable[[Any], tuple],
+                 order: Optional[Callable[[Any], int]] = None) -> list[list[int]]:
+    """Ranks grouped by ``key(coord)``; inside a group in ``order(coord)`` order (default: global rank)."""
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for rank, coord in coords:
+        groups.setdefault(key(coord), []).append((rank if order is None else order(coord), rank))
+    return sorted([r for _, r in sorted(g)] for g in groups.values())
+
+
+# ---- experts -------------------------------------------------------------------------------------------------
+# Megatron lays the expert tensors of an MoE model out on a grid of their own over the same ranks (its expert rank
+# generator, order tp-ep-dp-pp): expert TP rank i (of et), expert-parallel rank j (of e), expert data-parallel rank
+# x (of edp = world / (et · e · p)) and the pipeline stage s, which it shares with the dense grid. EP rank j holds
+# experts [j · E/e, (j + 1) · E/e), each as expert-TP shard i.
+#
+# The rollout experts follow the optimised grouping of the dense tensors: with ke = et / et_g and ue = e / e_g, the
+# rank at (i, j, x, s) serves rollout expert-TP rank i // ke, rollout EP rank j // ue and rollout stage s // q; its
+# micro-EP group is the ke · ue · q ranks that share (x, i // ke, j // ue, s // q), and gathering over it turns each
+# member's expert shard into its rollout expert shard, of which the training shard is a sub-block.
+
+ExpertCoord = tuple[int, int, int, int]  # (expert tp, ep, expert dp, pp)
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """Where each expert coordinate lives: ``coords[rank]`` is the rank's (expert tp, ep, expert dp, pp)."""
+
+    coords: tuple[ExpertCoord, ...]
+
+    @classmethod
+    def megatron_default(cls, et: int, e: int, edp: int, p: int) -> "ExpertGrid":
+        """Megatron-core's default order for the expert grid: expert TP fastest, then EP, expert DP, PP."""
+        out = []
+        for rank in range(et * e * edp * p):
+            i, rest = rank % et, rank // et
+            j, rest = rest % e, rest // e
+            out.append((i, j, rest % edp, rest // edp))
+        return cls(tuple(out))
+
+    @classmethod
+    def from_coords(cls, coords: dict[int, ExpertCoord]) -> "ExpertGrid":
+        """Build from ``{global rank: coordinate}``, as gathered from the training expert process groups."""
+        sizes = tuple(1 + max(c[axis] for c in coords.values()) for axis in range(4))
+        cells = {tuple(c) for c in coords.values()}
+        if sorted(coords) != list(range(len(coords))) or len(cells) != len(coords) or \
+                len(coords) != sizes[0] * sizes[1] * sizes[2] * sizes[3]:
+            raise ValueError(f"the expert process groups do not form a {'×'.join(map(str, sizes))} grid: {coords}")
+        return cls(tuple(tuple(coords[r]) for r in range(len(coords))))
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return tuple(1 + max(c[axis] for c in self.coords) for axis in range(4))  # type: ignore[return-value]
+
+    def items(self) -> Iterator[tuple[int, ExpertCoord]]:
+        return iter(enumerate(self.coords))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Training (et, e, edp, p) and rollout (et_g, e_g, p_g) sizes of the expert tensors, checked once."""
+
+    et: int
+    e: int
+    edp: int
+    p: int
+    et_g: int
+    e_g: int
+    p_g: int
+
+    def __post_init__(self) -> None:
+        for name, v in (("expert_tensor_parallel_size", self.et), ("expert_model_parallel_size", self.e),
+                        ("expert data-parallel size", self.edp), ("pipeline_model_parallel_size", self.p),
+                        ("rollout expert_tensor_parallel_size", self.et_g),
+                        ("rollout expert_model_parallel_size", self.e_g),
+                        ("rollout pipeline_model_parallel_size", self.p_g)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} ({v!r}) must be a positive integer")
+        if self.e % self.e_g:
+            raise ValueError(f"rollout expert_model_parallel_size ({self.e_g}) must divide expert_model_parallel_size "
+                             f"({self.e}): a rollout rank's experts are the union of its micro-EP group's")
+        if self.et % self.et_g:
+            raise ValueError(f"rollout expert_tensor_parallel_size ({self.et_g}) must divide "
+                             f"expert_tensor_parallel_size ({self.et})")
+        if self.p % self.p_g:
+            raise ValueError(f"rollout pipeline_model_parallel_size ({self.p_g}) must divide "
+                             f"pipeline_model_parallel_size ({self.p})")
+
+    @classmethod
+    def create(cls, *, training: tuple[int, int, int, int], rollout: RolloutLayout) -> "ExpertLayout":
+        et, e, edp, p = training
+        return cls(et=et, e=e, edp=edp, p=p, et_g=rollout.expert_tp, e_g=rollout.expert_model_parallel_size,
+                   p_g=rollout.pipeline_model_parallel_size)
+
+    @property
+    def ke(self) -> int:
+        """Training expert-TP shards per rollout expert-TP shard."""
+        return self.et // self.et_g
+
+    @property
+    def ue(self) -> int:
+        """Training EP ranks whose experts one rollout EP rank holds."""
+        return self.e // self.e_g
+
+    @property
+    def q(self) -> int:
+        return self.p // self.p_g
+
+    @property
+    def micro_ep_size(self) -> int:
+        return self.ke * self.ue * self.q
+
+    @property
+    def world_size(self) -> int:
+        return self.et * self.e * self.edp * self.p
+
+    def rollout_coords(self, coord: ExpertCoord) -> tuple[int, int, int, tuple[int, int, int, int]]:
+        """(rollout expert-TP rank, rollout EP rank, rollout stage, rollout expert replica) of the rank at ``coord``;
+        the replica names the rollout expert grid's data-parallel coordinate."""
+        i, j, x, s = coord
+        return i // self.ke, j // self.ue, s // self.q, (x, i % self.ke, j % self.ue, s % self.q)
+
+    def _groups(self, grid: ExpertGrid, key: Callable[[ExpertCoord], tuple],
+                order: Optional[Callable[[ExpertCoord], int]] = None) -> list[list[int]]:
+        if grid.sizes != (self.et, self.e, self.edp, self.p):
+            raise ValueError(f"expert grid sizes {grid.sizes} do not match the layout "
+                             f"({self.et}, {self.e}, {self.edp}, {self.p})")
+        return _group_ranks(grid.items(), key, order)
+
+    def micro_ep_groups(self, grid: ExpertGrid) -> list[list[int]]:
+        """The groups a switch gathers expert tensors over: same expert replica, same rollout expert shard."""
+        return self._groups(grid, lambda c: (c[2], c[0] // self.ke, c[1] // self.ue, c[3] // self.q))
+
+    def rollout_expt_tp_groups(self, grid: ExpertGrid) -> list[list[int]]:
+        """Rollout expert-TP groups, in rollout expert-TP rank order."""
+        rc = self.rollout_coords
+        return self._groups(grid, lambda c: rc(c)[1:], order=lambda c: rc(c)[0])
+
+    def rollout_ep_groups(self, grid: ExpertGrid) -> list[list[int]]:
+        """Rollout expert-parallel groups, in rollout EP rank order (group rank j holds the j-th E/e_g experts)."""
+        rc = self.rollout_coords
+        return self._groups(grid, lambda c: (rc(c)[0], *rc(c)[2:]), order=lambda c: rc(c)[1])
+
+    def rollout_tp_ep_groups(self, grid: ExpertGrid) -> list[list[int]]:
+        """Rollout expert-TP × EP groups (the all-gather dispatcher's), expert TP fastest, as Megatron orders them."""
+        rc = self.rollout_coords
+        return self._groups(grid, lambda c: rc(c)[2:], order=lambda c: rc(c)[0] + self.et_g * rc(c)[1])
+
+    def rollout_expt_dp_groups(self, grid: ExpertGrid) -> list[list[int]]:
+        """Rollout expert data-parallel groups: the ranks that hold the same rollout expert shard."""
+        return self._groups(grid, lambda c: self.rollout_coords(c)[:3])
+
+    def missing_fraction(self) -> float:
+        """Fraction of the expert bytes each rank receives per switch: (micro-EP size − 1) / (et · e · p)."""
+        return (self.micro_ep_size - 1) / (self.et * self.e * self.p)

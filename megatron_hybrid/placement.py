@@ -30,7 +30,7 @@ from .rollout_memory import RolloutBuffer
 from .sharding import TPSpec
 
 # RolloutBuffer and merge_ranges lived here: importable from here still.
-__all__ = ["DTYPES", "DTYPE_NAMES", "EngineRolloutMemory", "HeldBuffer", "Placement", "RolloutBuffer",
+__all__ = ["DTYPES", "DTYPE_NAMES", "EngineRolloutMemory", "HeldBuffer", "Placement", "Placements", "RolloutBuffer",
            "merge_ranges"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -312,3 +312,78 @@ class EngineRolloutMemory:
             yield
         finally:
             self._depth -= 1
+
+
+class Placements:
+    """A rank's placements seen as one: one :class:`Placement` per *plane*, a set of tensors with a micro group of
+    its own (the dense tensors over the micro-DP group; an MoE model's routed experts over the micro-EP group, whose
+    buffers are keyed ``experts/<dtype>`` in :attr:`buffers`). Rollout-only memory is reserved in the first plane.
+
+    Args:
+        planes: the placement of each plane, the dense one first.
+        plane_of: the plane of a tensor's global name.
+    """
+
+    def __init__(self, planes: dict[str, Placement], plane_of: Callable[[str], str]) -> None:
+        self.planes = planes
+        self._plane_of = plane_of
+        self.primary = next(iter(planes.values()))
+
+    def of(self, name: str) -> Placement:
+        """The placement of the plane that tensor ``name`` belongs to."""
+        return self.planes[self._plane_of(name)]
+
+    @property
+    def plan(self) -> Optional[GroupPlan]:
+        """The dense plane's plan."""
+        return self.primary.plan
+
+    @property
+    def buffers(self) -> dict[str, RolloutBuffer]:
+        """Every plane's gather buffers, by dtype (``plane/dtype`` beyond the first plane)."""
+        first = next(iter(self.planes))
+        return {(dtype if plane == first else f"{plane}/{dtype}"): buf
+                for plane, placement in self.planes.items() for dtype, buf in placement.buffers.items()}
+
+    @property
+    def closed(self) -> bool:
+        return self.primary.closed
+
+    @property
+    def rolling_out(self) -> bool:
+        return self.primary.rolling_out
+
+    @property
+    def rollout_only(self) -> list[RolloutBuffer]:
+        return [buf for placement in self.planes.values() for buf in placement.rollout_only]
+
+    def reserve_rollout(self, numel: int, dtype: torch.dtype, **kwargs) -> RolloutBuffer:
+        """See :meth:`Placement.reserve_rollout` (in the first plane)."""
+        return self.primary.reserve_rollout(numel, dtype, **kwargs)
+
+    def map_rollout(self) -> None:
+        for placement in self.planes.values():
+            placement.map_rollout()
+
+    def release_transient(self) -> None:
+        for placement in self.planes.values():
+            placement.release_transient()
+
+    def unmap_rollout(self) -> None:
+        for placement in self.planes.values():
+            placement.unmap_rollout()
+
+    def detach_training_tensors(self) -> None:
+        for placement in self.planes.values():
+            placement.detach_training_tensors()
+
+    def close(self) -> None:
+        for placement in self.planes.values():
+            placement.close()
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [span for placement in self.planes.values() for span in placement.spans()]
+
+    def report(self) -> dict[str, int]:
+        reports = [placement.report() for placement in self.planes.values()]
+        return {key: sum(r[key] for r in reports) for key in reports[0]}

@@ -71,12 +71,15 @@ class MemberInfo:
 
     rank: int
     tp: int
+    """The member's tensor-parallel rank: training TP for dense tensors, expert TP for routed experts."""
     pp: int
     params: tuple[ParamInfo, ...]
     layers_per_stage: int
     held: tuple[tuple[str, int], ...] = ()
     """(dtype, numel) of each flat buffer that holds parameters in a layout of its own (Megatron DDP's parameter
     buffer with the distributed optimizer): it is the member's slot of a gather region as a whole."""
+    ep: int = 0
+    """The member's expert-parallel rank (routed experts; 0 for dense tensors)."""
 
 
 @dataclass
@@ -147,7 +150,7 @@ class GroupPlan:
     members: list[MemberInfo]
     regions: dict[str, list[Region]]  # per dtype
     stage_of: dict[str, int]  # rollout parameter (global name) -> stage offset b of its training tensors
-    at: dict[tuple[int, int], int]  # (tp offset a, stage offset b) -> member index
+    at: dict[tuple[int, int, int], int]  # (tp offset a, stage offset b, expert-parallel offset c) -> member index
     k: int
     by_name: list[dict[str, ParamInfo]]
     tied: Optional[tuple[str, str]] = None
@@ -163,24 +166,28 @@ class GroupPlan:
     def sources(self, member: int) -> dict[str, RolloutSource]:
         """The blocks of every rollout parameter as ``member`` reads them, in canonical order.
 
-        A TP-sharded parameter is the k shards of its stage's TP ranks, stacked along ``partition_dim``; a
-        replicated one is the copy of the member's own TP column (which its cross-stage group delivered).
+        A TP-sharded parameter is the k shards of the TP ranks that hold it (its stage's; a routed expert's: its
+        expert-parallel rank's), stacked along ``partition_dim`` in TP order; a replicated one is the copy of the
+        member's own TP column (which its cross-stage group delivered).
         """
         me = self.members[member]
-        a_self = me.tp - min(m.tp for m in self.members)
         out = {}
-        for name, b in self.stage_of.items():
-            src = self.by_name[self.at[(0, b)]][name]
+        for name in self.stage_of:
+            owners = sorted((j for j, params in enumerate(self.by_name) if name in params),
+                            key=lambda j: self.members[j].tp)
+            src = self.by_name[owners[0]][name]
             if src.sharded:
-                blocks = [Block(self.at[(a, b)], name) for a in range(self.k)]
+                assert len(owners) == self.k, (name, owners)
+                blocks = [Block(j, name) for j in owners]
                 if self.tied is not None and name == self.tied[1]:
                     # Megatron keeps the last stage's tied output layer equal to the embedding: its own copy is
                     # the block, not a peer's.
-                    blocks = [Block(member, self.tied[0]) if self.at[(a, self.q - 1)] == member else blk
+                    blocks = [Block(member, self.tied[0]) if self.at[(a, self.q - 1, 0)] == member else blk
                               for a, blk in enumerate(blocks)]
                 out[name] = RolloutSource(blocks, True, src.dim, src.stride)
             else:
-                out[name] = RolloutSource([Block(self.at[(a_self, b)], name)], False, 0, 1)
+                column = next(j for j in owners if self.members[j].tp == me.tp)
+                out[name] = RolloutSource([Block(column, name)], False, 0, 1)
         return out
 
     def buffer_numel(self, dtype: str) -> int:
@@ -217,10 +224,14 @@ class GroupPlan:
 
 
 def _pair_key(info: ParamInfo, layers_per_stage: int) -> tuple:
+    """What a tensor corresponds to on the other members: a layer tensor by its place in the stage and its name
+    inside the layer as the member's chunk names it (a routed expert by its local index); others by name."""
     m = _LAYER.match(info.name)
     if m is None:
         return ("stage", info.name)
-    return ("layer", int(m.group("idx")) % layers_per_stage, m.group("prefix"), m.group("rest"))
+    local = _LAYER.match(info.local_name)
+    return ("layer", int(m.group("idx")) % layers_per_stage, m.group("prefix"),
+            (local or m).group("rest"))
 
 
 def _align(n: int, alignment: int) -> int:
@@ -229,23 +240,27 @@ def _align(n: int, alignment: int) -> int:
 
 def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
                      bucket_numel: Union[int, dict[str, int]], alignment: Optional[dict[str, int]] = None,
-                     tied: Optional[tuple[str, str]] = None, strided: bool = False) -> GroupPlan:
-    """Plan the switch for one micro-DP group.
+                     tied: Optional[tuple[str, str]] = None, strided: bool = False, u: int = 1) -> GroupPlan:
+    """Plan the switch for one micro-DP group (or, for an MoE model's routed experts, one micro-EP group).
 
     ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
-    training coordinates (tp, pp). ``needed`` lists the global names of the rollout parameters that the group's
-    rollout shard consists of. ``k``, ``q`` as in :mod:`megatron_hybrid.layout`. ``alignment`` (elements per
-    dtype) pads every slot, so that slots can be mapped and unmapped page by page; the padding then travels too.
+    training coordinates (tp, pp, ep). ``needed`` lists the global names of the rollout parameters that the group's
+    rollout shard consists of. ``k``, ``q`` as in :mod:`megatron_hybrid.layout`; for routed experts k = ke (expert
+    TP shards per rollout shard) and ``u`` = ue (expert-parallel ranks whose experts a rollout rank holds: the
+    members at different ep hold different experts, each gathered like a layer of another stage). ``alignment``
+    (elements per dtype) pads every slot, so that slots can be mapped and unmapped page by page; the padding then
+    travels too.
     ``tied`` = (output layer, embedding) names when the embedding is tied and every stage is gathered into one
     (p_g = 1 < p): the last stage's output layer is a copy of the embedding, so its ranks receive no embedding;
     each embedding shard is broadcast to the other members only (the layout's ``tied_embedding_groups``).
     ``strided``: interleaved dim-0 shards get ``strided`` regions (canonical mode; see the module docstring).
     """
-    if len(members) != k * q:
-        raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q}")
+    if len(members) != k * q * u:
+        raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q} × {u}")
     tp0 = min(m.tp for m in members)
     pp0 = min(m.pp for m in members)
-    at: dict[tuple[int, int], int] = {(m.tp - tp0, m.pp - pp0): j for j, m in enumerate(members)}
+    ep0 = min(m.ep for m in members)
+    at: dict[tuple[int, int, int], int] = {(m.tp - tp0, m.pp - pp0, m.ep - ep0): j for j, m in enumerate(members)}
     by_name = [{p.name: p for p in m.params} for m in members]
 
     def owners_of(name: str) -> list[int]:
@@ -292,7 +307,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
         raise ValueError("the micro-DP members' tensor-parallel parameters do not correspond one to one; "
                          "every pipeline stage must hold the same number of identical layers")
     # Strided regions need the members in shard order (member a holds shard a), as Megatron's rank order gives.
-    if strided and q == 1 and k > 1 and all(at.get((a, 0)) == a for a in range(k)):
+    if strided and q == 1 and u == 1 and k > 1 and all(at.get((a, 0, 0)) == a for a in range(k)):
         first = even[0]
         direct = {i for i, p in enumerate(first) if p.dim == 0 and p.stride > 1 and p.numel % p.stride == 0
                   and p.numel * k >= STACKED_MIN_NUMEL}
@@ -309,8 +324,8 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
 
     if q > 1:
         # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.
-        for a in range(k):
-            group = [at[(a, b)] for b in range(q)]
+        for a, c in ((a, c) for a in range(k) for c in range(u)):
+            group = [at[(a, b, c)] for b in range(q)]
             rep = {j: [p for p in members[j].params if not p.sharded and wanted(p)
                        and _pair_key(p, members[j].layers_per_stage)[0] == "layer"] for j in group}
             _bucketed(rep, bucket_numel,
@@ -337,7 +352,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
                     group = everyone
                     if tied is not None and any(p.name == tied[1] for p in ps):
                         # Not to the last stage's rank of the same TP column: it holds this shard already.
-                        twin = at[(members[j].tp - tp0, q - 1)]
+                        twin = at[(members[j].tp - tp0, q - 1, 0)]
                         group = [i for i in everyone if i != twin]
                         if len(ps) > 1:
                             raise AssertionError(f"tied embedding shares a broadcast with {[p.name for p in ps]}")
@@ -349,7 +364,7 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
                     if out:
                         add_region(dtype, RegionKind.BROADCAST, [j], {j: out}, owner=j)
         for j, m in enumerate(members):
-            cross = [at[(m.tp - tp0, b)] for b in range(q)]
+            cross = [at[(m.tp - tp0, b, m.ep - ep0)] for b in range(q)]
             for dtype in dtypes:
                 replicated = stage_only(j, False, dtype)
                 if replicated:

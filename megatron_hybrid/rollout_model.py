@@ -17,7 +17,7 @@ import torch
 
 from . import compat
 from .aliased import make_aliased, placeholder, supports_blocks
-from .layout import ParallelLayout
+from .layout import ExpertLayout, ParallelLayout
 
 ModelProvider = Callable[..., torch.nn.Module]
 
@@ -54,12 +54,15 @@ def weightless_parameters() -> Iterator[None]:
                 module._parameters[name] = placeholder(param)
 
 
-def rollout_config(config, layout: ParallelLayout):
+def rollout_config(config, layout: ParallelLayout, experts: Optional[ExpertLayout] = None):
     """The training ``TransformerConfig`` with the rollout sizes, without sequence parallelism (generation runs a
     few tokens per step: nothing to split along the sequence)."""
     config = copy.copy(config)
     config.tensor_model_parallel_size = layout.t_g
     config.pipeline_model_parallel_size = layout.p_g
+    if experts is not None:
+        config.expert_model_parallel_size = experts.e_g
+        config.expert_tensor_parallel_size = experts.et_g
     config.sequence_parallel = False
     config.perform_initialization = False
     return config
@@ -67,13 +70,14 @@ def rollout_config(config, layout: ParallelLayout):
 
 def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelLayout, *, pg_collection,
                          rollout_pp_rank: int, weight_mode: str, guard: Callable[[], None],
-                         model_provider: Optional[ModelProvider] = None) -> list[torch.nn.Module]:
+                         model_provider: Optional[ModelProvider] = None,
+                         experts: Optional[ExpertLayout] = None) -> list[torch.nn.Module]:
     """One rollout chunk per training chunk of this rank (virtual pipeline chunks stay chunks).
 
     ``guard()`` runs before every forward and ``state_dict`` of the rollout model (the engine refuses them while
     training, when the weights are not there).
     """
-    config = rollout_config(train_modules[0].config, layout)
+    config = rollout_config(train_modules[0].config, layout, experts)
     chunks = []
     for vp, train in enumerate(train_modules):
         vp_stage = vp if len(train_modules) > 1 else None
@@ -86,7 +90,7 @@ def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelL
                 chunk = model_provider(config=config, pg_collection=pg_collection, pre_process=pre,
                                        post_process=post)
             else:
-                chunk = _rebuild_gpt(train, config, pre, post, vp_stage, pg_collection)
+                chunk = _rebuild_gpt(train, config, pre, post, vp_stage, pg_collection, rollout_pp_rank)
         chunk.eval()
         if weight_mode == "aliased":
             for mod in chunk.modules():
@@ -99,14 +103,23 @@ def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelL
     return chunks
 
 
-def _rebuild_gpt(train: torch.nn.Module, config, pre: bool, post: bool, vp_stage: Optional[int], pg_collection):
+def _rebuild_gpt(train: torch.nn.Module, config, pre: bool, post: bool, vp_stage: Optional[int], pg_collection,
+                 pp_rank: int):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if not isinstance(train, GPTModel):
         raise ValueError(f"model is a {type(train).__name__}; pass model_provider= to build its rollout stage")
     if getattr(train, "mtp_process", False):
         raise ValueError("multi-token prediction (mtp_block_spec) is not supported by the rollout layout")
-    kwargs = dict(config=config, transformer_layer_spec=train.transformer_layer_spec,
+    spec = train.transformer_layer_spec
+    if isinstance(spec, TransformerBlockSubmodules):
+        # A block spec lists the training stage's own layers (dense and MoE mixed by moe_layer_freq): a rollout
+        # stage of other layers needs its own, made the same way (the local spec, as the engine requires).
+        spec = compat.gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                             normalization=config.normalization, vp_stage=vp_stage,
+                                             pp_rank=pp_rank)
+    kwargs = dict(config=config, transformer_layer_spec=spec,
                   vocab_size=train.vocab_size, max_sequence_length=train.max_sequence_length,
                   pre_process=pre, post_process=post, fp16_lm_cross_entropy=train.fp16_lm_cross_entropy,
                   parallel_output=train.parallel_output,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -56,13 +56,32 @@ def unshard(shards: Sequence[torch.Tensor], spec: TPSpec) -> torch.Tensor:
 
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"^(?P<moe>.+)\.experts\.local_experts\.(?P<i>\d+)\.(?P<rest>.+)$")
 
 
-def global_name(name: str, layer_offset: int) -> str:
-    """Rename a stage-local parameter name (``decoder.layers.{i}.…``) to its global layer index."""
+def global_name(name: str, layer_offset: int, experts: Optional[dict[str, list[int]]] = None) -> str:
+    """Rename a stage-local parameter name (``decoder.layers.{i}.…``) to its global layer index, and a local
+    expert's (``….experts.local_experts.{i}.…``, megatron-core's SequentialMLP) to its global expert index, with
+    ``experts`` as :func:`expert_indices` gives them."""
+    if experts:
+        m = _LOCAL_EXPERT.match(name)
+        if m is not None and m["moe"] in experts:
+            name = f"{m['moe']}.experts.local_experts.{experts[m['moe']][int(m['i'])]}.{m['rest']}"
     if not layer_offset:
         return name
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name, count=1)
+
+
+def expert_indices(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Each MoE layer of ``model`` (module name) -> the global index of each of its local experts
+    (megatron-core's ``local_expert_indices``: expert-parallel rank j holds experts j · E/e to (j + 1) · E/e − 1)."""
+    return {name: list(m.local_expert_indices) for name, m in model.named_modules()
+            if getattr(m, "local_expert_indices", None) is not None}
+
+
+def is_expert(name: str) -> bool:
+    """Whether a parameter is a routed expert's (sharded over the expert grid, not the dense one)."""
+    return _LOCAL_EXPERT.match(name) is not None
 
 
 def layer_offset(model: torch.nn.Module) -> int:

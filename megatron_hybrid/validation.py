@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from . import compat
 from .aliased import supports_blocks
 from .binding import BINDINGS
-from .layout import ParallelLayout, RolloutLayout
+from .layout import ExpertLayout, ParallelLayout, RolloutLayout
 from .sharding import TPSpec
 
 WEIGHT_MODES = tuple(BINDINGS)
@@ -77,12 +77,6 @@ def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str) -> None:
     """The model (its unwrapped chunks; the first one's ``config``) against the layout and the weight mode."""
     lay, config = layout, modules[0].config
-    # The plan knows no expert tensors yet (issue 24): refuse MoE models before any collective.
-    experts, ep = getattr(config, "num_moe_experts", None), getattr(config, "expert_model_parallel_size", 1)
-    if ep > 1:
-        raise ValueError(f"expert_model_parallel_size ({ep}) > 1 is not supported by the HybridEngine yet")
-    if experts is not None:
-        raise ValueError(f"MoE models (num_moe_experts={experts}) are not supported by the HybridEngine yet")
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if heads % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "
@@ -110,3 +104,44 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
                 if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
                     raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
                                      ") on blocks; use weight_mode='canonical' for this model")
+
+
+def check_experts(chunks: Sequence[torch.nn.Module], modules: Sequence[torch.nn.Module], layout: ParallelLayout,
+                  rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]], held: bool,
+                  world_size: int) -> Optional[ExpertLayout]:
+    """An MoE model's expert layout (``None`` for a dense model) against the rollout layout, the world and the
+    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model; ``held``: whether
+    DDP holds the parameters in buffers of its own (the distributed optimizer)."""
+    config = modules[0].config
+    if config.num_moe_experts is None:
+        if rollout.expert_model_parallel_size != 1:
+            raise ValueError(f"rollout expert_model_parallel_size ({rollout.expert_model_parallel_size}) needs a "
+                             "model with experts (its num_moe_experts is None)")
+        return None
+    et, e, edp = (g.size() for g in expert_groups)
+    built = (config.expert_tensor_parallel_size, config.expert_model_parallel_size)
+    if built != (et, e):
+        raise ValueError(f"the model was built for expert tensor/expert parallel sizes {built} but the groups are "
+                         f"({et}, {e})")
+    if et * e * edp * layout.p != world_size:
+        raise ValueError(f"expert tensor ({et}) × expert ({e}) × expert data ({edp}) × pipeline ({layout.p}) "
+                         f"parallel sizes must cover the world ({world_size} ranks)")
+    if layout.widens:
+        raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
+                         f"({layout.t}) is not supported for MoE models")
+    if held:
+        raise ValueError("the distributed optimizer (Megatron DDP's parameter buffers) is not supported for MoE "
+                         "models by the HybridEngine yet; use the plain optimizer")
+    lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
+    if config.num_moe_experts % lay.e_g:
+        raise ValueError(f"rollout expert_model_parallel_size ({lay.e_g}) must divide num_moe_experts "
+                         f"({config.num_moe_experts})")
+    if config.moe_ffn_hidden_size % lay.et_g:
+        raise ValueError(f"rollout expert_tensor_parallel_size ({lay.et_g}) must divide moe_ffn_hidden_size "
+                         f"({config.moe_ffn_hidden_size})")
+    for module in modules:
+        for name, sub in module.named_modules():
+            if hasattr(sub, "local_expert_indices") and type(sub.experts).__name__ != "SequentialMLP":
+                raise ValueError(f"{name}.experts is a {type(sub.experts).__name__}; the HybridEngine moves "
+                                 "SequentialMLP experts (megatron-core's local spec, moe_grouped_gemm=False)")
+    return lay

@@ -52,13 +52,14 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
         job = inbox.get()
         if job is None:
             break
-        fn, args, kwargs, tp, pp, vpp = job
+        fn, args, kwargs, tp, pp, vpp, ep, etp = job
         # A rank that hangs prints where it hangs (to the test's stderr) just before the parent gives up.
         faulthandler.dump_traceback_later(max(DEFAULT_TIMEOUT_S - 10, 5), exit=False)
         try:
             with cpu_gloo():
                 ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
                 # Seeds the (CPU-backed) RNG tracker and the default generator alike on every rank.
                 model_parallel_cuda_manual_seed(1234)
                 try:
@@ -147,15 +148,17 @@ atexit.register(shutdown)
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, tensor_model_parallel_size: int = 1,
                     pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
+                    expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
                     timeout_s: float = DEFAULT_TIMEOUT_S,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
+    The parallel sizes are ``initialize_model_parallel``'s (expert TP defaults to the TP size, as there).
 
     ``fn`` must be importable by name (a module-level function) and its arguments picklable.
     """
     pool = _pool(world_size)
     job = (fn, args, kwargs, tensor_model_parallel_size, pipeline_model_parallel_size,
-           virtual_pipeline_model_parallel_size)
+           virtual_pipeline_model_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size)
     for box in pool.inboxes:
         box.put(job)
     results: dict[int, Any] = {}

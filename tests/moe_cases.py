@@ -78,7 +78,8 @@ def _load_ep_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], *, e
 def expert_parallel_case(arch_kw: dict) -> dict:
     """Two ranks: the unsharded model (expert parallelism 1) and the same weights with expert parallelism 2 and
     the all-gather dispatcher, on each rank's own tokens. Returns the largest logit difference, the aux losses of
-    both, the local expert counts and the engine's refusal of the EP model."""
+    both, the local expert counts and the engine's refusal of a rollout EP size that does not divide the training
+    one."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -109,7 +110,7 @@ def expert_parallel_case(arch_kw: dict) -> dict:
 
     refused = None
     try:
-        HybridEngine(ep_model, RolloutLayout(1, 1))
+        HybridEngine(ep_model, RolloutLayout(1, 1, expert_model_parallel_size=4))
     except ValueError as exc:
         refused = str(exc)
     return dict(max_diff=float((ep_logits - ref_logits).abs().max()), scale=float(ref_logits.abs().max()),

@@ -43,7 +43,8 @@ def test_expert_parallel_logits_equal_the_unsharded_model(arch_kw):
         # on megatron-core 0.16.1 with torch 2.13's CPU BLAS the logits are in fact bit-identical.
         assert r["max_diff"] <= 1e-5 * max(1.0, r["scale"]), r
         assert r["finite"] and r["ep_aux"] and r["ref_aux"].keys() == r["ep_aux"].keys()
-        assert r["refused"] is not None and "expert_model_parallel_size (2)" in r["refused"]
+        assert r["refused"] is not None and "rollout expert_model_parallel_size (4) must divide " \
+                                            "expert_model_parallel_size (2)" in r["refused"]
 
 
 _BAD = [
