@@ -244,6 +244,23 @@ def test_logits_equal_transformers(hf_models, hf_reference, tmp_path, family, st
     torch.testing.assert_close(_megatron_logits(tmp_path / "mg", world, run), hf_reference[family], **LOGITS_TOL)
 
 
+def load_at_the_wrong_expert_parallel_size(megatron_dir: str) -> str:
+    """Rank body: a model with all experts local (EP 1) loaded as if it were one of 2 expert-parallel ranks."""
+    from megatron_hybrid.convert import load_megatron_checkpoint
+
+    model = read_architecture(megatron_dir).build()
+    with pytest.raises(CheckpointError) as info:
+        load_megatron_checkpoint([model], megatron_dir, tp_rank=0, tp_size=1, ep_rank=1, ep_size=2)
+    return str(info.value)
+
+
+def test_loading_at_the_wrong_expert_parallel_size_fails_clearly(hf_models, tmp_path):
+    hf_to_megatron(hf_models["qwen3_moe"], tmp_path / "mg", **_sizes(1, 1, 2, 1), progress=False)
+    for message in run_distributed(load_at_the_wrong_expert_parallel_size, 2, str(tmp_path / "mg")):
+        assert "the model holds 8 experts per MoE layer; the checkpoint's 8 over expert_model_parallel_size 2 " \
+               "are 4" in message
+
+
 def test_routing_mapping_is_what_makes_the_logits_equal(hf_models, hf_reference, tmp_path):
     """The control of the tolerance: the same weights with the other top-k weighting (probabilities not
     renormalised) are far off."""
@@ -339,10 +356,11 @@ def test_real_configs(tmp_path):
                                                               "mlp_only_layers": [0, 1]}))
 
 
-def test_export_without_stored_hf_config(hf_models, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_without_stored_hf_config(hf_models, tmp_path, family):
     """A checkpoint with no Hugging Face config of its own (as training writes) exports with one made from its
     architecture; converting that back gives the same architecture and tensors."""
-    src = hf_models["qwen2_moe"]
+    src = hf_models[family]
     hf_to_megatron(src, tmp_path / "mg", **_sizes(1, 1, 2, 1), progress=False)
     meta_path = tmp_path / "mg" / "megatron_hybrid_checkpoint.json"
     meta = json.loads(meta_path.read_text())
