@@ -5,8 +5,9 @@ library (a few merges learnt from a fixed corpus), so any ASCII prompt or answer
 decodes back to the same text. Its pre-tokenizer, normaliser and decoder are exactly Qwen2's: transformers 5
 rebuilds those for a directory whose config.json says ``qwen2`` (whatever tokenizer_config.json says), and this way
 the rebuilt tokenizer and the saved one agree, for every family. :func:`save_tiny_hf_model` saves a 2-layer model of
-a supported family (Llama, Qwen2, Qwen3-MoE, Qwen2-MoE) beside it; ``tools/make_tiny_hf_model.py`` is the command line. :func:`save_random_model_like`
-gives a real model's architecture and tokenizer fresh weights: the random-init control of a run from its weights.
+a supported family (Llama, Qwen2, Qwen3-MoE, Qwen2-MoE) beside it; ``tools/make_tiny_hf_model.py`` is the command
+line. :func:`save_random_model_like` gives a real model's architecture and tokenizer fresh weights: the random-init
+control of a run from its weights.
 """
 
 from __future__ import annotations
