@@ -88,6 +88,15 @@ def megatron_expert_groups():
             ps.get_expert_data_parallel_group())
 
 
+def megatron_expert_ranks() -> tuple[int, int, int, int]:
+    """This rank's (expert-parallel rank, size, expert-tensor-parallel rank, size) in Megatron's global expert
+    groups (sizes 1 and the TP group's without experts), read in this one place."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+
+
 #: 0.17+ dropped ``InferenceWrapperConfig``: the wrapper takes its process groups from the context's config.
 INFERENCE_WRAPPER_CONFIG = MCORE_VERSION < Version("0.17")
 

@@ -91,6 +91,13 @@ class GPTArchitecture:
     """--moe-router-enable-expert-bias: aux-loss-free balancing by a per-expert routing bias (sigmoid scores)."""
     moe_router_load_balancing_type: str = "aux_loss"
     """--moe-router-load-balancing-type: aux_loss, seq_aux_loss or none."""
+    moe_router_pre_softmax: bool = False
+    """--moe-router-pre-softmax: the top-k weights are the softmax over all experts' logits, taken at the chosen
+    experts (they need not sum to 1); off, they are the softmax over the top-k logits alone (they sum to 1).
+    Softmax scores only; required with top-1 (a softmax over one logit is constant)."""
+    moe_shared_expert_gate: bool = False
+    """--moe-shared-expert-gate: the shared experts' output is scaled per token by ``sigmoid(x · w)`` (a learnt
+    ``[1, hidden]`` weight, as Qwen2-MoE's ``shared_expert_gate``). Needs a shared expert."""
     extra: dict = field(default_factory=dict)
     """Further TransformerConfig fields, passed through as given."""
 
@@ -113,11 +120,13 @@ class GPTArchitecture:
         return list(self.moe_layer_freq)
 
     def validate(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                 expert_model_parallel_size: int = 1) -> None:
-        """Raise ``ValueError`` when a field is invalid or the sizes do not divide the model."""
+                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None) -> None:
+        """Raise ``ValueError`` when a field is invalid or the sizes do not divide the model.
+        ``expert_tensor_parallel_size`` defaults to the tensor-parallel size (as in megatron-core)."""
         t, p = tensor_model_parallel_size, pipeline_model_parallel_size
-        self._validate_moe(expert_model_parallel_size=expert_model_parallel_size,
-                           tensor_model_parallel_size=t)
+        self._validate_moe(expert_model_parallel_size=expert_model_parallel_size, tensor_model_parallel_size=t,
+                           expert_tensor_parallel_size=t if expert_tensor_parallel_size is None
+                           else expert_tensor_parallel_size)
         groups = self.num_query_groups or self.num_attention_heads
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype ({self.params_dtype!r}) must be one of {sorted(_DTYPES)}")
@@ -135,11 +144,14 @@ class GPTArchitecture:
         if ffn % t:
             raise ValueError(f"tensor_model_parallel_size ({t}) must divide ffn_hidden_size ({ffn})")
 
-    def _validate_moe(self, *, expert_model_parallel_size: int, tensor_model_parallel_size: int) -> None:
-        e, t = expert_model_parallel_size, tensor_model_parallel_size
+    def _validate_moe(self, *, expert_model_parallel_size: int, tensor_model_parallel_size: int,
+                      expert_tensor_parallel_size: int) -> None:
+        e, t, et = expert_model_parallel_size, tensor_model_parallel_size, expert_tensor_parallel_size
         if self.num_experts is None:
             if e != 1:
                 raise ValueError(f"expert_model_parallel_size ({e}) needs num_experts (None: a dense model)")
+            if et != t:
+                raise ValueError(f"expert_tensor_parallel_size ({et}) needs num_experts (None: a dense model)")
             return
         n = self.num_experts
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -156,6 +168,15 @@ class GPTArchitecture:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError(f"moe_router_enable_expert_bias needs moe_router_score_function 'sigmoid' "
                              f"(got {self.moe_router_score_function!r})")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError(f"moe_router_pre_softmax needs moe_router_score_function 'softmax' "
+                             f"(got {self.moe_router_score_function!r})")
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+            raise ValueError("moe_router_topk (1) with moe_router_score_function 'softmax' needs "
+                             "moe_router_pre_softmax (a softmax over one logit is constant)")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size (None: no shared "
+                             "expert to gate)")
         coeff = self.moe_aux_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < float("inf"):
             raise ValueError(f"moe_aux_loss_coeff ({coeff!r}) must be a finite number ≥ 0")
@@ -166,21 +187,31 @@ class GPTArchitecture:
             raise ValueError(f"moe_layer_freq ({freq}) must be ≥ 1")
         if isinstance(freq, list) and (len(freq) != self.num_layers or any(v not in (0, 1) for v in freq)):
             raise ValueError(f"moe_layer_freq ({freq}) must list 0 or 1 for each of the {self.num_layers} layers")
-        for name, size in (("moe_ffn_hidden_size", self.moe_ffn_hidden_size),
-                           ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)):
-            if size is not None and (size < 1 or size % t):
-                raise ValueError(f"{name} ({size}) must be ≥ 1 and divisible by tensor_model_parallel_size ({t})")
+        # Routed experts are split over the expert-tensor-parallel ranks, the shared experts over the TP ranks.
+        expert_ffn = ("moe_ffn_hidden_size", self.moe_ffn_hidden_size) if self.moe_ffn_hidden_size is not None \
+            else ("ffn_hidden_size", self.ffn_hidden_size or 4 * self.hidden_size)
+        for (name, size), axis, ranks in ((expert_ffn, "expert_tensor_parallel_size", et),
+                                          (("moe_shared_expert_intermediate_size",
+                                            self.moe_shared_expert_intermediate_size),
+                                           "tensor_model_parallel_size", t)):
+            if size is not None and (size < 1 or size % ranks):
+                raise ValueError(f"{name} ({size}) must be ≥ 1 and divisible by {axis} ({ranks})")
         if e < 1 or n % e:
             raise ValueError(f"expert_model_parallel_size ({e}) must divide num_experts ({n})")
+        if et < 1:
+            raise ValueError(f"expert_tensor_parallel_size ({et}) must be ≥ 1")
 
     def transformer_config(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                           expert_model_parallel_size: int = 1, **overrides: Any):
-        """The megatron-core ``TransformerConfig`` for this architecture at the given parallel sizes."""
+                           expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
+                           **overrides: Any):
+        """The megatron-core ``TransformerConfig`` for this architecture at the given parallel sizes
+        (``expert_tensor_parallel_size`` defaults to the tensor-parallel size)."""
         from megatron.core.transformer import TransformerConfig
 
         self.validate(tensor_model_parallel_size=tensor_model_parallel_size,
                       pipeline_model_parallel_size=pipeline_model_parallel_size,
-                      expert_model_parallel_size=expert_model_parallel_size)
+                      expert_model_parallel_size=expert_model_parallel_size,
+                      expert_tensor_parallel_size=expert_tensor_parallel_size)
         kwargs: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -220,9 +251,12 @@ class GPTArchitecture:
                 moe_layer_freq=self.moe_layer_freq,
                 moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
                 moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+                moe_router_pre_softmax=self.moe_router_pre_softmax,
+                moe_shared_expert_gate=self.moe_shared_expert_gate,
                 # SequentialMLP: 0.16.1's GroupedMLP needs the CUDA-only grouped_gemm package.
                 moe_grouped_gemm=False,
                 expert_model_parallel_size=expert_model_parallel_size,
+                expert_tensor_parallel_size=expert_tensor_parallel_size or tensor_model_parallel_size,
             )
         kwargs.update(self.extra)
         kwargs.update(overrides)
@@ -244,7 +278,7 @@ class GPTArchitecture:
     def build(self, config=None, *, pre_process: bool = True, post_process: bool = True, pg_collection=None,
               transformer_impl: str = "local", tensor_model_parallel_size: int = 1,
               pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-              vp_stage: Optional[int] = None):
+              expert_tensor_parallel_size: Optional[int] = None, vp_stage: Optional[int] = None):
         """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`.
 
         With experts it applies :func:`megatron_hybrid.patches.moe.moe_router_without_te` first; with dense and
@@ -255,7 +289,8 @@ class GPTArchitecture:
         if config is None:
             config = self.transformer_config(tensor_model_parallel_size=tensor_model_parallel_size,
                                              pipeline_model_parallel_size=pipeline_model_parallel_size,
-                                             expert_model_parallel_size=expert_model_parallel_size)
+                                             expert_model_parallel_size=expert_model_parallel_size,
+                                             expert_tensor_parallel_size=expert_tensor_parallel_size)
         spec = self.layer_spec(transformer_impl)
         if self.num_experts is not None:
             from .patches.moe import moe_router_without_te

@@ -409,9 +409,6 @@ def test_parallel_size_checks():
                           (0, 1, "must be ≥ 1")]:
         with pytest.raises(CheckpointError, match=match):
             check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    moe = GPTArchitecture(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, num_experts=4)
-    with pytest.raises(CheckpointError, match=r"mixture-of-experts models \(num_experts=4\) is not supported"):
-        check_parallel_sizes(moe, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
 def _load_into_tiny_llama(mg_dir: str) -> str:

@@ -62,7 +62,13 @@ _BAD = [
     (dict(num_experts=4, moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff (-1.0)"),
     (dict(num_experts=4, moe_aux_loss_coeff=float("nan")), "moe_aux_loss_coeff (nan)"),
     (dict(num_experts=4, moe_ffn_hidden_size=33), "moe_ffn_hidden_size (33) must be ≥ 1 and divisible by "
-                                                  "tensor_model_parallel_size (2)"),
+                                                  "expert_tensor_parallel_size (2)"),  # defaults to the TP size
+    (dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True),
+     "moe_router_pre_softmax needs moe_router_score_function 'softmax'"),
+    (dict(num_experts=4, moe_router_topk=1), "moe_router_topk (1) with moe_router_score_function 'softmax' needs "
+                                             "moe_router_pre_softmax"),
+    (dict(num_experts=4, moe_shared_expert_gate=True), "moe_shared_expert_gate needs "
+                                                       "moe_shared_expert_intermediate_size"),
 ]
 
 
@@ -85,6 +91,11 @@ def test_expert_parallel_size_must_divide_the_experts():
         tiny_llama(num_experts=4).validate(expert_model_parallel_size=3)
     with pytest.raises(ValueError, match=r"expert_model_parallel_size \(2\) needs num_experts"):
         tiny_llama().validate(expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"ffn_hidden_size \(96\) must be ≥ 1 and divisible by "
+                                         r"expert_tensor_parallel_size \(5\)"):
+        tiny_llama(num_experts=4).validate(expert_tensor_parallel_size=5)
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(2\) needs num_experts"):
+        tiny_llama().validate(expert_tensor_parallel_size=2)
 
 
 def test_dense_transformer_config_has_no_moe_fields():

@@ -20,18 +20,24 @@ examples:
   python tools/convert_checkpoint.py hf-to-megatron --hf-dir ./Llama-3.2-1B --megatron-dir ./llama-mcore \\
       --transformer-impl transformer_engine --force
 
-  # Megatron → Hugging Face (any TP/PP the checkpoint was written at)
+  # a mixture of experts (Qwen3-MoE, Qwen2-MoE): 8 expert-parallel ranks, experts not tensor-parallel
+  python tools/convert_checkpoint.py hf-to-megatron --hf-dir ./Qwen3-30B-A3B --megatron-dir ./qwen3-moe-mcore \\
+      --tensor-model-parallel-size 2 --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
+
+  # Megatron → Hugging Face (any TP/PP/EP/ETP the checkpoint was written at)
   python tools/convert_checkpoint.py megatron-to-hf --megatron-dir ./qwen-mcore --hf-dir ./qwen-hf
 
   # then check the logits against transformers
   python tools/verify_checkpoint.py --hf-dir ./Qwen2.5-0.5B --megatron-dir ./qwen-mcore
 
-Supported: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2/2.5, Qwen3. The Megatron side is Megatron-LM's
-release/mp_rank_TT_PPP/ layout holding model.safetensors files, plus megatron_hybrid_checkpoint.json (the
-GPTArchitecture, the Megatron-LM arguments and a sha256 of every file, checked whenever it is read);
-megatron_hybrid.convert.load_megatron_checkpoint loads it into a GPTModel at any TP/PP. Memory stays at a few
-bands of 16 MiB whatever the model size. A Hugging Face input has no digests: its safetensors headers are checked,
-and its weights must be finite (--allow-non-finite to convert NaN or ±inf as they are).
+Supported: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen2-MoE. The Megatron side
+is Megatron-LM's release/mp_rank_TT_PPP/ layout holding model.safetensors files (routed experts in
+release/mp_rank_UU_PPP_EEE/: expert-TP rank UU, stage PPP, expert-parallel rank EEE), plus
+megatron_hybrid_checkpoint.json (the GPTArchitecture, the Megatron-LM arguments and a sha256 of every file,
+checked whenever it is read); megatron_hybrid.convert.load_megatron_checkpoint loads it into a GPTModel at any
+TP/PP/EP/ETP. Memory stays at a few bands of 16 MiB whatever the model size. A Hugging Face input has no digests:
+its safetensors headers are checked, and its weights must be finite (--allow-non-finite to convert NaN or ±inf as
+they are).
 """
 
 
@@ -45,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     to_mg.add_argument("--megatron-dir", required=True, help="output directory")
     to_mg.add_argument("--tensor-model-parallel-size", type=int, default=1)
     to_mg.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    to_mg.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="expert-parallel ranks the routed experts are split over (default: %(default)s)")
+    to_mg.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="tensor-parallel ranks each expert is split over (default: the tensor-parallel size)")
     to_mg.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
                        help="whose parameter names to write (default: %(default)s)")
     to_mg.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -55,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     to_hf.add_argument("--megatron-dir", required=True, help="a checkpoint written by hf-to-megatron")
     to_hf.add_argument("--hf-dir", required=True, help="output directory")
-    to_hf.add_argument("--model-type", choices=("llama", "mistral", "qwen2", "qwen3"), default=None,
+    to_hf.add_argument("--model-type", choices=("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"),
+                       default=None,
                        help="Hugging Face family (default: the one the checkpoint came from)")
     to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0,
                        help="split the safetensors output into files of at most this many GB (10^9 bytes; a larger "
@@ -72,6 +83,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
     if args.direction == "hf-to-megatron":
         check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)
         check_number("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, ge=1)
+        check_number("--expert-model-parallel-size", args.expert_model_parallel_size, ge=1)
+        if args.expert_tensor_parallel_size is not None:
+            check_number("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, ge=1)
         check_number("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by, ge=1)
     else:
         check_number("--max-shard-size-gb", args.max_shard_size_gb, gt=0)
@@ -94,13 +108,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             arch = hf_to_megatron(args.hf_dir, args.megatron_dir,
                                   tensor_model_parallel_size=args.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                  expert_model_parallel_size=args.expert_model_parallel_size,
+                                  expert_tensor_parallel_size=args.expert_tensor_parallel_size,
                                   transformer_impl=args.transformer_impl,
                                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                   allow_non_finite=args.allow_non_finite, force=args.force,
                                   progress=not args.no_progress)
             print(f"wrote {args.megatron_dir} ({arch.num_layers} layers, hidden {arch.hidden_size}, vocab "
                   f"{arch.vocab_size} → {arch.padded_vocab_size(args.tensor_model_parallel_size)}, "
-                  f"TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size})")
+                  f"TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}"
+                  + (f", {arch.num_experts} experts: EP {args.expert_model_parallel_size}, ETP "
+                     f"{args.expert_tensor_parallel_size or args.tensor_model_parallel_size}"
+                     if arch.num_experts is not None else "") + ")")
         else:
             megatron_to_hf(args.megatron_dir, args.hf_dir, model_type=args.model_type,
                            max_shard_bytes=int(args.max_shard_size_gb * 10**9), force=args.force,

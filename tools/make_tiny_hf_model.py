@@ -8,10 +8,18 @@ examples:
   # a Llama with tied embeddings, another seed
   python tools/make_tiny_hf_model.py --hf-dir tiny-llama --family llama --seed 3
 
+  # mixtures of experts: Qwen3-MoE (an MoE layer, then a dense one), Qwen2-MoE (a gated shared expert), then
+  # split the experts over 2 expert-parallel ranks
+  python tools/make_tiny_hf_model.py --hf-dir tiny-qwen3-moe --family qwen3_moe
+  python tools/make_tiny_hf_model.py --hf-dir tiny-qwen2-moe --family qwen2_moe
+  python tools/convert_checkpoint.py hf-to-megatron --hf-dir tiny-qwen3-moe --megatron-dir tiny-qwen3-moe-mcore \\
+      --expert-model-parallel-size 2
+
   # the random-init control of a real model: its config and tokenizer, fresh weights (not tiny)
   python tools/make_tiny_hf_model.py --hf-dir smollm2-random --like smollm2-hf
 
-The model has 2 layers, hidden size 64, GQA (4 heads, 2 KV heads) and SwiGLU 128; the tokenizer is a 128-token
+The model has 2 layers, hidden size 64, GQA (4 heads, 2 KV heads) and SwiGLU 128 (the MoE families: 4 experts of
+32, top-2, in their MoE layers); the tokenizer is a 128-token
 byte-level BPE over ASCII with a ChatML chat template, built with the `tokenizers` library: nothing comes from a hub.
 With --like DIR the model is DIR's architecture at full size, initialised as transformers' from_config does, with
 DIR's tokenizer.

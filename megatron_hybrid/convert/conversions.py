@@ -24,8 +24,8 @@ from ..models import GPTArchitecture
 from . import hf_checkpoint as hfc
 from .families import architecture_from_hf, family_of, hf_config_from_architecture, hf_from_megatron, infer_family
 from .families import megatron_from_hf
-from .layout import (ASSETS_DIR, ITERATION_DIR, WEIGHTS_FILE, CheckpointMeta, MegatronCheckpoint, check_parallel_sizes,
-                     json_ready, megatron_lm_args, rank_dir_name, rank_tensors, write_meta)
+from .layout import (ASSETS_DIR, CheckpointMeta, MegatronCheckpoint, check_parallel_sizes, json_ready, megatron_lm_args,
+                     rank_files, rank_tensors, write_meta)
 from .safetensors_io import CheckpointError, TensorReader
 from .safetensors_writer import write_safetensors
 
@@ -158,10 +158,12 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def hf_to_megatron(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
-                   pipeline_model_parallel_size: int = 1, transformer_impl: str = "local",
+                   pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                   expert_tensor_parallel_size: Optional[int] = None, transformer_impl: str = "local",
                    make_vocab_size_divisible_by: int = 128, allow_non_finite: bool = False, force: bool = False,
                    progress: bool = True) -> GPTArchitecture:
-    """Convert a Hugging Face checkpoint directory into a Megatron checkpoint for the given TP/PP.
+    """Convert a Hugging Face checkpoint directory into a Megatron checkpoint for the given TP/PP, and for a
+    mixture of experts EP/ETP (expert parallel, expert tensor parallel; ETP default: TP).
 
     Returns the architecture. Raises :class:`CheckpointError` (a ``ValueError``) before writing anything when
     the input or the request is unusable. Every weight is checked as it is read: a NaN or ±inf (which a Hugging
@@ -169,7 +171,8 @@ def hf_to_megatron(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *
     the output is not written, unless ``allow_non_finite``.
     """
     hf_dir, out = Path(hf_dir), Path(megatron_dir)
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    etp = expert_tensor_parallel_size or tp
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory")
     if (out.exists() or out.is_symlink()) and not force:
@@ -179,25 +182,29 @@ def hf_to_megatron(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *
     embedding = stored.get("model.embed_tokens.weight")
     family, arch = architecture_from_hf(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                         fallback_dtype=embedding.dtype if embedding is not None else None)
-    check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     hf = hfc.check_tensors(family, arch, stored, hf_dir)
     full = megatron_from_hf(family, arch, hf, padded_vocab_size=arch.padded_vocab_size(tp))
-    files = {(t, p): rank_tensors(full, arch, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp,
+    files = {f.path: rank_tensors(full, arch, f, tp_size=tp, pp_size=pp, ep_size=ep, etp_size=etp,
                                   transformer_impl=transformer_impl)
-             for p in range(pp) for t in range(tp)}
+             for f in rank_files(tp=tp, pp=pp, ep=ep, etp=etp, moe=arch.num_experts is not None)}
+    moe = arch.num_experts is not None
     meta = CheckpointMeta(architecture=arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp if moe else None,
                           transformer_impl=transformer_impl, hf_model_type=family.model_type,
                           hf_config=json_ready(raw_config),
                           megatron_lm_args=megatron_lm_args(arch, tensor_model_parallel_size=tp,
                                                             pipeline_model_parallel_size=pp,
+                                                            expert_model_parallel_size=ep,
+                                                            expert_tensor_parallel_size=etp,
                                                             transformer_impl=transformer_impl))
     total = sum(v.nbytes for tensors in files.values() for v in tensors.values())
     digests = {}
     with staged_directory(out, force=force, keep_clear_of=(hf_dir,)) as tmp, \
             TensorReader(check_finite=not allow_non_finite) as reader, \
-            _progress(total, f"{hf_dir.name} → Megatron TP{tp} PP{pp}", progress) as bar:
-        for (t, p), tensors in files.items():
-            name = f"{ITERATION_DIR}/{rank_dir_name(t, p, pp)}/{WEIGHTS_FILE}"
+            _progress(total, f"{hf_dir.name} → Megatron TP{tp} PP{pp}" + f" EP{ep} ETP{etp}" * moe, progress) as bar:
+        for name, tensors in files.items():
             (tmp / name).parent.mkdir(parents=True)
             digests[name] = write_safetensors(tmp / name, tensors, reader, progress=bar.update)
         hfc.copy_assets(hf_dir, tmp / ASSETS_DIR)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import GPTArchitecture
-from .families import Family, family_of, hf_shapes
+from .families import FUSED_EXPERTS, Family, family_of, hf_shapes, per_expert_tensors
 from .safetensors_io import CheckpointError, read_header, read_json_object
 from .virtual import Virtual
 
@@ -72,9 +72,10 @@ def open_weights(hf_dir: Path) -> dict[str, Virtual]:
 
 def check_tensors(family: Family, arch: GPTArchitecture, tensors: dict[str, Virtual],
                   where: Path) -> dict[str, Virtual]:
-    """The tensors the model uses, after checking that all are present with the shapes the config implies."""
-    expected = hf_shapes(family, arch)
+    """The tensors the model uses, after checking that all are present with the shapes the config implies; experts
+    one tensor each, whether stored so or fused (:func:`~.families.per_expert_tensors`)."""
     present = {n: v for n, v in tensors.items() if not _SKIPPED.search(n)}
+    expected = hf_shapes(family, arch, fused_experts=any(FUSED_EXPERTS.match(n) for n in present))
     if not arch.untie_embeddings_and_output_weights and "lm_head.weight" in present:
         warnings.warn(f"{where}: tie_word_embeddings is set but lm_head.weight is stored; using the embedding and "
                       f"ignoring lm_head.weight", stacklevel=2)
@@ -96,7 +97,7 @@ def check_tensors(family: Family, arch: GPTArchitecture, tensors: dict[str, Virt
     if len(dtypes) > 1:
         warnings.warn(f"{where}: tensors are stored in several dtypes ({sorted(map(str, dtypes))}); each is kept "
                       f"as stored", stacklevel=2)
-    return present
+    return per_expert_tensors(present)
 
 
 def _some(names: list[str]) -> str:

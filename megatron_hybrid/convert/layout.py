@@ -7,16 +7,26 @@
                                                           the Hugging Face config it came from, and the sha256 of
                                                           every other file (written last)
     <dir>/release/mp_rank_TT[_PPP]/model.safetensors      TP rank TT / PP rank PPP's parameters, under the names
-                                                          its GPTModel stage has (stage-local layer numbers)
+                                                          its GPTModel stage has (stage-local layer numbers); with
+                                                          experts, all but the routed experts'
+    <dir>/release/mp_rank_UU_PPP_EEE/model.safetensors    with experts only: the routed experts of expert-parallel
+                                                          rank EEE (its local expert i is global expert
+                                                          EEE · E/e + i), expert-tensor-parallel shard UU, stage
+                                                          PPP (always three fields: apart from mp_rank_TT_PPP)
     <dir>/hf_assets/                                      the Hugging Face directory's other files (tokenizer, …)
 
 Each rank's file can be read (and written) as a stream, and by anyone with safetensors: no pickle. Opening a
 checkpoint (:class:`MegatronCheckpoint`) checks every file against its digest (:mod:`.digests`) before any value
 is used; a checkpoint written before digests existed (format version 1) is read with a warning. The TP/PP it
 was written at is only the *stored* layout: :func:`load_megatron_checkpoint` reshards on the fly, so a checkpoint
-loads into a GPTModel at any TP/PP (and into a local- or Transformer-Engine-spec model, whatever names it holds).
+loads into a GPTModel at any TP/PP/EP/ETP (and into a local- or Transformer-Engine-spec model, whatever names it
+holds). The expert files depend on the expert sizes alone (e, et), not on the data-parallel size that places
+them on a job's ranks: Megatron-LM's own ``mp_rank_TT_PPP_EEE`` files, one per (TP, PP, EP) rank of a job, hold
+every dense tensor e times over and cannot say which expert-TP shard a rank holds when et ≠ t.
 
-Legend: *canonical* names are the local spec's names with global layer numbers (``decoder.layers.{i}.…``).
+Legend: *canonical* names are the local spec's names with global layer numbers (``decoder.layers.{i}.…``) and
+global expert numbers (``….mlp.experts.local_experts.{expert}.…``); t, p, e, et the tensor, pipeline, expert and
+expert-tensor parallel sizes; E experts.
 """
 
 from __future__ import annotations
@@ -56,13 +66,30 @@ _FROM_TE = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)
             (re.compile(r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r".pre_mlp_layernorm.\1"))
 
 
-def stored_name(canonical: str, transformer_impl: str) -> str:
-    """The parameter name under ``transformer_impl``'s layer spec."""
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def expert_of(name: str) -> Optional[int]:
+    """The expert number in a routed expert's parameter name (``None`` for any other parameter)."""
+    m = _EXPERT.match(name)
+    return None if m is None else int(m.group(2))
+
+
+def renumber_expert(name: str, offset: int) -> str:
+    """A routed expert's parameter name with its expert number moved by ``offset`` (local ⇄ global)."""
+    m = _EXPERT.match(name)
+    assert m is not None, name
+    return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
+
+
+def stored_name(canonical: str, transformer_impl: str, *, moe_layer: bool = False) -> str:
+    """The parameter name under ``transformer_impl``'s layer spec (``moe_layer``: the name is in a layer with
+    experts, whose pre-MLP norm Transformer Engine's spec keeps apart: experts have no one fc1 to fuse it into)."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise CheckpointError(f"transformer_impl {transformer_impl!r} must be one of {TRANSFORMER_IMPLS}")
     if transformer_impl == "local":
         return canonical
-    for pattern, repl in _TO_TE:
+    for pattern, repl in _TO_TE[:1] if moe_layer else _TO_TE:
         canonical = pattern.sub(repl, canonical)
     return canonical
 
@@ -86,18 +113,27 @@ def tp_spec(canonical: str, arch: GPTArchitecture) -> TPSpec:
 
 
 def check_parallel_sizes(arch: GPTArchitecture, *, tensor_model_parallel_size: int,
-                         pipeline_model_parallel_size: int) -> None:
-    """``CheckpointError`` unless megatron-core can build ``arch`` at this TP/PP."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if arch.num_experts is not None:  # the families' weight maps know dense layers only: experts would be dropped
-        raise CheckpointError(f"converting mixture-of-experts models (num_experts={arch.num_experts}) is not "
-                              "supported yet")
-    if tp < 1 or pp < 1:
-        raise CheckpointError(f"parallel sizes must be ≥ 1 (tensor {tp}, pipeline {pp})")
+                         pipeline_model_parallel_size: int, expert_model_parallel_size: int = 1,
+                         expert_tensor_parallel_size: Optional[int] = None,
+                         data_parallel_size: Optional[int] = None) -> None:
+    """``CheckpointError`` unless megatron-core can build ``arch`` at this TP/PP/EP/ETP (ETP default: TP), and,
+    given ``data_parallel_size``, lay the experts over a stage's ranks."""
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    if min(tp, pp, ep, etp) < 1:
+        raise CheckpointError(f"parallel sizes must be ≥ 1 (tensor {tp}, pipeline {pp}, expert {ep}, expert tensor "
+                              f"{etp})")
     try:
-        arch.validate(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        arch.validate(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                      expert_tensor_parallel_size=etp)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+    if data_parallel_size is not None and (tp * data_parallel_size) % (ep * etp):
+        # megatron-core splits each stage's t·d ranks both ways: t × d for the dense layers, et × e × (expert data
+        # parallel) for the experts.
+        raise CheckpointError(f"expert_model_parallel_size ({ep}) × expert_tensor_parallel_size ({etp}) = "
+                              f"{ep * etp} must divide tensor_model_parallel_size ({tp}) × data_parallel_size "
+                              f"({data_parallel_size}) = {tp * data_parallel_size}: the ranks of a pipeline stage")
     groups = arch.num_query_groups or arch.num_attention_heads
     if groups % tp and tp % groups:
         raise CheckpointError(f"tensor_model_parallel_size ({tp}) must be a multiple or a divisor of "
@@ -115,8 +151,38 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def expert_rank_dir_name(etp_rank: int, pp_rank: int, ep_rank: int) -> str:
+    """Megatron-LM's ``mp_rank_TT_PPP_EEE`` with TT the expert-tensor-parallel rank, always all three fields."""
+    return f"mp_rank_{etp_rank:02d}_{pp_rank:03d}_{ep_rank:03d}"
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One rank file of a checkpoint: which shard of which tensors it holds."""
+
+    path: str
+    """``release/…/model.safetensors``, relative to the checkpoint."""
+    pp_rank: int
+    """The pipeline stage (its names use stage-local layer numbers)."""
+    shard: int
+    """The TP rank (dense file) or the expert-TP rank (expert file)."""
+    ep_rank: Optional[int] = None
+    """The expert-parallel rank of an expert file (``None``: the dense file)."""
+
+
+def rank_files(*, tp: int, pp: int, ep: int, etp: int, moe: bool) -> list[RankFile]:
+    """Every rank file of a checkpoint at these sizes, dense files first."""
+    files = [RankFile(f"{ITERATION_DIR}/{rank_dir_name(t, p, pp)}/{WEIGHTS_FILE}", p, t)
+             for p in range(pp) for t in range(tp)]
+    if moe:
+        files += [RankFile(f"{ITERATION_DIR}/{expert_rank_dir_name(u, p, x)}/{WEIGHTS_FILE}", p, u, x)
+                  for p in range(pp) for x in range(ep) for u in range(etp)]
+    return files
+
+
 def megatron_lm_args(arch: GPTArchitecture, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                     transformer_impl: str) -> list[str]:
+                     transformer_impl: str, expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: Optional[int] = None) -> list[str]:
     """Megatron-LM command-line flags that build this model (tokenizer and training flags not included)."""
     a = arch
     args = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -139,6 +205,21 @@ def megatron_lm_args(arch: GPTArchitecture, *, tensor_model_parallel_size: int, 
     args += [] if a.add_bias_linear else ["--disable-bias-linear"]
     args += ["--add-qkv-bias"] if a.add_qkv_bias else []
     args += ["--qk-layernorm"] if a.qk_layernorm else []
+    if a.num_experts is not None:
+        freq = a.moe_layer_freq if isinstance(a.moe_layer_freq, int) else repr(a.moe_layer_freq).replace(" ", "")
+        args += ["--num-experts", str(a.num_experts), "--moe-router-topk", str(a.moe_router_topk),
+                 "--moe-ffn-hidden-size", str(a.moe_ffn_hidden_size or a.ffn_hidden_size or 4 * a.hidden_size),
+                 "--moe-layer-freq", str(freq), "--moe-router-score-function", a.moe_router_score_function,
+                 "--moe-router-load-balancing-type", a.moe_router_load_balancing_type,
+                 "--moe-aux-loss-coeff", repr(a.moe_aux_loss_coeff),
+                 "--moe-token-dispatcher-type", a.moe_token_dispatcher_type,
+                 "--expert-model-parallel-size", str(expert_model_parallel_size),
+                 "--expert-tensor-parallel-size", str(expert_tensor_parallel_size or tensor_model_parallel_size)]
+        if a.moe_shared_expert_intermediate_size is not None:
+            args += ["--moe-shared-expert-intermediate-size", str(a.moe_shared_expert_intermediate_size)]
+        args += ["--moe-shared-expert-gate"] if a.moe_shared_expert_gate else []
+        args += ["--moe-router-pre-softmax"] if a.moe_router_pre_softmax else []
+        args += ["--moe-router-enable-expert-bias"] if a.moe_router_enable_expert_bias else []
     args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(a.params_dtype, [])
     args += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0",
              "--tensor-model-parallel-size", str(tensor_model_parallel_size),
@@ -157,6 +238,10 @@ class CheckpointMeta:
     """The TP size the files are split for (loading may use another)."""
     pipeline_model_parallel_size: int
     """The PP size the files are split for (loading may use another)."""
+    expert_model_parallel_size: int = 1
+    """The EP size the expert files are split for (loading may use another)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """The expert-TP size the expert files are split for (``None``: the TP size; loading may use another)."""
     transformer_impl: str = "local"
     """Whose parameter names the files use: ``local`` or ``transformer_engine``."""
     hf_model_type: Optional[str] = None
@@ -226,27 +311,41 @@ def expected_shapes(arch: GPTArchitecture, *, tensor_model_parallel_size: int) -
     return {n: v.shape for n, v in mg.items()}
 
 
-def rank_tensors(global_tensors: dict[str, Virtual], arch: GPTArchitecture, *, tp_rank: int, tp_size: int,
-                 pp_rank: int, pp_size: int, transformer_impl: str) -> dict[str, Virtual]:
-    """What rank (tp_rank, pp_rank)'s file holds: its shards, under its stage's module names."""
-    layers = stage_layers(arch.num_layers, pp_size)[pp_rank]
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
+def rank_tensors(global_tensors: dict[str, Virtual], arch: GPTArchitecture, file: RankFile, *, tp_size: int,
+                 pp_size: int, ep_size: int = 1, etp_size: Optional[int] = None,
+                 transformer_impl: str) -> dict[str, Virtual]:
+    """What ``file`` holds: its shards, under its stage's module names (and, in an expert file, its expert-parallel
+    rank's local expert numbers)."""
+    layers = stage_layers(arch.num_layers, pp_size)[file.pp_rank]
+    first, last = file.pp_rank == 0, file.pp_rank == pp_size - 1
+    expert_file = file.ep_rank is not None
+    num_local = arch.num_experts // ep_size if arch.num_experts else 0
+    ranks = (etp_size or tp_size) if expert_file else tp_size
+    moe_layers = arch.moe_layer_pattern()
     out = {}
     for name, v in global_tensors.items():
+        expert = expert_of(name)
+        if (expert is not None) != expert_file or expert_file and expert // num_local != file.ep_rank:
+            continue
         m = re.match(r"decoder\.layers\.(\d+)\.", name)
+        moe_layer = False
         if m:
             if int(m.group(1)) not in layers:
                 continue
+            moe_layer = bool(moe_layers[int(m.group(1))])
             local = global_name(name, -layers.start)
+            if expert_file:
+                local = renumber_expert(local, -file.ep_rank * num_local)
         elif name == EMBEDDING and first or name != EMBEDDING and last:
             local = name
         else:
             continue
-        out[stored_name(local, transformer_impl)] = shard(v, tp_spec(name, arch), tp_rank, tp_size)
-    if last and pp_size > 1 and not arch.untie_embeddings_and_output_weights:
+        out[stored_name(local, transformer_impl, moe_layer=moe_layer)] = shard(v, tp_spec(name, arch), file.shard,
+                                                                               ranks)
+    if not expert_file and last and pp_size > 1 and not arch.untie_embeddings_and_output_weights:
         # A tied model's last stage holds its own copy of the embedding as output_layer.weight; Megatron keeps
         # the two equal (the embedding group all-reduces their gradients).
-        out[OUTPUT_LAYER] = shard(global_tensors[EMBEDDING], tp_spec(OUTPUT_LAYER, arch), tp_rank, tp_size)
+        out[OUTPUT_LAYER] = shard(global_tensors[EMBEDDING], tp_spec(OUTPUT_LAYER, arch), file.shard, tp_size)
     return out
 
 
@@ -257,11 +356,13 @@ class MegatronCheckpoint:
     def __init__(self, megatron_dir: str | os.PathLike) -> None:
         self.root = Path(megatron_dir)
         self.meta = read_meta(self.root)
-        arch = self.meta.architecture
-        tp, pp = self.meta.tensor_model_parallel_size, self.meta.pipeline_model_parallel_size
-        check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        paths = {(t, p): self.root / ITERATION_DIR / rank_dir_name(t, p, pp) / WEIGHTS_FILE
-                 for p in range(pp) for t in range(tp)}
+        arch, meta = self.meta.architecture, self.meta
+        tp, pp, ep = meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size, meta.expert_model_parallel_size
+        etp = meta.expert_tensor_parallel_size or tp
+        check_parallel_sizes(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        paths = {f: self.root / f.path for f in rank_files(tp=tp, pp=pp, ep=ep, etp=etp,
+                                                            moe=arch.num_experts is not None)}
         missing = [str(path) for path in paths.values() if not path.is_file()]
         if missing:
             raise CheckpointError(f"{self.root}: missing rank files: {missing}")
@@ -270,16 +371,26 @@ class MegatronCheckpoint:
                           "checked for damage; convert it again to add them", stacklevel=2)
         else:  # every rank that opens it reads all of it: the same verdict everywhere, before any collective
             check_digests(self.root, self.meta.digests, manifest=self.root / META_FILE, required=paths.values())
+        num_local = arch.num_experts // ep if arch.num_experts else 0
         parts: dict[str, dict[int, Virtual]] = {}
-        tied_copies = set()
-        for (t, p), path in paths.items():
-            offset = stage_layers(arch.num_layers, pp)[p].start
+        misplaced = []
+        for f, path in paths.items():
+            offset = stage_layers(arch.num_layers, pp)[f.pp_rank].start
             for name, info in read_header(path).items():
                 key = canonical_name(global_name(name, offset))
-                if key == OUTPUT_LAYER and not arch.untie_embeddings_and_output_weights:
-                    tied_copies.add(p)  # the last stage's copy of a tied embedding
+                expert = expert_of(key)
+                if (expert is not None) != (f.ep_rank is not None) or expert is not None and expert >= num_local:
+                    misplaced.append(f"{f.path}: {name}")
                     continue
-                parts.setdefault(key, {})[t] = Virtual.stored(str(path), name, info.shape, info.dtype)
+                if expert is not None:
+                    key = renumber_expert(key, f.ep_rank * num_local)
+                if key == OUTPUT_LAYER and not arch.untie_embeddings_and_output_weights:
+                    continue  # the last stage's copy of a tied embedding
+                parts.setdefault(key, {})[f.shard] = Virtual.stored(str(path), name, info.shape, info.dtype)
+        if misplaced:
+            raise CheckpointError(f"{self.root}: tensors in the wrong rank file (routed experts, {num_local} per "
+                                  f"expert-parallel rank, belong in mp_rank_UU_PPP_EEE, the rest in "
+                                  f"mp_rank_TT[_PPP]): {misplaced}")
         expected = expected_shapes(arch, tensor_model_parallel_size=tp)
         missing = sorted(set(expected) - set(parts))
         unexpected = sorted(set(parts) - set(expected))
@@ -288,9 +399,11 @@ class MegatronCheckpoint:
                                   f"unexpected: {unexpected}")
         self.tensors: dict[str, Virtual] = {}
         for key, by_rank in parts.items():
-            if sorted(by_rank) != list(range(tp)):
-                raise CheckpointError(f"{self.root}: {key} is stored by TP ranks {sorted(by_rank)}, not 0..{tp - 1}")
-            v = unshard([by_rank[t] for t in range(tp)], tp_spec(key, arch))
+            axis, ranks = ("expert TP", etp) if expert_of(key) is not None else ("TP", tp)
+            if sorted(by_rank) != list(range(ranks)):
+                raise CheckpointError(f"{self.root}: {key} is stored by {axis} ranks {sorted(by_rank)}, not "
+                                      f"0..{ranks - 1}")
+            v = unshard([by_rank[t] for t in range(ranks)], tp_spec(key, arch))
             if v.shape != expected[key]:
                 raise CheckpointError(f"{self.root}: {key} has shape {list(v.shape)}, the architecture says "
                                       f"{list(expected[key])}")
@@ -307,20 +420,28 @@ class MegatronCheckpoint:
 
 
 def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_dir: str | os.PathLike, *,
-                             tp_rank: int, tp_size: int) -> GPTArchitecture:
-    """Copy a converted checkpoint into this rank's GPTModel chunk(s), at any TP/PP.
+                             tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1,
+                             etp_rank: Optional[int] = None, etp_size: Optional[int] = None) -> GPTArchitecture:
+    """Copy a converted checkpoint into this rank's GPTModel chunk(s), at any TP/PP/EP/ETP.
 
     The chunks' own layer numbers (``layer_number``) say which layers they hold, so pipeline stages and virtual
-    pipeline chunks need no further arguments. Parameters may use local or Transformer Engine names. Tensors are
-    read band by band straight into the parameters, after every file was checked against its digest. Returns the
-    stored architecture.
+    pipeline chunks need no further arguments. Routed experts: this rank's local expert i is global expert
+    ``ep_rank · E/ep_size + i``, split over the expert-tensor-parallel ranks (``etp_rank``/``etp_size``, default
+    the TP rank and size, as megatron-core's default). Parameters may use local or Transformer Engine names.
+    Tensors are read band by band straight into the parameters, after every file was checked against its digest.
+    Returns the stored architecture.
     """
     from .. import compat  # megatron-core only where a model is walked
 
     ckpt = MegatronCheckpoint(megatron_dir)
     arch = ckpt.architecture
+    etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank, etp_size)
+    if arch.num_experts is not None and (ep_size < 1 or arch.num_experts % ep_size or not 0 <= ep_rank < ep_size):
+        raise CheckpointError(f"expert-parallel rank {ep_rank} of {ep_size}: the size must divide num_experts "
+                              f"({arch.num_experts}) and the rank be below it")
+    num_local = arch.num_experts // ep_size if arch.num_experts else 0
     plan: list[tuple[torch.nn.Parameter, Virtual]] = []
-    missing, mismatched = [], []
+    missing, mismatched, local_experts = [], [], set()
     for chunk in model_chunks:
         module = compat.unwrap_model(chunk)
         offset = layer_offset(module)
@@ -328,6 +449,12 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_d
             key = canonical_name(global_name(name, offset))
             if key == OUTPUT_LAYER and not arch.untie_embeddings_and_output_weights:
                 key = EMBEDDING
+            rank, size = tp_rank, tp_size
+            expert = expert_of(key)
+            if expert is not None:
+                local_experts.add(expert)
+                key = renumber_expert(key, ep_rank * num_local)
+                rank, size = etp_rank, etp_size
             if key not in ckpt.tensors:
                 missing.append(key)
                 continue
@@ -337,11 +464,14 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_d
                                       f"{tp_spec(key, arch)} (a megatron-core version this code does not know?)")
             full = (ckpt.vocab_tensor(key, param.shape[0] * tp_size) if key in (EMBEDDING, OUTPUT_LAYER)
                     else ckpt.tensors[key])
-            part = shard(full, spec, tp_rank, tp_size)
+            part = shard(full, spec, rank, size)
             if part.shape != tuple(param.shape):
                 mismatched.append(f"{name}: model {list(param.shape)}, checkpoint {list(part.shape)}")
                 continue
             plan.append((param, part))
+    if local_experts and len(local_experts) != num_local:
+        raise CheckpointError(f"the model holds {len(local_experts)} experts per MoE layer; the checkpoint's "
+                              f"{arch.num_experts} over expert_model_parallel_size {ep_size} are {num_local}")
     if missing or mismatched:
         raise CheckpointError(f"{megatron_dir} does not fit the model; missing: {sorted(missing)}; "
                               f"shape mismatches: {mismatched}")

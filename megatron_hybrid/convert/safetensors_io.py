@@ -140,17 +140,26 @@ class TensorReader:
             entry = self._files[path] = (os.open(path, os.O_RDONLY), read_header(path))
         return entry
 
-    def read(self, path: str, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """``stored[index]``, where ``index`` has one ``slice`` (step 1) per dim. Reads the whole rows of
-        ``index[0]`` and returns a view of the rest."""
+    def read(self, path: str, name: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+        """``stored[index]``, where ``index`` is some ``int``s that fix leading dims (one expert of a fused
+        ``[experts, …]`` tensor), then one ``slice`` (step 1) per remaining dim. Reads the whole rows of the first
+        slice and returns a view of the rest."""
         fd, infos = self._open(path)
         info = infos[name]
-        start, stop, _ = index[0].indices(info.shape[0])
-        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+        lead = [i for i in index if isinstance(i, int)]
+        k = len(lead)
+        assert index[:k] == tuple(lead) and all(isinstance(s, slice) for s in index[k:]), index
+        block = info.shape[k:]  # the tensor left once the leading dims are fixed
+        flat = 0
+        for i, n in zip(lead, info.shape[:k]):
+            assert 0 <= i < n, (name, index, info.shape)
+            flat = flat * n + i
+        start, stop, _ = index[k].indices(block[0])
+        row_bytes = math.prod(block[1:]) * info.dtype.itemsize
         buf = bytearray((stop - start) * row_bytes)
         if not buf:
-            return torch.empty((0, *info.shape[1:]), dtype=info.dtype)[(slice(None), *index[1:])]
-        view, pos = memoryview(buf), info.offset + start * row_bytes
+            return torch.empty((0, *block[1:]), dtype=info.dtype)[(slice(None), *index[k + 1:])]
+        view, pos = memoryview(buf), info.offset + flat * block[0] * row_bytes + start * row_bytes
         while view:
             try:
                 n = os.preadv(fd, [view], pos)
@@ -159,10 +168,11 @@ class TensorReader:
             if n == 0:
                 raise CheckpointError(f"{path} ended while reading {name}")
             view, pos = view[n:], pos + n
-        rows = torch.frombuffer(buf, dtype=info.dtype).view(stop - start, *info.shape[1:])
-        part = rows[(slice(None), *index[1:])]
+        rows = torch.frombuffer(buf, dtype=info.dtype).view(stop - start, *block[1:])
+        part = rows[(slice(None), *index[k + 1:])]
         if self._check_finite and info.dtype.is_floating_point:
-            _check_finite(part, path, name, [start] + [s.indices(n)[0] for s, n in zip(index[1:], info.shape[1:])])
+            _check_finite(part, path, name, lead + [start] + [s.indices(n)[0] for s, n in zip(index[k + 1:],
+                                                                                              block[1:])])
         return part
 
     def close(self) -> None:

@@ -5,8 +5,9 @@ library (a few merges learnt from a fixed corpus), so any ASCII prompt or answer
 decodes back to the same text. Its pre-tokenizer, normaliser and decoder are exactly Qwen2's: transformers 5
 rebuilds those for a directory whose config.json says ``qwen2`` (whatever tokenizer_config.json says), and this way
 the rebuilt tokenizer and the saved one agree, for every family. :func:`save_tiny_hf_model` saves a 2-layer model of
-a supported family beside it; ``tools/make_tiny_hf_model.py`` is the command line. :func:`save_random_model_like`
-gives a real model's architecture and tokenizer fresh weights: the random-init control of a run from its weights.
+a supported family (Llama, Qwen2, Qwen3-MoE, Qwen2-MoE) beside it; ``tools/make_tiny_hf_model.py`` is the command
+line. :func:`save_random_model_like` gives a real model's architecture and tokenizer fresh weights: the random-init
+control of a run from its weights.
 """
 
 from __future__ import annotations
@@ -63,8 +64,17 @@ def save_tiny_tokenizer(directory: str, *, vocab_size: int = 128) -> int:
 #: 2 layers, hidden 64, GQA (4 heads, 2 KV heads), SwiGLU 128; the vocabulary is the tiny tokenizer's.
 HF_BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6)
-#: (family, tied embeddings): Llama tied; Qwen2 untied, with q/k/v biases.
-FAMILIES = {"llama": True, "qwen2": False}
+#: A mixture of experts on top of HF_BASE: 4 experts of 32, top-2.
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+#: family → (tied embeddings, further config): Llama tied; Qwen2 untied, with q/k/v biases; Qwen3-MoE with q/k norms,
+#: an MoE layer then a dense one, renormalised top-2 weights; Qwen2-MoE with q/k/v biases and a gated shared expert
+#: of 64 in both layers, top-2 weights as softmax probabilities.
+FAMILIES = {
+    "llama": (True, {}),
+    "qwen2": (False, {}),
+    "qwen3_moe": (False, dict(_EXPERTS, head_dim=16, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen2_moe": (False, dict(_EXPERTS, shared_expert_intermediate_size=64, norm_topk_prob=False)),
+}
 
 
 def save_tiny_hf_model(directory: str, family: str, *, seed: int = 0) -> str:
@@ -74,8 +84,9 @@ def save_tiny_hf_model(directory: str, family: str, *, seed: int = 0) -> str:
     if family not in FAMILIES:
         raise ValueError(f"family ({family!r}) must be one of {sorted(FAMILIES)}")
     vocab_size = save_tiny_tokenizer(directory)
-    config = AutoConfig.for_model(family, vocab_size=vocab_size, tie_word_embeddings=FAMILIES[family],
-                                  eos_token_id=2, bos_token_id=None, pad_token_id=1, **HF_BASE)
+    tied, extra = FAMILIES[family]
+    config = AutoConfig.for_model(family, vocab_size=vocab_size, tie_word_embeddings=tied, eos_token_id=2,
+                                  bos_token_id=None, pad_token_id=1, **HF_BASE, **extra)
     with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)

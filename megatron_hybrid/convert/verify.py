@@ -1,8 +1,9 @@
 """Hugging Face vs megatron-core logits for the same tokens, both on CPU in fp32.
 
-megatron-core runs on gloo ranks under :func:`megatron_hybrid.patches.cpu_gloo`: spawned here (TP × PP processes,
-rendezvous on a ``TCPStore`` that the OS gives a free port), in this process when TP = PP = 1, or as launched by
-``torchrun`` (:func:`megatron_logits_on_rank` on every rank).
+megatron-core runs on gloo ranks under :func:`megatron_hybrid.patches.cpu_gloo`: spawned here (TP × PP × DP
+processes, DP the fewest data-parallel replicas over which EP × ETP experts ranks fit, rendezvous on a
+``TCPStore`` that the OS gives a free port), in this process when all sizes are 1, or as launched by ``torchrun``
+(:func:`megatron_logits_on_rank` on every rank).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import io
+import math
 import os
 import queue
 import time
@@ -72,18 +74,23 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
 def megatron_logits_on_rank(megatron_dir: str | os.PathLike, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     """Build this rank's GPTModel stage (fp32) from the checkpoint and run ``tokens`` through the pipeline.
 
-    Call on every rank with Megatron's parallel state initialised; the last stage returns the full logits
-    ``[batch, seq, vocab]`` (gathered over TP, padding sliced off), the others ``None``.
+    Call on every rank with Megatron's parallel state initialised (expert sizes included); the last stage returns
+    the full logits ``[batch, seq, vocab]`` (gathered over TP, padding sliced off), the others ``None``. Every
+    data-parallel replica runs the same tokens.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     arch = dataclasses.replace(read_architecture(megatron_dir), params_dtype="float32")
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     model = arch.build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pre_process=first,
-                       post_process=last)
-    load_megatron_checkpoint([model], megatron_dir, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+                       post_process=last, **(dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                             if arch.num_experts is not None else {}))
+    load_megatron_checkpoint([model], megatron_dir, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                             ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
+                             etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=etp)
     model.eval()
     batch, seq = tokens.shape
     positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
@@ -101,12 +108,23 @@ def megatron_logits_on_rank(megatron_dir: str | os.PathLike, tokens: torch.Tenso
         return torch.cat(parts, dim=-1)[..., : arch.vocab_size]
 
 
-def _in_parallel_state(tp: int, pp: int, megatron_dir: str, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+def data_parallel_size_for(*, tensor_model_parallel_size: int, expert_model_parallel_size: int = 1,
+                           expert_tensor_parallel_size: Optional[int] = None) -> int:
+    """The fewest data-parallel replicas d for which megatron-core can lay EP × ETP expert ranks over a stage's
+    TP × d ranks (EP × ETP must divide TP × d)."""
+    tp = tensor_model_parallel_size
+    experts = expert_model_parallel_size * (expert_tensor_parallel_size or tp)
+    return math.lcm(tp, experts) // tp
+
+
+def _in_parallel_state(tp: int, pp: int, megatron_dir: str, tokens: torch.Tensor, ep: int = 1,
+                       etp: Optional[int] = None) -> Optional[torch.Tensor]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     with cpu_gloo():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         try:
             model_parallel_cuda_manual_seed(0)
             return megatron_logits_on_rank(megatron_dir, tokens)
@@ -114,8 +132,8 @@ def _in_parallel_state(tp: int, pp: int, megatron_dir: str, tokens: torch.Tensor
             ps.destroy_model_parallel()
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, tp: int, pp: int, megatron_dir: str, tokens: torch.Tensor,
-                  results: Any) -> None:
+def _spawned_rank(rank: int, world_size: int, port: int, tp: int, pp: int, ep: int, etp: Optional[int],
+                  megatron_dir: str, tokens: torch.Tensor, results: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -123,7 +141,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, tp: int, pp: int, megat
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=datetime.timedelta(seconds=120))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        logits = _in_parallel_state(tp, pp, megatron_dir, tokens)
+        logits = _in_parallel_state(tp, pp, megatron_dir, tokens, ep, etp)
         dist.destroy_process_group()
         # As bytes: a tensor would travel as a shared-memory handle that dies with this process.
         payload = None
@@ -137,19 +155,23 @@ def _spawned_rank(rank: int, world_size: int, port: int, tp: int, pp: int, megat
 
 
 def megatron_logits(megatron_dir: str | os.PathLike, tokens: torch.Tensor, *, tensor_model_parallel_size: int = 1,
-                    pipeline_model_parallel_size: int = 1, timeout_s: float = 600) -> torch.Tensor:
-    """megatron-core's logits at the given TP/PP, on TP × PP gloo ranks spawned for the purpose."""
+                    pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                    expert_tensor_parallel_size: Optional[int] = None, timeout_s: float = 600) -> torch.Tensor:
+    """megatron-core's logits at the given TP/PP/EP/ETP, on TP × PP × DP gloo ranks spawned for the purpose
+    (DP: :func:`data_parallel_size_for`)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    world = tp * pp
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    world = tp * pp * data_parallel_size_for(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, world, store.port, tp, pp, str(megatron_dir), tokens, results),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, store.port, tp, pp, ep, etp, str(megatron_dir), tokens,
+                                                     results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     logits, failures, done = None, [], set()
@@ -194,20 +216,24 @@ def megatron_logits_here(megatron_dir: str | os.PathLike, tokens: torch.Tensor) 
 
 
 def verify(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
-           pipeline_model_parallel_size: int = 1, batch_size: int = 2, seq_length: int = 32,
+           pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+           expert_tensor_parallel_size: Optional[int] = None, batch_size: int = 2, seq_length: int = 32,
            seed: int = 0) -> Comparison:
     """Compare the two models' logits on random tokens. Both checkpoints are checked first (configs and headers:
     cheap), so that a broken input fails with its name rather than inside transformers or a spawned rank."""
     hfc.read_config(Path(hf_dir))
     hfc.open_weights(Path(hf_dir))
     arch = MegatronCheckpoint(megatron_dir).architecture
-    check_parallel_sizes(arch, tensor_model_parallel_size=tensor_model_parallel_size,
-                         pipeline_model_parallel_size=pipeline_model_parallel_size)
+    sizes = dict(tensor_model_parallel_size=tensor_model_parallel_size,
+                 pipeline_model_parallel_size=pipeline_model_parallel_size,
+                 expert_model_parallel_size=expert_model_parallel_size,
+                 expert_tensor_parallel_size=expert_tensor_parallel_size)
+    check_parallel_sizes(arch, **sizes)
     tokens = random_tokens(arch.vocab_size, batch_size=batch_size, seq_length=seq_length, seed=seed)
     reference = hf_logits(hf_dir, tokens)
-    if tensor_model_parallel_size * pipeline_model_parallel_size == 1:
+    etp = expert_tensor_parallel_size or tensor_model_parallel_size
+    if tensor_model_parallel_size * pipeline_model_parallel_size * expert_model_parallel_size * etp == 1:
         ours = megatron_logits_here(megatron_dir, tokens)
     else:
-        ours = megatron_logits(megatron_dir, tokens, tensor_model_parallel_size=tensor_model_parallel_size,
-                               pipeline_model_parallel_size=pipeline_model_parallel_size)
+        ours = megatron_logits(megatron_dir, tokens, **sizes)
     return compare(reference, ours)

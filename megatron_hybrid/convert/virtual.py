@@ -6,7 +6,9 @@ dtype and the rectangles it copies from which file tensor) without reading anyth
 rows (:func:`iter_bands`, :func:`read_into`): peak memory is a band, never a whole tensor. Regions no piece covers
 are zeros (the vocabulary padding).
 
-Legend: ``dst`` an offset in the virtual tensor, ``src`` an offset in the stored tensor, one entry per dim.
+Legend: ``dst`` an offset in the virtual tensor, ``src`` an offset in the stored tensor, one entry per dim (after
+the piece's ``lead``: the fixed leading indices of a stored tensor that has more dims, e.g. one expert of a fused
+``[experts, rows, cols]`` tensor).
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ class Source:
 
 @dataclass(frozen=True)
 class Piece:
-    """``virtual[dst : dst + shape] = stored(source)[src : src + shape]`` (per dim)."""
+    """``virtual[dst : dst + shape] = stored(source)[*lead, src : src + shape]`` (per dim)."""
 
     source: Source
     dst: tuple[int, ...]
     src: tuple[int, ...]
     shape: tuple[int, ...]
+    lead: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,16 @@ class Virtual:
             lo, hi = max(p.dst[dim], start), min(p.dst[dim] + p.shape[dim], start + length)
             if lo < hi:
                 pieces.append(Piece(p.source, _set(p.dst, dim, lo - start),
-                                    _set(p.src, dim, p.src[dim] + lo - p.dst[dim]), _set(p.shape, dim, hi - lo)))
+                                    _set(p.src, dim, p.src[dim] + lo - p.dst[dim]), _set(p.shape, dim, hi - lo),
+                                    p.lead))
         return Virtual(_set(self.shape, dim, length), self.dtype, tuple(pieces))
+
+    def select(self, index: int) -> "Virtual":
+        """``tensor[index]``: dim 0 dropped (one expert of a fused ``[experts, …]`` tensor)."""
+        assert 0 <= index < self.shape[0], (self.shape, index)
+        pieces = [Piece(p.source, p.dst[1:], p.src[1:], p.shape[1:], p.lead + (p.src[0] + index - p.dst[0],))
+                  for p in self.pieces if p.dst[0] <= index < p.dst[0] + p.shape[0]]
+        return Virtual(self.shape[1:], self.dtype, tuple(pieces))
 
     def chunk(self, num_chunks: int, dim: int) -> list["Virtual"]:
         """``tensor.chunk(num_chunks, dim)`` for a size that ``num_chunks`` divides."""
@@ -125,7 +136,7 @@ def unshard(shards: Sequence[Virtual], spec: TPSpec) -> Virtual:
 def _band_rows(v: Virtual, band_bytes: int) -> int:
     row_bytes = math.prod(v.shape[1:]) * v.dtype.itemsize
     for p in v.pieces:  # a piece is read as whole stored rows, then cut
-        row_bytes = max(row_bytes, math.prod(p.source.shape[1:]) * p.source.dtype.itemsize)
+        row_bytes = max(row_bytes, math.prod(p.source.shape[len(p.lead) + 1:]) * p.source.dtype.itemsize)
     return max(1, band_bytes // max(row_bytes, 1))
 
 
@@ -137,7 +148,7 @@ def read_rows(v: Virtual, out: torch.Tensor, row_start: int, reader: TensorReade
         lo, hi = max(p.dst[0], row_start), min(p.dst[0] + p.shape[0], row_start + rows)
         if lo >= hi:
             continue
-        src_index = (slice(p.src[0] + lo - p.dst[0], p.src[0] + hi - p.dst[0]),) + tuple(
+        src_index = p.lead + (slice(p.src[0] + lo - p.dst[0], p.src[0] + hi - p.dst[0]),) + tuple(
             slice(s, s + n) for s, n in zip(p.src[1:], p.shape[1:]))
         dst_index = (slice(lo - row_start, hi - row_start),) + tuple(
             slice(d, d + n) for d, n in zip(p.dst[1:], p.shape[1:]))

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_number, flag_name, output_dir_error
-from ..compat import ddp_finish_param_sync, megatron_groups, unwrap_model
+from ..compat import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
 from ..convert import CheckpointError, MegatronCheckpoint, load_megatron_checkpoint, megatron_to_hf, read_architecture
 # The converter's release directory; this module's ITERATION_DIR is the interval exports' (iter_NNNNNNN).
 from ..convert.layout import ITERATION_DIR as RELEASE
@@ -195,9 +195,12 @@ def model_architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitec
 
 
 def load_pretrained(model: torch.nn.Module, directory: str) -> None:
-    """Copy a converted checkpoint's weights into this rank's stage (plain or DDP-wrapped), at its TP/PP."""
+    """Copy a converted checkpoint's weights into this rank's stage (plain or DDP-wrapped), at its TP/PP (and, for
+    experts, its EP/ETP)."""
     tp = megatron_groups()[0]
-    load_megatron_checkpoint([model], directory, tp_rank=tp.rank(), tp_size=tp.size())
+    ep_rank, ep_size, etp_rank, etp_size = megatron_expert_ranks()
+    load_megatron_checkpoint([model], directory, tp_rank=tp.rank(), tp_size=tp.size(), ep_rank=ep_rank,
+                             ep_size=ep_size, etp_rank=etp_rank, etp_size=etp_size)
 
 
 @recorded("export", step="iteration")
