@@ -57,13 +57,16 @@ def rehome_experts(model) -> None:
 
 
 def layer_case(arch_kw: dict, tokens: int) -> dict:
-    """One rank: each MoE layer of a model built from ``arch_kw`` on random hidden states, by megatron-core's
-    forward (before and after the swap), by the step (grouped and per-expert experts) and inside a step context."""
+    """Each MoE layer of a model built from ``arch_kw`` (at the harness's tensor-parallel size: expert TP the same,
+    its partial sums reduce-scattered over tp_ep) on random hidden states, by megatron-core's forward (before and
+    after the swap), by the step (grouped and per-expert experts) and inside a step context."""
     from megatron_hybrid.inference.context import KVStep, StepContext
     from megatron_hybrid.inference.moe import StepMoELayer, grouped_experts, install_step_moe, sequential_experts
 
+    from megatron.core import parallel_state as ps
+
     torch.manual_seed(3)
-    model = moe_arch(**arch_kw).build()
+    model = moe_arch(**arch_kw).build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
     model.eval()
     _randomise_expert_bias(model)
     layers = _moe_layers(model)
@@ -159,15 +162,42 @@ def truncated(reference: list[list[int]], stops: list[int]) -> list[list[int]]:
     return out
 
 
-def _generator(model, slots: int, mixed: int = 0):
+def _generator(model, slots: int, mixed: int = 0, *, bucketed: bool = False):
+    """A ReplicaGenerator over ``model`` on the harness's groups. ``bucketed``: the CUDA-graph step path on the CPU
+    (steps rounded to the graphs' buckets and keyed, run eagerly by a stand-in for the graphs, the host one step
+    behind the launches), as tests/inference_cases.py's bucketed case runs it."""
+    import dataclasses
+
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid.inference import GenerationConfig, ReplicaGenerator
+    from megatron_hybrid.inference.graphs import StepGraphs
+
+    class EagerGraphs(StepGraphs):
+        def __init__(self):  # no CUDA pool
+            self.reserved, self.seen, self.captures, self.replays = None, set(), 0, 0
+
+        def run(self, key, step):
+            self.seen.add(key)
+            return step()
+
+        def keys(self):
+            return sorted(self.seen, key=repr)
+
+        def close(self):
+            pass
 
     config = GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN, mixed_prefill_tokens=mixed,
-                              compact_slots=bool(mixed))
-    return ReplicaGenerator(model, tp_group=ps.get_tensor_model_parallel_group(),
-                            pp_group=ps.get_pipeline_model_parallel_group(), config=config)
+                              compact_slots=bool(mixed) or bucketed, overlap_host=bucketed,
+                              prefill_graph_granule=8, graph_length_granule=16)
+    generator = ReplicaGenerator(model, tp_group=ps.get_tensor_model_parallel_group(),
+                                 pp_group=ps.get_pipeline_model_parallel_group(), config=config)
+    if bucketed:
+        runner = generator.runner
+        runner.use_graphs = True
+        runner.geometry = dataclasses.replace(runner.geometry, spare_slots=1)
+        runner._new_graphs = EagerGraphs
+    return generator
 
 
 def _greedy(generator, prompts: list[list[int]], stops: list[int]) -> list[list[int]]:
@@ -211,7 +241,8 @@ def _load_expert_parallel(model, full: dict, *, ep_rank: int) -> None:
                 t.copy_(full[name])
 
 
-def expert_parallel_case(arch_kw: dict, counts: list[list[int]], *, grouped: bool, slots: int) -> dict:
+def expert_parallel_case(arch_kw: dict, counts: list[list[int]], *, grouped: bool, slots: int,
+                         bucketed: bool = False) -> dict:
     """Two ranks, expert parallelism 2 and tensor parallelism 1: each rank is a replica of its own and the expert-
     parallel group spans both. Per call, rank r generates ``counts[call][r]`` prompts greedily (with stop tokens);
     the reference is the unsharded model's full-recompute greedy decoding on each rank alone."""
@@ -242,7 +273,7 @@ def expert_parallel_case(arch_kw: dict, counts: list[list[int]], *, grouped: boo
     _load_expert_parallel(model, full, ep_rank=ps.get_expert_model_parallel_rank())
     if grouped:
         rehome_experts(model)
-    generator = _generator(model, slots)
+    generator = _generator(model, slots, bucketed=bucketed)
     out = {"generated": [], "reference": [], "reports": [],
            "spans": generator.runner.spans_replicas, "lockstep": generator.lockstep_group is not None,
            "num_local": [len(layer.experts.local_experts) for layer in generator.runner.moe],
@@ -254,6 +285,7 @@ def expert_parallel_case(arch_kw: dict, counts: list[list[int]], *, grouped: boo
         out["reports"].append({k: generator.stats[k] - before[k] for k in before if k.startswith("lockstep")
                                or k == "decode_steps"})
         before = dict(generator.stats)
+    out["keys"] = generator.graphs.keys() if bucketed else []
     generator.close()
     return out
 

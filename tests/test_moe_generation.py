@@ -46,6 +46,17 @@ def test_step_equals_megatron_moe_layer(name):
         assert r["kinds"] == ["MLP", "MoELayer"]
 
 
+def test_step_with_expert_tensor_parallelism():
+    # Tensor parallelism 2 (expert TP 2, one replica): both ranks hold the same tokens, gather them over tp_ep,
+    # compute their experts' partial sums and reduce-scatter them, as megatron's all-gather dispatcher does.
+    for r in run_distributed(cases.layer_case, 2, dict(moe_shared_expert_intermediate_size=32), 13,
+                             tensor_model_parallel_size=2):
+        assert r["after"] == 0.0
+        for path in ("sequential", "grouped", "padded", "in_step"):
+            assert r[path] <= 1e-6 * r["scale"], (path, r)
+        assert set(r["paths_after"]) == {"grouped_experts"}
+
+
 @pytest.mark.parametrize("arch_kw,grouped,mixed", [
     (dict(moe_shared_expert_intermediate_size=32, moe_layer_freq=[1, 0]), True, 32),
     (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), False, 0),
@@ -62,10 +73,14 @@ def test_greedy_generation_equals_recompute(arch_kw, grouped, mixed):
     assert rep["lockstep_steps"] == rep["lockstep_idle_steps"] == 0  # one replica: no agreement
 
 
-def test_expert_parallel_replicas_step_in_lockstep():
+@pytest.mark.parametrize("bucketed", [False, True], ids=["eager", "graph_buckets"])
+def test_expert_parallel_replicas_step_in_lockstep(bucketed):
     # Call 1: rank 0 has 5 prompts, rank 1 two (it finishes first and steps idle); call 2: rank 1 has none.
+    # graph_buckets: the steps as CUDA graphs would run them (rounded to buckets, the MoE rows to a power of two
+    # named by the graph key, idle steps keyed too), run eagerly on the CPU.
     counts = [[5, 2], [3, 0]]
-    results = run_distributed(cases.expert_parallel_case, 2, dict(), counts, grouped=True, slots=2)
+    results = run_distributed(cases.expert_parallel_case, 2, dict(), counts, grouped=True, slots=2,
+                              bucketed=bucketed)
     for rank, r in enumerate(results):
         assert r["spans"] and r["lockstep"] and r["num_local"] == [2, 2]
         assert r["paths"] == ["grouped_experts"] * 2
@@ -78,6 +93,14 @@ def test_expert_parallel_replicas_step_in_lockstep():
     assert results[1]["reports"][1]["lockstep_steps"] == 0 < results[1]["reports"][1]["lockstep_idle_steps"]
     assert results[0]["reports"][1]["lockstep_idle_steps"] == 0
     assert sum(r["reports"][0]["lockstep_padded_rows"] for r in results) > 0  # the smaller step was padded
+    if bucketed:
+        for r in results:
+            # Every step's graph names its MoE rows, a power of two: (kind, rows, length, sig, moe_rows), or
+            # ("idle", moe_rows, 0, None).
+            moe_rows = [key[1] if key[0] == "idle" else key[4] for key in r["keys"]]
+            assert r["keys"] and all(n & (n - 1) == 0 for n in moe_rows), r["keys"]
+            assert all(len(key) == 5 for key in r["keys"] if key[0] != "idle")
+        assert any(key[0] == "idle" for key in results[1]["keys"])
 
 
 def test_unsupported_moe_settings_are_refused():

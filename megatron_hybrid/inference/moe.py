@@ -57,6 +57,7 @@ def route(router, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     router's dtype) and experts ``[T, k]`` (int64), the values megatron's ``topk_routing_with_score_function``
     scatters into its dense ``[T, E]`` map (the same operations, so the same bits)."""
     cfg = router.config
+    router._maintain_float32_expert_bias()  # as TopKRouter.forward: a bias cast to bf16 by Float16Module goes back
     logits = router.gating(x_TH)  # the router's dtype handling (moe_router_dtype), megatron's own GEMM
     k, num_groups, group_topk = router.topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk
 

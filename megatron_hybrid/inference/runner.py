@@ -500,7 +500,7 @@ class StageRunner:
         self.staging[: 3 * T + rows].copy_(self._to_device(tokens + positions + where + last))
 
     def _graph_prefill(self, key: tuple, prompts: list[list[int]], slots: list[int]):
-        _, rows, length, _ = key
+        _, rows, length, _ = key[:4]
         T = rows * length
         self.stage_prefill(rows, length, prompts, slots)
         self._receive(self.prefill_hidden[:T] if self.prefill_hidden is not None else None, T)
