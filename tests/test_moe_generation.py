@@ -76,14 +76,15 @@ def test_greedy_generation_equals_recompute(arch_kw, grouped, mixed):
 @pytest.mark.parametrize("bucketed", [False, True], ids=["eager", "graph_buckets"])
 def test_expert_parallel_replicas_step_in_lockstep(bucketed):
     # Call 1: rank 0 has 5 prompts, rank 1 two (it finishes first and steps idle); call 2: rank 1 has none.
-    # graph_buckets: the steps as CUDA graphs would run them (rounded to buckets, the MoE rows to a power of two
-    # named by the graph key, idle steps keyed too), run eagerly on the CPU.
+    # eager: the experts' own MLPs (the aliased weight mode's path); graph_buckets: grouped GEMMs, the steps as CUDA
+    # graphs would run them (rounded to buckets, the MoE rows to a power of two named by the graph key, idle steps
+    # keyed too), run eagerly on the CPU, the host one step behind the launches.
     counts = [[5, 2], [3, 0]]
-    results = run_distributed(cases.expert_parallel_case, 2, dict(), counts, grouped=True, slots=2,
+    results = run_distributed(cases.expert_parallel_case, 2, dict(), counts, grouped=bucketed, slots=2,
                               bucketed=bucketed)
     for rank, r in enumerate(results):
         assert r["spans"] and r["lockstep"] and r["num_local"] == [2, 2]
-        assert r["paths"] == ["grouped_experts"] * 2
+        assert r["paths"] == ["grouped_experts" if bucketed else "sequential_experts"] * 2
         assert r["generated"] == r["reference"], rank
     # Every replica ran as many steps (own plus idle) as the other in each call, so their collectives matched.
     for call in range(len(counts)):
@@ -129,3 +130,21 @@ def test_lockstep_plans():
         assert idle.graph_key == (("idle", 8, 0, None) if graphs else None)
         with pytest.raises(AssertionError):
             planner.lockstep(prefill, packed_tokens(prefill) - 1)
+
+
+def test_expert_weight_views():
+    import torch
+
+    from megatron_hybrid.inference.moe import stacked_view
+
+    buffer = torch.arange(3 * 20, dtype=torch.float32)
+    weights = [buffer[i * 20: i * 20 + 12].view(3, 4) for i in range(3)]  # 8 elements between experts
+    view = stacked_view(weights)
+    assert view is not None and view.shape == (3, 3, 4) and all(torch.equal(view[i], w) for i, w in
+                                                                 enumerate(weights))
+    assert view.data_ptr() == weights[0].data_ptr()  # a view, not a copy
+    assert stacked_view([w.clone() for w in weights]) is None  # separate allocations
+    assert stacked_view([weights[0], weights[2], weights[1]]) is None  # not a uniform stride
+    assert stacked_view([buffer[:12].view(3, 4), buffer[6:18].view(3, 4)]) is None  # overlapping
+    assert stacked_view([torch.zeros(1).expand(3, 4)] * 2) is None  # an aliased placeholder
+    assert stacked_view(weights[:1]).shape == (1, 3, 4)

@@ -10,11 +10,13 @@ computes without token dropping, with every size fixed by the step's shape:
   megatron's ``topk_routing_with_score_function`` as ``[T, k]`` tensors: softmax after top-k (renormalised) or
   before it (``moe_router_pre_softmax``), or sigmoid with the expert bias for the choice only, renormalised for
   k > 1; group-limited top-k; the top-k scaling factor;
-- dispatch as the all-gather token dispatcher's (``MoEAllGatherTokenDispatcher``): over the layer's ``tp_ep`` group
-  (expert tensor x expert parallel, read from its dispatcher) every rank gathers all tokens and their routing (one
-  ``all_gather_into_tensor`` of rows packed as bytes), runs its local experts on the pairs routed to them, and a
-  reduce-scatter (in the router's dtype, as megatron's) sums the experts' (and the expert-TP ranks' partial)
-  outputs back onto the ranks that hold the tokens;
+- dispatch as the all-gather token dispatcher's (``MoEAllGatherTokenDispatcher``; with the all-to-all dispatcher the
+  same sums in another order): over the layer's ``tp_ep`` group (expert tensor x expert parallel, read from its
+  dispatcher) every rank gathers all tokens and their routing (one ``all_gather_into_tensor`` of rows packed as
+  bytes), runs its local experts on the pairs routed to them, and a reduce-scatter (in the router's dtype, as
+  megatron's) sums the experts' (and the expert-TP ranks' partial) outputs back onto the ranks that hold the
+  tokens. With expert tensor parallelism the expert-TP ranks of a replica hold the same tokens (no sequence
+  parallelism in generation), so, as in megatron's dispatcher, their copies are gathered and computed et times;
 - the token-expert pairs sorted by local expert on the device (a stable ``argsort``: the order of megatron's
   ``permute``, expert-major and token-ascending), the group offsets by ``searchsorted`` on the sorted keys (int32,
   on the device; ``bincount`` would read its size from the device on a GPU); pairs for other ranks' experts sort
@@ -49,7 +51,7 @@ from ..communication import gather_rows, reduce_scatter_rows
 from .context import StepContext
 
 __all__ = ["ExpertStack", "StepMoELayer", "grouped_experts", "grouped_mm_supported", "install_step_moe", "route",
-           "sequential_experts"]
+           "sequential_experts", "stacked_view"]
 
 
 def route(router, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +106,15 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(out[:12].float(), ref.float(), rtol=1e-2, atol=1e-2))
 
 
-def _stacked(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+def stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """``[L, ...]``: one view of ``tensors`` (same shape, dtype and strides, contiguous) when they lie in one storage
-    at a uniform stride; None otherwise (separate allocations, an aliased placeholder)."""
+    at a uniform stride, without overlapping; None otherwise (separate allocations, an aliased placeholder). On a
+    GPU the view's base and stride are 16-byte aligned too (what grouped GEMMs read)."""
     first = tensors[0]
     if not first.is_contiguous() or first.numel() == 0:
+        return None
+    if first.device.type == "cuda" and (first.data_ptr() % 16 or (len(tensors) > 1 and (
+            (tensors[1].data_ptr() - first.data_ptr()) % 16))):
         return None
     if len(tensors) == 1:
         return first.unsqueeze(0)
@@ -152,7 +158,7 @@ class ExpertStack:
             biased = any(getattr(m, "bias", None) is not None for m in fc1 + fc2)
             first = tensors[0]
             if not biased and grouped_mm_supported(first.device, first.dtype):
-                w1, w2 = _stacked([m.weight for m in fc1]), _stacked([m.weight for m in fc2])
+                w1, w2 = stacked_view([m.weight for m in fc1]), stacked_view([m.weight for m in fc2])
                 if w1 is not None and w2 is not None:
                     self._weights = (w1, w2)
         return self._weights
