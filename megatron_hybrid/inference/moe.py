@@ -140,19 +140,17 @@ class ExpertStack:
     def __init__(self, experts: SequentialMLP) -> None:
         self.experts = experts
         self.config = experts.local_experts[0].config
+        self._fc1 = [e.linear_fc1 for e in experts.local_experts]
+        self._fc2 = [e.linear_fc2 for e in experts.local_experts]
         self._key: Optional[tuple] = None
         self._weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-
-    def _linears(self) -> tuple[list, list]:
-        local = self.experts.local_experts
-        return [e.linear_fc1 for e in local], [e.linear_fc2 for e in local]
 
     def weights(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """``(W1 [L, F, H], W2 [L, H, F'])`` as views of the experts' weights, or None (no such views, biases, or no
         grouped GEMM for their device and dtype): then :func:`sequential_experts` runs them."""
-        fc1, fc2 = self._linears()
+        fc1, fc2 = self._fc1, self._fc2
         tensors = [m.weight for m in fc1] + [m.weight for m in fc2]
-        key = tuple((t.data_ptr(), t.storage_offset(), tuple(t.stride()), t.dtype) for t in tensors)
+        key = tuple(t.data_ptr() for t in tensors) + (tensors[0].dtype, tuple(tensors[0].stride()))
         if key != self._key:
             self._key, self._weights = key, None
             biased = any(getattr(m, "bias", None) is not None for m in fc1 + fc2)
