@@ -2,8 +2,11 @@
 
 One home for what the pipeline forward (:mod:`megatron_hybrid.forward`) and the generator's stage runner
 (:mod:`megatron_hybrid.inference.runner`) exchange: hidden states sent from one pipeline stage to the next, the last
-stage's tensor broadcast to the others, and vocabulary-parallel logits gathered over the tensor-parallel group, as
-megatron-core's ``tensor_parallel/mappings.py`` gathers: into one preallocated tensor.
+stage's tensor broadcast to the others, vocabulary-parallel logits gathered over the tensor-parallel group, as
+megatron-core's ``tensor_parallel/mappings.py`` gathers: into one preallocated tensor; and for the generator's MoE
+layers (:mod:`megatron_hybrid.inference.moe`) the rows of an expert-parallel group gathered and reduce-scattered
+back (megatron-core's all-gather token dispatcher), and the small host-side agreement that keeps the replicas of
+one expert-parallel group stepping together.
 
 Each helper takes an optional ``errors`` context (a :func:`~megatron_hybrid.groups.collective_errors`, which names
 the phase and the timeout when the collective fails) and global ranks computed once by the caller
@@ -20,7 +23,7 @@ from typing import ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from .compat import all_gather_into_tensor
+from .compat import all_gather_into_tensor, reduce_scatter_tensor
 
 
 def pipeline_peers(pp_group) -> tuple[Optional[int], Optional[int], int]:
@@ -75,3 +78,34 @@ def gather_vocab(logits_Vt: torch.Tensor, tp_group, *, out: Optional[torch.Tenso
         return by_vocab.reshape(*shape[:-1], t * shape[-1])
     out.view(*shape[:-1], t, shape[-1]).copy_(by_vocab)
     return out
+
+
+def gather_rows(rows_NC: torch.Tensor, group, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """All-gather ``[N, ...]`` over ``group`` into ``[size x N, ...]``, group rank j's rows at ``j*N`` (megatron-core's
+    ``gather_from_sequence_parallel_region``, without autograd); into ``out`` when given. Capturable."""
+    if out is None:
+        out = rows_NC.new_empty((group.size() * rows_NC.shape[0], *rows_NC.shape[1:]))
+    all_gather_into_tensor(out, rows_NC.contiguous(), group)
+    return out
+
+
+def reduce_scatter_rows(rows_MC: torch.Tensor, group, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum ``[size x N, ...]`` over ``group`` and keep this rank's ``N`` rows (rows ``j*N ..`` on group rank j:
+    megatron-core's ``reduce_scatter_to_sequence_parallel_region``, without autograd); into ``out`` when given."""
+    size = group.size()
+    assert rows_MC.shape[0] % size == 0, (rows_MC.shape, size)
+    if out is None:
+        out = rows_MC.new_empty((rows_MC.shape[0] // size, *rows_MC.shape[1:]))
+    reduce_scatter_tensor(out, rows_MC.contiguous(), group)
+    return out
+
+
+def agree_max(values: list[int], group, *, errors: Optional[ContextManager] = None) -> list[int]:
+    """The element-wise maximum of ``values`` over ``group`` (every rank passes as many), on the host: a CPU tensor
+    on a gloo group; on an NCCL group a device tensor, read back (a host sync: pass a gloo group where the caller
+    cares)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    with errors if errors is not None else nullcontext():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()

@@ -69,6 +69,15 @@ def all_gather_into_tensor(output, input_, group, async_op: bool = False):
         return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
 
 
+def reduce_scatter_tensor(output, input_, group, async_op: bool = False):
+    """``torch.distributed.reduce_scatter_tensor`` (sum); torch 2.13 deprecates it for ``reduce_scatter_single``."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        return dist.reduce_scatter_tensor(output, input_, group=group, async_op=async_op)
+
+
 def megatron_groups():
     """Megatron's global training groups (tp, pp, dp, cp), read in this one place."""
     from megatron.core import parallel_state as ps

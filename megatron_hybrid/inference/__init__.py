@@ -3,7 +3,9 @@
 Pieces, one module each:
 
 - :mod:`.attention`: megatron-core's ``SelfAttention`` with a per-slot KV cache (swapped in by class; ragged
-  prompts, per-token positions); :mod:`.norms`: RMSNorm in one kernel during a step; :mod:`.context`: the step a
+  prompts, per-token positions); :mod:`.norms`: RMSNorm in one kernel during a step; :mod:`.moe`: megatron-core's
+  ``MoELayer`` as one dropless step without host syncs (grouped expert GEMMs, expert parallelism by all-gather and
+  reduce-scatter, replicas of one expert-parallel group in lockstep); :mod:`.context`: the step a
   stage runs, the one object those modules read it from; :mod:`.kv_cache`: the cache, one reserved range at a
   fixed address;
 - :mod:`.scheduler`: continuous batching over decode slots; :mod:`.sampling`: greedy / temperature / top-k /

@@ -2,9 +2,10 @@
 ``inference_context``, passed here by reference once rather than per call).
 
 The stage runner (:class:`~.runner.StageRunner`) owns a stage's :class:`StepContext`, gives it to the attention
-modules (:class:`~.attention.KVCacheSelfAttention`) and norms (:class:`~.norms.StepRMSNorm`) once when it installs
-them, and sets and clears the step in one place, around each forward (:meth:`StepContext.step`). Outside a step the
-modules are megatron-core's, unchanged. Nothing else writes step state onto modules.
+modules (:class:`~.attention.KVCacheSelfAttention`), norms (:class:`~.norms.StepRMSNorm`) and MoE layers
+(:class:`~.moe.StepMoELayer`) once when it installs them, and sets and clears the step in one place, around each
+forward (:meth:`StepContext.step`). Outside a step the modules are megatron-core's, unchanged. Nothing else writes
+step state onto modules.
 
 Legend: T packed tokens, B decode slots, N slots of the cache, G key/value heads on this tensor-parallel rank, L
 cached positions per slot, D head dimension.
@@ -21,7 +22,7 @@ import torch
 
 @dataclass
 class KVStep:
-    """What one forward of the packed tokens needs to know, shared by every attention layer of a stage."""
+    """What one forward of the packed tokens needs to know, shared by every attention and MoE layer of a stage."""
 
     keys: list[torch.Tensor]
     """Per layer of the stage, the key cache ``[N, G, L, D]``."""
@@ -45,6 +46,9 @@ class KVStep:
     read_slots_B: Optional[torch.Tensor] = None
     """Decode with ``lengths_B``: the slot each row reads (rows may share one: a prompt's tokens riding along a
     decode step, each reading its slot up to its own position); None: row b reads slot b."""
+    moe_rows: int = 0
+    """Rows per rank the MoE layers' expert-parallel collectives carry (the agreed maximum over the replicas of an
+    expert-parallel group, at least T; 0: T itself)."""
     prompts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     """Prefill: ``(length, token indices)`` per prompt length: the packed tokens of all prompts of that length,
     prompt after prompt (one attention call per length, so repeated prompts cost one call)."""

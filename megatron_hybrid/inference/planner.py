@@ -11,11 +11,19 @@ step and emits it as a typed plan, which the stage runner (:mod:`.runner`) execu
 - :class:`SlotMoves`: slot compaction, sequences of high slots moved into free low ones.
 
 Every rank of a replica plans the same steps from the same prompts, so the plans need no communication.
+
+Expert parallelism across replicas: when a stage's expert-parallel group holds ranks of several rollout replicas,
+every MoE layer gathers the same number of rows on each of them, so the replicas of the group step in lockstep. Each
+step's packed tokens (:func:`packed_tokens`) are agreed on over the group (the replica does it: one small host-side
+maximum per step), and :meth:`StepPlanner.lockstep` stamps the agreed rows on the plan (``moe_rows``, rounded up to a
+power of two with graphs, and part of the graph key); a replica with nothing left runs :meth:`StepPlanner.idle`
+steps until every replica of the group is done.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
@@ -74,8 +82,9 @@ class StepPlan:
     """One step: what the stage runner computes and whose rows the replica books.
 
     ``kind`` is ``"prefill"`` (whole prompts into their slots, from position 0), ``"decode"`` (one token for each of
-    the slots ``0 .. batch-1``) or ``"mixed"`` (a decode step with prompts riding along). Sampled rows, in order: the
-    decode rows (``batch``), then one per prompt row (``rows``); ``owners`` names the sequence of each.
+    the slots ``0 .. batch-1``), ``"mixed"`` (a decode step with prompts riding along) or ``"idle"`` (in lockstep:
+    only the MoE layers' collectives, nothing sampled). Sampled rows, in order: the decode rows (``batch``), then one
+    per prompt row (``rows``); ``owners`` names the sequence of each.
     """
 
     kind: str
@@ -96,8 +105,22 @@ class StepPlan:
     owners: tuple[Optional[int], ...]
     """Per sampled row, its sequence (None: an idle slot or a padded row)."""
     graph_key: Optional[tuple] = None
-    """``(kind, batch or rows, length or attended, sampling signature)``: the CUDA graph that runs the step; None for
-    an eager step."""
+    """``(kind, batch or rows, length or attended, sampling signature)``, then ``moe_rows`` in lockstep: the CUDA
+    graph that runs the step; None for an eager step."""
+    moe_rows: int = 0
+    """In lockstep (an expert-parallel group over several replicas): the rows per rank every MoE layer's collectives
+    carry, agreed over the group (at least this step's packed tokens); 0 otherwise."""
+
+
+def packed_tokens(plan: StepPlan) -> int:
+    """The tokens one forward of ``plan`` packs (graph padding included): what its MoE layers route."""
+    if plan.kind == "decode":
+        return plan.batch
+    if plan.kind == "mixed":
+        return plan.batch + plan.length
+    if plan.kind == "prefill":
+        return plan.rows * plan.length if plan.graph_key is not None else sum(len(p) for p in plan.prompts)
+    return 0
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,24 @@ class StepPlanner:
                 key = ("prefill", rows, length, signature)
         return StepPlan("prefill", batch=0, rows=rows, length=length, attended=0, prompts=tuple(prompts),
                         slots=tuple(slots), owners=(*seqs, *[None] * (rows - len(seqs))), graph_key=key)
+
+    # -- lockstep over an expert-parallel group ---------------------------------------------------------------
+
+    def moe_bucket(self, rows: int) -> int:
+        """The rows a lockstep step's MoE collectives carry for an agreed maximum of ``rows``: a power of two with
+        graphs (few graphs per step shape), ``rows`` itself otherwise."""
+        return 1 << max(rows - 1, 0).bit_length() if self.settings.graphs else rows
+
+    def lockstep(self, plan: StepPlan, rows: int) -> StepPlan:
+        """``plan`` with its MoE layers padded to ``rows`` (a :meth:`moe_bucket`), which its graph key names."""
+        assert rows >= packed_tokens(plan), (rows, plan)
+        key = plan.graph_key + (rows,) if plan.graph_key is not None else None
+        return dataclasses.replace(plan, moe_rows=rows, graph_key=key)
+
+    def idle(self, rows: int) -> StepPlan:
+        """A step of the group this replica has nothing for: its MoE layers' collectives over ``rows``."""
+        return StepPlan("idle", batch=0, rows=0, length=0, attended=0, prompts=(), slots=(), owners=(),
+                        moe_rows=rows, graph_key=("idle", rows, 0, None) if self.settings.graphs else None)
 
     # -- decode and mixed steps --------------------------------------------------------------------------------
 

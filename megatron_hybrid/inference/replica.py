@@ -16,6 +16,14 @@ host, the one host round trip per step that stop detection needs.
 
 Refills of a few prompts, while other slots decode, ride along the next decode step ("mixed" steps); the first fill,
 and refills of more tokens than ``GenerationConfig.mixed_prefill_tokens``, are prefills of their own.
+
+Lockstep: when a stage's expert-parallel group spans several rollout replicas (an MoE model with e_g > t_g), every
+MoE layer's all-gather over the group needs the same rows from each of them, in every forward. Before each step the
+replicas agree on ``[still running, packed tokens]`` by one element-wise maximum over the group on the host
+(:func:`~megatron_hybrid.communication.agree_max`, over ``lockstep_group``); the step then runs with its MoE layers
+padded to the agreed rows (the plan's ``moe_rows``, a fixed bucket a CUDA graph can hold), and a replica that is
+done (or had no prompts) runs idle steps, only its MoE layers' collectives, until the maximum says every replica of
+the group is done. With no such group, nothing of this runs (no agreement, no padding).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..communication import agree_max
 from ..groups import RolloutGroups
 from ..rollout_memory import RolloutBuffer, RolloutMemoryProvider
 from .config import GenerationConfig
@@ -34,7 +43,7 @@ from .kv_cache import CacheGeometry, KVCache
 from .planner import MIXED_PROMPTS as _MIXED_PROMPTS  # noqa: F401  (the former homes of the planner's constants)
 from .planner import MIXED_TOKENS as _MIXED_TOKENS  # noqa: F401
 from .planner import PREFILL_FORWARD_TOKENS as _PREFILL_FORWARD_TOKENS  # noqa: F401
-from .planner import CallSchedule, SlotMoves, StepPlan, StepPlanner
+from .planner import CallSchedule, SlotMoves, StepPlan, StepPlanner, packed_tokens
 from .runner import StageRunner, StepOutput
 from .validation import Limits
 
@@ -104,15 +113,22 @@ class ReplicaGenerator:
             them for the duration of each call.
         groups: the rollout groups ``tp_group`` and ``pp_group`` belong to: a failed or timed-out exchange then
             names the phase and their timeout.
+        lockstep_group: where this stage's expert-parallel group spans other replicas, the group the replicas agree
+            on each step over: a gloo group over the same ranks keeps the agreement off the device (default: the
+            expert-parallel group itself). Unused otherwise.
     """
 
     def __init__(self, chunk: torch.nn.Module, *, tp_group, pp_group, config: GenerationConfig,
-                 memory: Optional[RolloutMemoryProvider] = None, groups: Optional[RolloutGroups] = None) -> None:
+                 memory: Optional[RolloutMemoryProvider] = None, groups: Optional[RolloutGroups] = None,
+                 lockstep_group=None) -> None:
         self.chunk, self.tp_group, self.pp_group = chunk, tp_group, pp_group
         self.config = config
         self.runner = StageRunner(chunk, tp_group=tp_group, pp_group=pp_group, config=config, memory=memory,
                                   groups=groups)
         self.device = self.runner.device
+        spans = self.runner.spans_replicas
+        self.lockstep_group = (lockstep_group if lockstep_group is not None else self.runner.expert_group) if spans \
+            else None
         on_gpu = self.device.type == "cuda"
         self.overlap = on_gpu if config.overlap_host is None else config.overlap_host
         self.compact = self.runner.use_graphs if config.compact_slots is None else config.compact_slots
@@ -120,7 +136,7 @@ class ReplicaGenerator:
         self.planner: Optional[StepPlanner] = None  # made with the runner's buffers, at the first call
         self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "idle_slot_steps": 0,
                       "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
-                      "slot_moves": 0}
+                      "slot_moves": 0, "lockstep_steps": 0, "lockstep_idle_steps": 0, "lockstep_padded_rows": 0}
 
     # The runner's state, under the names tests and tools read it by.
     @property
@@ -157,7 +173,7 @@ class ReplicaGenerator:
         the replica gets every result (``tempered_log_probs``, the same on every rank: also fill
         ``generated_tempered_log_probs``)."""
         results = [GenerationResult(list(p)) for p in prompts]
-        if not prompts:
+        if not prompts and self.lockstep_group is None:  # in lockstep, a replica without prompts steps idle
             return results
         self._ensure_state()
         signature = self.runner.begin(params, vocab_size=vocab_size, tempered_log_probs=tempered_log_probs,
@@ -178,10 +194,15 @@ class ReplicaGenerator:
                         self.runner.move_slots(plan)
                         self.stats["slot_moves"] += len(plan.sources)
                         continue
+                    if self.lockstep_group is not None:
+                        plan = self._agree(plan)
                     self._launched(call, plan, self.runner.run(plan))
                     self._drain(call, depth)
                 self._drain(call, 0)
-                self._collect_log_probs(call, tempered=tempered_log_probs)
+                if self.lockstep_group is not None:
+                    self._idle_until_done()
+                if call.rows:
+                    self._collect_log_probs(call, tempered=tempered_log_probs)
         finally:
             self.chunk.train(was_training)
             self.runner.end()
@@ -193,6 +214,31 @@ class ReplicaGenerator:
         if self.device.type == "cuda" and self.config.release_memory:
             torch.cuda.empty_cache()
         return results
+
+    # -- lockstep over an expert-parallel group spanning replicas ----------------------------------------------
+
+    def _agreed(self, running: int, tokens: int) -> tuple[int, int]:
+        with self.runner._errors("the expert-parallel group's agreement on the next step"):
+            running, rows = agree_max([running, tokens], self.lockstep_group)
+        return running, rows
+
+    def _agree(self, plan: StepPlan) -> StepPlan:
+        """``plan`` padded for the group: its MoE layers carry the group's most packed tokens (bucketed)."""
+        tokens = packed_tokens(plan)
+        _, rows = self._agreed(1, tokens)
+        rows = self.planner.moe_bucket(rows)
+        self.stats["lockstep_steps"] += 1
+        self.stats["lockstep_padded_rows"] += rows - tokens
+        return self.planner.lockstep(plan, rows)
+
+    def _idle_until_done(self) -> None:
+        """This replica is done: idle steps for as long as another replica of the group runs steps."""
+        while True:
+            running, rows = self._agreed(0, 0)
+            if not running:
+                return
+            self.runner.run(self.planner.idle(self.planner.moe_bucket(rows)))
+            self.stats["lockstep_idle_steps"] += 1
 
     def _launched(self, call: _Call, plan: StepPlan, out: StepOutput) -> None:
         """Book a launched step: its rows in flight, and the sequences it ends by length (whatever its tokens)."""

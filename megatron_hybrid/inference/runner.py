@@ -18,6 +18,11 @@ prefill then computes logits only at each prompt's last token, and megatron-core
 (global groups, one offset per batch) stay out of the way. The step reaches the attention and norm modules through
 the stage's :class:`~.context.StepContext`, set around each forward in one place (:meth:`StageRunner._forward`).
 
+MoE layers run :mod:`.moe`'s step (dropless, no host sync with the grouped experts). When the stage's expert-parallel
+group spans other rollout replicas, each step's plan carries the rows the group agreed on (``StepPlan.moe_rows``,
+agreed by :mod:`.replica`), which the MoE layers pad to, and an ``"idle"`` plan runs only the MoE layers' share of
+the group's collectives (:meth:`StageRunner._idle`).
+
 Mixed steps: refills of a few prompts ride along a decode step, their tokens extra rows of it, each attending to its
 slot up to its own position; the logits are read at the decode rows and at each prompt's last token. One forward
 then reads the weights once for both, where a prefill of two prompts would cost about as much as the decode step.
@@ -35,6 +40,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
+import torch.distributed as dist
+
 from ..communication import broadcast_from_last, gather_vocab, pipeline_peers, recv_from_previous, send_to_next
 from ..groups import RolloutGroups
 from ..rollout_memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryProvider
@@ -43,6 +50,7 @@ from .config import GenerationConfig
 from .context import KVStep, stage_context
 from .graphs import StepGraphs
 from .kv_cache import CacheGeometry, KVCache
+from .moe import install_step_moe, sequential_experts
 from .norms import install_step_norms
 from .planner import MIXED_PROMPTS, MIXED_TOKENS, PlannerSettings, SlotMoves, StepPlan, batch_sizes
 from .sampling import draw_noise, is_greedy, sample
@@ -100,6 +108,10 @@ class StageRunner:
         self.context = stage_context(chunk)
         self.attention = install_kv_attention(chunk, self.context)
         self.norms = install_step_norms(chunk, self.device, self.context)
+        self.moe = install_step_moe(chunk, self.context)
+        groups_ = {id(layer.group): layer.group for layer in self.moe}
+        assert len(groups_) <= 1, "the MoE layers of one stage share their expert-parallel group"
+        self.expert_group = next(iter(groups_.values()), None)
         self.prev_rank, self.next_rank, self.last_rank = pipeline_peers(pp_group)
         self.is_last = self.next_rank is None
         cfg = chunk.config
@@ -109,6 +121,14 @@ class StageRunner:
         if config.cuda_graphs and not on_gpu:
             raise ValueError(f"GenerationConfig.cuda_graphs=True needs a model on a GPU; it is on {self.device}")
         self.use_graphs = on_gpu if config.cuda_graphs is None else config.cuda_graphs
+        # An MoE layer whose experts cannot run as grouped GEMMs reads its group sizes on the host (no graphs).
+        host_experts = [i for i, layer in enumerate(self.moe) if layer.experts_path() is sequential_experts]
+        if host_experts and self.use_graphs:
+            if config.cuda_graphs:
+                raise ValueError(f"GenerationConfig.cuda_graphs=True: the experts of MoE layers {host_experts} run "
+                                 "one by one with host-read group sizes (their weights are not one storage at a "
+                                 "uniform stride, have biases, or grouped GEMMs do not support them here)")
+            self.use_graphs = False
         # Whether the attention reads each slot's own filled length (a kernel of ours) rather than a masked window
         # of the longest: decode graphs then need no length bucket, and prompts can ride along decode steps.
         self.reads_lengths = all(a.decode_kernel_ok(self.device) for a in self.attention)
@@ -126,6 +146,16 @@ class StageRunner:
         self.prefill_rows = self.prefill_tokens = 0  # a graph prefill's staging capacity (with graphs)
         self._signatures: dict[tuple, tuple] = {}  # a graph's sampling settings, by the key part naming them
         self._sampling: Optional[_Sampling] = None  # the call's
+        self._moe_rows = 0  # the step's MoE rows (its plan's), read where the step's context is set
+
+    @property
+    def spans_replicas(self) -> bool:
+        """Whether this stage's expert-parallel group holds ranks of other rollout replicas (not only this replica's
+        tensor-parallel ranks): then the replicas of the group step together (:mod:`.replica`)."""
+        if self.expert_group is None or self.expert_group.size() == 1:
+            return False
+        return not set(dist.get_process_group_ranks(self.expert_group)) <= set(
+            dist.get_process_group_ranks(self.tp_group))
 
     def _geometry(self, chunk) -> CacheGeometry:
         cfg, attn = self.config, self.attention[0]
@@ -244,6 +274,9 @@ class StageRunner:
 
     def run(self, plan: StepPlan) -> StepOutput:
         """Run the step ``plan`` on this stage."""
+        self._moe_rows = plan.moe_rows
+        if plan.kind == "idle":
+            return self._idle(plan)
         if plan.kind == "decode":
             tokens, log_probs = self._decode(plan)
         elif plan.kind == "prefill":
@@ -303,6 +336,7 @@ class StageRunner:
         """This stage on the packed tokens: hidden states ``[T, 1, H]`` for the next stage, or on the last stage
         the gathered logits ``[n, V]`` at the tokens ``last_T`` (all tokens when None)."""
         chunk = self.chunk
+        step.moe_rows = self._moe_rows
         with self.context.step(step):  # the one place a step reaches the attention and norm modules
             if chunk.pre_process:
                 hidden_T1H = chunk.embedding(input_ids=tokens_T.unsqueeze(0),
@@ -375,7 +409,7 @@ class StageRunner:
         """Run graph ``key`` (its draws made first); returns its tokens and a copy of its log-probs on the last
         stage (the graph's outputs are overwritten by the next replay), ``(None, None)`` on the others after
         sending the hidden states on."""
-        kind, rows, _, sig = key
+        kind, rows, _, sig = key[:4]
         rows += self.mixed_prompts if kind == "mixed" else 0  # sampled rows
         params, vocab, _ = self._signatures[sig]
         if self.is_last and not is_greedy(params):
@@ -389,7 +423,7 @@ class StageRunner:
     def graph_step(self, key: tuple) -> Callable[[], tuple[torch.Tensor, ...]]:
         """The capturable step of graph ``key``: ``(logits, tokens, log_probs)`` on the last stage, ``(hidden,)``
         on the others."""
-        kind, rows, length, sig = key
+        kind, rows, length, sig = key[:4]
         params, vocab, tempered = self._signatures[sig]
         if kind == "decode":
             forward = functools.partial(self._decode_forward, rows, length)
@@ -466,7 +500,7 @@ class StageRunner:
         self.staging[: 3 * T + rows].copy_(self._to_device(tokens + positions + where + last))
 
     def _graph_prefill(self, key: tuple, prompts: list[list[int]], slots: list[int]):
-        _, rows, length, _ = key
+        _, rows, length, _ = key[:4]
         T = rows * length
         self.stage_prefill(rows, length, prompts, slots)
         self._receive(self.prefill_hidden[:T] if self.prefill_hidden is not None else None, T)
@@ -491,6 +525,20 @@ class StageRunner:
         picked, logp = self._sample_or_send(out)
         picked = self.share(picked, len(prompts), torch.long)
         return picked, logp
+
+    def _idle(self, plan: StepPlan) -> StepOutput:
+        """This replica has no step while others of its expert-parallel group do: only the MoE layers' collectives
+        (and local experts), over the agreed rows; nothing is sampled."""
+        if plan.graph_key is not None:
+            self.graphs.run(plan.graph_key, functools.partial(self._idle_forward, plan.moe_rows))
+        else:
+            self._idle_forward(plan.moe_rows)
+        return StepOutput(torch.zeros(0, dtype=torch.long, device=self.device), None, 0)
+
+    def _idle_forward(self, rows: int) -> tuple:
+        for layer in self.moe:
+            layer.idle_step(rows)
+        return ()
 
     def _decode(self, plan: StepPlan) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One token for each of the slots ``0 .. batch-1``; returns the tokens (every stage), log-probs (last)."""
