@@ -249,6 +249,7 @@ def test_step_state_is_set_on_modules_only_by_the_stage_runner():
     assert where == {
         "megatron_hybrid/inference/attention.py in install_kv_attention",
         "megatron_hybrid/inference/norms.py in install_step_norms",
+        "megatron_hybrid/inference/moe.py in install_step_moe",
         "megatron_hybrid/inference/context.py in __init__",
         "megatron_hybrid/inference/context.py in step",
         "megatron_hybrid/inference/runner.py in _forward",

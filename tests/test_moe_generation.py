@@ -24,8 +24,8 @@ _LAYERS = {
                                           extra=dict(moe_router_dtype="fp32", moe_shared_expert_gate=True)),
     "group_limited_top3": dict(num_experts=8, moe_router_topk=3,
                                extra=dict(moe_router_num_groups=4, moe_router_group_topk=2)),
-    "probs_on_input_top1": dict(moe_router_topk=1,
-                                extra=dict(moe_apply_probs_on_input=True, moe_router_pre_softmax=True)),
+    "probs_on_input_top1": dict(moe_router_topk=1, moe_router_pre_softmax=True,
+                                extra=dict(moe_apply_probs_on_input=True)),
 }
 
 
