@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 
 def flag_name(dest: str) -> str:
     """The command-line spelling of an ``argparse`` destination: ``"tensor_model_parallel_size"`` →
     ``"--tensor-model-parallel-size"``."""
     return f"--{dest.replace('_', '-')}"
+
+
+def with_flag_names(message: str, dests: Iterable[str]) -> str:
+    """``message`` with each ``dest (`` of ``dests`` spelled as its flag: a library's error about
+    ``expert_model_parallel_size (3)`` told as one about ``--expert-model-parallel-size (3)``."""
+    names = "|".join(sorted(map(re.escape, dests), key=len, reverse=True))
+    return re.sub(rf"\b({names})(?= \()", lambda m: flag_name(m.group(1)), message) if names else message
 
 
 def check_number(flag: str, value: float, *, ge: Optional[float] = None, gt: Optional[float] = None,

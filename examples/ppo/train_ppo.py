@@ -103,7 +103,9 @@ class Trainer:
             rl.build_critic(actor, self.arch, **stage_kw), a, lr=a.critic_lr)  # None: --lr
         self.kl_ctl = ppo.make_kl_controller(ppo.KLConfig(a.kl_ctl_type, a.kl_coef, a.kl_target, a.kl_horizon))
         self.rollout_layout = RolloutLayout(a.rollout_tensor_model_parallel_size,
-                                            a.rollout_pipeline_model_parallel_size)
+                                            a.rollout_pipeline_model_parallel_size,
+                                            expert_model_parallel_size=a.rollout_expert_model_parallel_size,
+                                            expert_tensor_parallel_size=a.rollout_expert_tensor_parallel_size)
         self.engine = None if a.no_hybrid_rollout else HybridEngine(
             self.actor.model, self.rollout_layout, weight_mode=a.hybrid_weight_mode,
             bucket_size_mb=a.reshard_bucket_size_mb, optimizer=self.actor.optimizer)  # its views of DDP's buffer
@@ -253,9 +255,13 @@ class Trainer:
                     self.critic, batch, self.critic_loss, passes=self.passes, step=step + 1, name="the critic",
                     scaled_by=self.scaled_by["the critic"])
             epochs.setdefault("actor_grad_norm", []).append(actor.grad_norm)
+            for key, value in actor.aux_losses.items():  # an MoE actor's load_balancing_loss
+                epochs.setdefault(key, []).append(value)
             out = actor.stats
             if critic is not None:
                 epochs.setdefault("critic_grad_norm", []).append(critic.grad_norm)
+                for key, value in critic.aux_losses.items():
+                    epochs.setdefault(f"critic_{key}", []).append(value)
                 out = [o | c for o, c in zip(out, critic.stats)]
             for key in out[0] if out else ():
                 epochs.setdefault(key, []).append(float(torch.stack([o[key] for o in out]).mean()))

@@ -11,12 +11,16 @@ is shared with the tools.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import importlib.util
 import os
 import warnings
 
-from ..checks import check_number, flag_name, output_dir_error
+from ..checks import check_number, flag_name, output_dir_error, with_flag_names
+from ..models import GPTArchitecture
 from .data import data_file_error
+from .models import MOE_FLAGS, architecture_from_args
 from .pretrained import model_args_from_checkpoint
 from .rewards import load_callable, resolved_reward_type, reward_fn_style
 
@@ -26,6 +30,28 @@ TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokeni
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=False, swiglu=False,
                   normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=False,
                   max_position_embeddings=256, make_vocab_size_divisible_by=8)
+
+
+#: The MoE flags' values when neither the command line nor --pretrained-checkpoint gives them (with --num-experts):
+#: GPTArchitecture's defaults, which are Megatron-LM's.
+MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTArchitecture) if f.name in MOE_FLAGS[1:]}
+
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq``'s type, as Megatron-LM reads it: an integer N ≥ 1 (every N-th layer from layer 0 is an
+    MoE layer) or a list of 0/1, one per layer (``"[1,0,1,0]"``; read as a literal: Megatron-LM also evaluates
+    expressions such as ``"([1]*3+[0])*2"``, which we do not run)."""
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        value = None
+    if type(value) is int and value >= 1:
+        return value
+    if isinstance(value, list) and value and all(type(v) is int and v in (0, 1) for v in value):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is neither an integer ≥ 1 nor a list of 0/1 per layer such as "
+                                     "'[1,0,1,0]' (an expression like '([1]*3+[0])*2' is not evaluated: write the "
+                                     "list out)")
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,9 +72,37 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="tiny model: 256")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="tiny model: 8")
+    g = parser.add_argument_group("mixture of experts (Megatron-LM names; default: --pretrained-checkpoint's, else "
+                                  "a dense model; the values in brackets are Megatron-LM's defaults)")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (unset: dense)")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token [2]")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's hidden size "
+                   "[--ffn-hidden-size]")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="the shared experts' total hidden size [none]")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None, help="[softmax]")
+    g.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
+                   help="top-k weights from the softmax over all experts (not renormalised over the top k)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="aux-loss-free balancing by a per-expert routing bias (sigmoid scores)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true", default=None,
+                   help="a learnt sigmoid gate on the shared experts' output (Qwen2-MoE)")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=None,
+                   help="N: every N-th layer from layer 0 is an MoE layer; or a list of 0/1 per layer, "
+                   "\"[1,0,1,0]\" [1]")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None, help="weight of the load-balancing loss in "
+                   "the training loss [0]; a training setting: it may differ from --pretrained-checkpoint's")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default=None,
+                   help="[aux_loss]; a training setting, like --moe-aux-loss-coeff")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default=None,
+                   help="[allgather]; alltoall needs NCCL on megatron-core 0.16.1; a training setting")
     g = parser.add_argument_group("parallelism (Megatron-LM names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=2)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="ranks the routed experts of a layer "
+                   "are split over (MoE models)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="tensor-parallel size of each "
+                   "routed expert (MoE models; default: --tensor-model-parallel-size)")
     # A float, unlike Megatron-LM's int: short timeouts (tests, quick failure on a small job) are fractions.
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="timeout of every collective, on every process group (fractions allowed); raise it above "
@@ -109,6 +163,11 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("hybrid engine")
     g.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--rollout-expert-model-parallel-size", type=int, default=1, help="the rollout's expert "
+                   "parallelism: a divisor of --expert-model-parallel-size (MoE models)")
+    g.add_argument("--rollout-expert-tensor-parallel-size", type=int, default=None, help="the rollout's expert "
+                   "tensor parallelism: a divisor of --expert-tensor-parallel-size (MoE models; default: "
+                   "--rollout-tensor-model-parallel-size)")
     g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
     g.add_argument("--reshard-bucket-size-mb", type=float, default=None,
                    help="HybridEngine gather bucket, MiB per dtype (default: the engine's, 1024 on a GPU, 32 on a "
@@ -190,9 +249,13 @@ _RANGES: dict[str, dict] = {
                      "num_attention_heads", "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
                      "make_vocab_size_divisible_by", "vocab_size", "prompt_length", "num_samples_per_prompt",
                      "max_new_tokens", "ppo_epochs", "lr_decay_iters", "eval_interval", "inference_max_requests",
-                     "inference_max_seq_length"), {"ge": 1}),
+                     "inference_max_seq_length", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size", "rollout_expert_model_parallel_size",
+                     "rollout_expert_tensor_parallel_size"), {"ge": 1}),
     **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
-                     "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters"),
+                     "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters",
+                     "moe_aux_loss_coeff"),
                     {"ge": 0}),
     **dict.fromkeys(("clip_ratio", "clip_ratio_high", "kl_target", "kl_horizon", "reshard_bucket_size_mb",
                      "tis_imp_ratio_cap",
@@ -291,6 +354,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if p % p_g:
         raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide "
                          f"--pipeline-model-parallel-size ({p})")
+    _validate_experts(args, data_parallel_size=d)
     if args.tokenizer_type == "NullTokenizer":
         if args.tokenizer_model is not None:
             raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "
@@ -324,6 +388,60 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "
                          "(pip install tensorboard)")
     _validate_data_and_rewards(args)
+
+
+#: The expert-parallel flags and their defaults (anything else on a dense model is an error).
+_EXPERT_PARALLEL_DEFAULTS = {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
+                             "rollout_expert_model_parallel_size": 1, "rollout_expert_tensor_parallel_size": None}
+
+
+def _validate_experts(args: argparse.Namespace, *, data_parallel_size: int) -> None:
+    """The MoE flags: refused on a dense model; else filled with :data:`MOE_DEFAULTS` and checked against the
+    training and rollout layouts (GPTArchitecture's own checks, told with the flags' names)."""
+    expert_parallel = [n for n, default in _EXPERT_PARALLEL_DEFAULTS.items() if getattr(args, n) != default]
+    if args.num_experts is None:
+        given = [flag_name(n) for n in MOE_FLAGS if getattr(args, n) is not None] + \
+            [f"{flag_name(n)} ({getattr(args, n)})" for n in expert_parallel]
+        if given:
+            whose = f"--pretrained-checkpoint {args.pretrained_checkpoint!r} has no experts" \
+                if args.pretrained_checkpoint is not None else "no --num-experts"
+            raise ValueError(f"{', '.join(given)} need a mixture-of-experts model; this one is dense ({whose})")
+        return
+    for name, value in MOE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    t, t_g, d = args.tensor_model_parallel_size, args.rollout_tensor_model_parallel_size, data_parallel_size
+    e, et = args.expert_model_parallel_size, args.expert_tensor_parallel_size or t
+    e_g, et_g = args.rollout_expert_model_parallel_size, args.rollout_expert_tensor_parallel_size or t_g
+    try:
+        architecture_from_args(args, args.vocab_size).validate(
+            tensor_model_parallel_size=t, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=e, expert_tensor_parallel_size=et)
+    except ValueError as error:
+        raise ValueError(with_flag_names(str(error), vars(args))) from None
+    if (t * d) % (e * et):  # megatron-core splits a stage's t·d ranks into et × e × (expert data parallel)
+        raise ValueError(f"--expert-model-parallel-size ({e}) × --expert-tensor-parallel-size ({et}"
+                         f"{'' if args.expert_tensor_parallel_size else ', from --tensor-model-parallel-size'}) = "
+                         f"{e * et} must divide --tensor-model-parallel-size ({t}) × data-parallel size ({d}) = "
+                         f"{t * d}, the ranks of a pipeline stage")
+    if e % e_g:
+        raise ValueError(f"--rollout-expert-model-parallel-size ({e_g}) must divide --expert-model-parallel-size "
+                         f"({e}): a rollout rank's experts are those of whole training EP ranks")
+    if et % et_g:
+        raise ValueError(f"--rollout-expert-tensor-parallel-size ({et_g}"
+                         f"{'' if args.rollout_expert_tensor_parallel_size else ', from --rollout-tensor-model-parallel-size'}"
+                         f") must divide --expert-tensor-parallel-size ({et})")
+    if t_g > t:  # megatron_hybrid.validation.check_experts: the HybridEngine does not widen TP for experts
+        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) > --tensor-model-parallel-size ({t}) is not "
+                         "supported for a mixture of experts")
+    if t > 1 and not args.sequence_parallel:
+        # megatron-core's MoELayer refuses to train at TP > 1 without it, and Megatron-LM asks for the flag.
+        raise ValueError(f"a mixture of experts (--num-experts {args.num_experts}) at --tensor-model-parallel-size "
+                         f"({t}) > 1 needs --sequence-parallel (as in Megatron-LM)")
+    if args.use_distributed_optimizer and not args.no_hybrid_rollout:
+        raise ValueError("--use-distributed-optimizer with a mixture of experts (--num-experts "
+                         f"{args.num_experts}) is not supported by the HybridEngine yet; leave it out or pass "
+                         "--no-hybrid-rollout")
 
 
 def _validate_data_and_rewards(args: argparse.Namespace) -> None:

@@ -27,7 +27,8 @@ def initialize(args: argparse.Namespace) -> Iterator[None]:
     During the block each rank records the phases of the run (:mod:`.phases`), so that a collective that times out
     names its phase, the timeout and the ranks that did not arrive.
 
-    ``ValueError`` when Megatron's groups exist with other (tensor, pipeline) sizes than the arguments'.
+    ``ValueError`` when Megatron's groups exist with other (tensor, pipeline, expert, expert tensor) sizes than
+    the arguments'.
     """
     use_cuda = torch.cuda.is_available()
     own_pg = not dist.is_initialized()
@@ -43,16 +44,20 @@ def initialize(args: argparse.Namespace) -> Iterator[None]:
         with contextlib.nullcontext() if use_cuda else cpu_gloo(), phases.recording(recorder):
             own_mp = not ps.model_parallel_is_initialized()
             t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+            e, et = args.expert_model_parallel_size, args.expert_tensor_parallel_size or t  # megatron's default
             if own_mp:
                 # megatron-core (0.16.1) annotates the minutes as int but only computes timedelta(minutes=...)
                 # from them, so fractional minutes reach its groups unchanged.
                 with phases.phase("initialize"):
                     ps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                                 expert_model_parallel_size=e, expert_tensor_parallel_size=et,
                                                  distributed_timeout_minutes=args.distributed_timeout_minutes)
-            elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (t, p):
-                raise ValueError(f"Megatron's parallel state is set up for (tensor, pipeline) = "
-                                 f"({ps.get_tensor_model_parallel_world_size()}, "
-                                 f"{ps.get_pipeline_model_parallel_world_size()}), the arguments ask for ({t}, {p})")
+            else:
+                have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                        ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+                if have != (t, p, e, et):
+                    raise ValueError(f"Megatron's parallel state is set up for (tensor, pipeline, expert, expert "
+                                     f"tensor) = {have}, the arguments ask for {(t, p, e, et)}")
             model_parallel_cuda_manual_seed(args.seed)
             torch.manual_seed(args.seed)
             random.seed(args.seed)

@@ -9,8 +9,10 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from .phases import recorded
@@ -85,6 +87,44 @@ def aggregate_metrics(local: Optional[dict[str, Any]], timer: StepTimer, *,
         tokens = sum(e["tokens"].get(name, 0) for e in reporting)
         out[f"throughput/{name}_tokens_per_second"] = tokens / max(out[f"time/{name}"], 1e-9)
     return out
+
+
+#: megatron-core's tracker name of each load-balancing type's loss (Megatron-LM logs them under these names).
+_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                   "global_aux_loss": "global_load_balancing_loss"}
+
+
+def moe_aux_losses(config: Any, *, num_microbatches: int, pp_group: Any, dp_group: Any) -> dict[str, float]:
+    """The MoE load-balancing losses of the forward-backward passes since the last call (megatron-core's routers
+    track them in training mode, with autograd on; Megatron-LM's ``track_moe_metrics``): each the mean over the
+    model's MoE layers and the micro-batches, reduced over the ranks as Megatron-LM does (summed over the stages,
+    the layer's own group and averaged over data parallelism), unscaled by ``--moe-aux-loss-coeff``; the tracker is
+    emptied. Called on every rank (collectives); ``{}`` for a dense model or without a load-balancing loss.
+    ``config``: the model's TransformerConfig."""
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
+                                                         reduce_aux_losses_tracker_across_ranks)
+
+    name = _AUX_LOSS_NAMES.get(getattr(config, "moe_router_load_balancing_type", None))
+    if config.num_moe_experts is None or not config.moe_aux_loss_coeff or name is None:
+        return {}
+    tracker = get_moe_layer_wise_logging_tracker()
+    # A stage without MoE layers tracks nothing, but joins the reduction over the stages all the same.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    tracker.setdefault(name, {"values": torch.zeros(config.num_layers, device=device), "reduce_group": None,
+                              "avg_group": None, "reduce_group_has_dp": False})
+    reduce_aux_losses_tracker_across_ranks([name], pg_collection=SimpleNamespace(pp=pp_group, dp=dp_group))
+    pattern = config.moe_layer_freq
+    num_moe_layers = sum(pattern) if isinstance(pattern, list) else len(range(0, config.num_layers, pattern))
+    value = float(tracker[name]["values"].sum()) / num_moe_layers / num_microbatches
+    clear_aux_losses_tracker()
+    return {name: value}
+
+
+def clear_moe_aux_losses() -> None:
+    """Forget the MoE load-balancing losses tracked so far (before the passes :func:`moe_aux_losses` reports)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
 
 
 class MetricsLogger:

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..compat import unwrap_model
+from ..compat import megatron_expert_ranks, unwrap_model
 from ..models import GPTArchitecture
 from ..sharding import full_state_dict, load_full_state_dict
 
@@ -49,6 +49,13 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_SBH, self.weight, self.bias), None
 
 
+#: Megatron-LM's MoE flags (arguments dest), each a :class:`GPTArchitecture` field of the same name.
+MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+             "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+             "moe_shared_expert_gate", "moe_layer_freq", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+             "moe_token_dispatcher_type")
+
+
 def architecture_from_args(args: argparse.Namespace, vocab_size: int) -> GPTArchitecture:
     """The GPT architecture of Megatron-LM's model flags (``--num-layers``, ``--hidden-size``, …, ``--bf16``)."""
     return GPTArchitecture(
@@ -59,7 +66,8 @@ def architecture_from_args(args: argparse.Namespace, vocab_size: int) -> GPTArch
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, swiglu=args.swiglu,
         normalization=args.normalization, position_embedding_type=args.position_embedding_type,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        params_dtype="bfloat16" if args.bf16 else "float32")
+        params_dtype="bfloat16" if args.bf16 else "float32",
+        **({} if args.num_experts is None else {name: getattr(args, name) for name in MOE_FLAGS}))
 
 
 def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torch.device,
@@ -75,9 +83,13 @@ def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torc
 
     if value_head:  # the value head replaces the output layer, so nothing may be tied to it
         arch = dataclasses.replace(arch, untie_embeddings_and_output_weights=True)
+    experts = {}
+    if arch.num_experts is not None:  # the experts over Megatron's expert groups
+        _, ep_size, _, etp_size = megatron_expert_ranks()
+        experts = dict(expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size)
     config = arch.transformer_config(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                                      pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                                     sequence_parallel=sequence_parallel)
+                                     sequence_parallel=sequence_parallel, **experts)
     config.finalize_model_grads_func = finalize_model_grads
     model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if value_head and ps.is_pipeline_last_stage():

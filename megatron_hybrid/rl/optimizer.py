@@ -23,12 +23,14 @@ buffer move with the buffer.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from ..compat import megatron_groups, unwrap_model
 from .faults import Flags, check_finite
+from .metrics import clear_moe_aux_losses, moe_aux_losses
 from .models import wrap_ddp
 from .passes import Batch, LossFn, TrainingPasses
 from .phases import recorded
@@ -103,6 +105,9 @@ class UpdateResult:
     """``loss_fn``'s stats per micro-batch (last pipeline stage; empty elsewhere)."""
     grad_norm: float
     """The global gradient norm before clipping, as Megatron's optimizer computed it (the same on every rank)."""
+    aux_losses: dict[str, float] = field(default_factory=dict)
+    """An MoE model's load-balancing losses of this update (:func:`~.metrics.moe_aux_losses`; the same on every
+    rank), e.g. ``load_balancing_loss``; empty for a dense model."""
 
 
 @recorded("update", step="step")
@@ -116,6 +121,10 @@ def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: Trai
     (naming ``step``, the RL iteration, ``name``, e.g. "the actor", and the flags ``scaled_by`` that scale the loss
     and the updates, :func:`~.faults.flag_values`), so the caller never saves the parameters it produced.
     """
+    config = unwrap_model(trained.model).config
+    # Training mode: megatron-core's MoE routers add their load-balancing loss (MoEAuxLossAutoScaler) only then.
+    trained.model.train()
+    clear_moe_aux_losses()  # what earlier passes tracked is not this update's
     trained.model.zero_grad_buffer()
     trained.optimizer.zero_grad()
     losses: list[torch.Tensor] = []
@@ -134,4 +143,7 @@ def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: Trai
     quantities = {f"{name}'s micro-batch losses": torch.stack(losses) if losses else None,
                   f"{name}'s gradient norm": float(grad_norm)}
     check_finite(step, quantities, scaled_by=dict.fromkeys(quantities, scaled_by))
-    return UpdateResult(stats, float(grad_norm))
+    _, pp, dp, _ = megatron_groups()
+    aux = moe_aux_losses(config, num_microbatches=-(-batch.tokens_BS.shape[0] // passes.config.micro_batch_size),
+                         pp_group=pp, dp_group=dp)
+    return UpdateResult(stats, float(grad_norm), aux)

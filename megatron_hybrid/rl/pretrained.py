@@ -28,19 +28,21 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..checks import check_number, flag_name, output_dir_error
-from ..compat import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
+from ..checks import check_number, flag_name, output_dir_error, with_flag_names
+from ..compat import (ddp_finish_param_sync, megatron_expert_groups, megatron_expert_ranks, megatron_groups,
+                      unwrap_model)
 from ..convert import CheckpointError, MegatronCheckpoint, load_megatron_checkpoint, megatron_to_hf, read_architecture
 # The converter's release directory; this module's ITERATION_DIR is the interval exports' (iter_NNNNNNN).
 from ..convert.layout import ITERATION_DIR as RELEASE
-from ..convert.layout import (ASSETS_DIR, WEIGHTS_FILE, CheckpointMeta, check_parallel_sizes, megatron_lm_args,
-                              rank_dir_name, read_meta, write_meta)
+from ..convert.layout import (ASSETS_DIR, WEIGHTS_FILE, CheckpointMeta, check_parallel_sizes, expert_of,
+                              expert_rank_dir_name, megatron_lm_args, rank_dir_name, read_meta, write_meta)
 from ..models import GPTArchitecture
 from .faults import errors_on_every_rank
 from .models import architecture_from_args
@@ -60,7 +62,22 @@ MODEL_FLAGS: dict[str, Callable[[GPTArchitecture], Any]] = {
     "untie_embeddings_and_output_weights": lambda a: a.untie_embeddings_and_output_weights,
     "max_position_embeddings": lambda a: a.max_position_embeddings,
     "make_vocab_size_divisible_by": lambda a: a.make_vocab_size_divisible_by,
+    # A mixture of experts (compared and filled only when the checkpoint has experts; on a dense one these flags
+    # are refused by validate_args as expert flags on a dense model).
+    "num_experts": lambda a: a.num_experts,
+    "moe_router_topk": lambda a: a.moe_router_topk,
+    "moe_ffn_hidden_size": lambda a: a.moe_ffn_hidden_size or a.ffn_hidden_size or 4 * a.hidden_size,
+    "moe_shared_expert_intermediate_size": lambda a: a.moe_shared_expert_intermediate_size,
+    "moe_router_score_function": lambda a: a.moe_router_score_function,
+    "moe_router_pre_softmax": lambda a: a.moe_router_pre_softmax,
+    "moe_router_enable_expert_bias": lambda a: a.moe_router_enable_expert_bias,
+    "moe_shared_expert_gate": lambda a: a.moe_shared_expert_gate,
+    "moe_layer_freq": lambda a: a.moe_layer_freq,
 }
+#: The MoE flags that change how the model trains, not the function it computes: a value on the command line wins
+#: over the checkpoint's (a converted Hugging Face MoE has no load-balancing loss unless its config asked for
+#: router logits), and an unset one takes the checkpoint's.
+MOE_TRAINING_FLAGS = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type")
 #: Where interval exports go inside ``--export-hf DIR`` (Megatron-LM's iteration directory names).
 ITERATION_DIR = "iter_{:07d}"
 #: The file that marks a directory as an export (JSON: format, version, iteration, the names written).
@@ -100,16 +117,29 @@ def model_args_from_checkpoint(args: argparse.Namespace) -> None:
     ckpt = _open_checkpoint(directory)
     arch = ckpt.architecture
     for name, of in MODEL_FLAGS.items():
+        if arch.num_experts is None and name.startswith(("num_experts", "moe_")):
+            continue
         given, stored = getattr(args, name), of(arch)
-        if given is not None and given != stored:
+        if name == "moe_layer_freq" and given is not None:  # 1 and [1, 1] are the same layers
+            same = dataclasses.replace(arch, moe_layer_freq=given).moe_layer_pattern() == arch.moe_layer_pattern()
+        else:
+            same = given == stored
+        if given is not None and not same:
             raise ValueError(f"{flag_name(name)} ({given}) contradicts --pretrained-checkpoint {directory!r}, whose "
                              f"model has {stored}; leave the flag out to take the checkpoint's")
         setattr(args, name, stored)
+    if arch.num_experts is not None:
+        for name in MOE_TRAINING_FLAGS:
+            if getattr(args, name) is None:
+                setattr(args, name, getattr(arch, name))
     try:
         check_parallel_sizes(arch, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                             pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                             **({} if arch.num_experts is None else dict(
+                                 expert_model_parallel_size=args.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=args.expert_tensor_parallel_size)))
     except ValueError as e:
-        raise ValueError(f"--pretrained-checkpoint {directory!r}: {e}") from None
+        raise ValueError(f"--pretrained-checkpoint {directory!r}: {with_flag_names(str(e), vars(args))}") from None
     if args.tokenizer_model is None:
         assets = os.path.join(directory, ASSETS_DIR)
         if not os.path.isdir(assets):
@@ -191,7 +221,8 @@ def model_architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitec
     if vocab_size > arch.vocab_size:
         raise ValueError(f"the tokenizer ({args.tokenizer_model!r}) has {vocab_size} tokens, more than the "
                          f"vocabulary of --pretrained-checkpoint {args.pretrained_checkpoint!r} ({arch.vocab_size})")
-    return dataclasses.replace(arch, params_dtype="bfloat16" if args.bf16 else "float32")
+    training = {name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if arch.num_experts is not None else {}
+    return dataclasses.replace(arch, params_dtype="bfloat16" if args.bf16 else "float32", **training)
 
 
 def load_pretrained(model: torch.nn.Module, directory: str) -> None:
@@ -225,14 +256,22 @@ def export_hf(model: torch.nn.Module, directory: str, pretrained_checkpoint: str
     if rank == 0:
         error = _attempt(lambda: _fresh_dir(staging), f"cannot create {staging}")
     errors = errors_on_every_rank([error] if error else [])  # also the barrier after which staging exists
+    experts = _expert_grid(model)
     if not errors:
-        if dp.rank() == 0:  # data-parallel replicas hold the same weights
-            error = _attempt(lambda: _write_shard(model, staging, tp=tp, pp=pp), f"cannot write into {staging}")
+        # Data-parallel replicas hold the same dense weights, expert data-parallel replicas the same experts; the
+        # two kinds of replica differ (an EP group spans DP replicas), so each file has its own writer.
+        dense = dp.rank() == 0
+        expert = experts is not None and experts.edp_rank == 0
+        if dense or expert:
+            error = _attempt(lambda: _write_shard(model, staging, tp=tp, pp=pp, dense=dense,
+                                                  experts=experts if expert else None),
+                             f"cannot write into {staging}")
         errors = errors_on_every_rank([error] if error else [])
     if not errors:
         if rank == 0:
             error = _attempt(lambda: _convert(staging, target, pretrained_checkpoint, model, tp=tp.size(),
-                                              pp=pp.size(), iteration=iteration), f"cannot write {target}")
+                                              pp=pp.size(), experts=experts, iteration=iteration),
+                             f"cannot write {target}")
         errors = errors_on_every_rank([error] if error else [])
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -255,20 +294,51 @@ def _fresh_dir(path: Path) -> None:
     (path / RELEASE).mkdir(parents=True)
 
 
-def _write_shard(model: torch.nn.Module, staging: Path, *, tp, pp) -> None:
-    """This rank's stage as the converter's rank file: its own shard, under its stage's local-spec names (a tied
-    embedding's last-stage copy included, as ``hf-to-megatron`` writes it)."""
+@dataclass(frozen=True)
+class _ExpertGrid:
+    """This rank's place in Megatron's expert grid: (expert-TP, EP, expert-DP) ranks and the EP and expert-TP
+    sizes."""
+
+    etp_rank: int
+    ep_rank: int
+    edp_rank: int
+    ep_size: int
+    etp_size: int
+
+
+def _expert_grid(model: torch.nn.Module) -> Optional[_ExpertGrid]:
+    """``None`` for a dense model."""
+    if unwrap_model(model).config.num_moe_experts is None:
+        return None
+    etp, ep, edp = megatron_expert_groups()
+    return _ExpertGrid(etp.rank(), ep.rank(), edp.rank(), ep.size(), etp.size())
+
+
+def _write_shard(model: torch.nn.Module, staging: Path, *, tp, pp, dense: bool,
+                 experts: Optional[_ExpertGrid]) -> None:
+    """This rank's stage as the converter's rank files, under its stage's local-spec names: with ``dense``, all but
+    the routed experts (its tensor-parallel shard; a tied embedding's last-stage copy included, as
+    ``hf-to-megatron`` writes it) into ``mp_rank_TT[_PPP]``; with ``experts``, its routed experts (its local expert
+    numbers, its expert-TP shard) into ``mp_rank_UU_PPP_EEE``."""
     from safetensors.torch import save_file
 
-    rank_dir = staging / RELEASE / rank_dir_name(tp.rank(), pp.rank(), pp.size())
-    rank_dir.mkdir()
-    # One stage's shard on the host at a time (safetensors serialises a whole file at once).
-    save_file({name: p.detach().cpu().contiguous() for name, p in unwrap_model(model).named_parameters()},
-              str(rank_dir / WEIGHTS_FILE))
+    params = dict(unwrap_model(model).named_parameters())
+    files = []
+    if dense:
+        files.append((rank_dir_name(tp.rank(), pp.rank(), pp.size()),
+                      {n: p for n, p in params.items() if expert_of(n) is None}))
+    if experts is not None:
+        files.append((expert_rank_dir_name(experts.etp_rank, pp.rank(), experts.ep_rank),
+                      {n: p for n, p in params.items() if expert_of(n) is not None}))
+    for name, tensors in files:
+        rank_dir = staging / RELEASE / name
+        rank_dir.mkdir()
+        # One file's tensors on the host at a time (safetensors serialises a whole file at once).
+        save_file({n: p.detach().cpu().contiguous() for n, p in tensors.items()}, str(rank_dir / WEIGHTS_FILE))
 
 
 def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: torch.nn.Module, *, tp: int,
-             pp: int, iteration: Optional[int]) -> None:
+             pp: int, experts: Optional[_ExpertGrid], iteration: Optional[int]) -> None:
     """Rank 0: the metadata next to the rank files, then the converter's Megatron → Hugging Face, marked as our
     export, onto ``target``."""
     source = read_meta(pretrained_checkpoint)
@@ -278,11 +348,12 @@ def _convert(staging: Path, target: Path, pretrained_checkpoint: str, model: tor
     for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, 4 torch_dtype: the trained dtype now
         if key in config:
             config[key] = arch.params_dtype
+    sizes = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if experts is not None:
+        sizes.update(expert_model_parallel_size=experts.ep_size, expert_tensor_parallel_size=experts.etp_size)
     write_meta(staging, CheckpointMeta(
-        architecture=arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, transformer_impl="local",
-        hf_model_type=source.hf_model_type, hf_config=config or None,
-        megatron_lm_args=megatron_lm_args(arch, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                          transformer_impl="local")))
+        architecture=arch, **sizes, transformer_impl="local", hf_model_type=source.hf_model_type,
+        hf_config=config or None, megatron_lm_args=megatron_lm_args(arch, **sizes, transformer_impl="local")))
     assets = Path(os.path.abspath(pretrained_checkpoint)) / ASSETS_DIR
     if assets.is_dir():
         (staging / ASSETS_DIR).symlink_to(assets, target_is_directory=True)
