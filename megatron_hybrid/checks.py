@@ -22,10 +22,10 @@ def flag_name(dest: str) -> str:
 
 
 def with_flag_names(message: str, dests: Iterable[str]) -> str:
-    """``message`` with each ``dest (`` of ``dests`` spelled as its flag: a library's error about
+    """``message`` with each snake_case word that is one of ``dests`` spelled as its flag: a library's error about
     ``expert_model_parallel_size (3)`` told as one about ``--expert-model-parallel-size (3)``."""
-    names = "|".join(sorted(map(re.escape, dests), key=len, reverse=True))
-    return re.sub(rf"\b({names})(?= \()", lambda m: flag_name(m.group(1)), message) if names else message
+    names = "|".join(sorted((re.escape(d) for d in dests if "_" in d), key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({names})(?!\w)", lambda m: flag_name(m.group(1)), message) if names else message
 
 
 def check_number(flag: str, value: float, *, ge: Optional[float] = None, gt: Optional[float] = None,

@@ -146,3 +146,77 @@ def small_load_case(directory: str) -> dict:
             out["error"] = f"{type(e).__name__}: {e}"
     out["warnings"] = [str(w.message) for w in caught if "--load" in str(w.message)]
     return out
+
+
+#: A mixture of experts on the built-in tiny model: 4 experts, top-2, with a load-balancing loss.
+MOE_FLAGS = ("--tensor-model-parallel-size", "1", "--num-experts", "4", "--moe-aux-loss-coeff", "0.01",
+             "--global-batch-size", "8", "--micro-batch-size", "2")
+
+
+def _moe_models() -> dict:
+    """Actor, critic (an MoE trunk) and reference at this job's expert parallelism (TP 1)."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_expert_ranks
+
+    args = recipe_args(*MOE_FLAGS, "--expert-model-parallel-size", str(megatron_expert_ranks()[1]))
+    arch = rl.architecture_from_args(args, VOCAB)
+    cpu = torch.device("cpu")
+    stage = rl.build_stage(arch, device=cpu)
+    reference = rl.build_reference(stage, arch, device=cpu)
+    return {"actor": rl.setup_model_and_optimizer(stage, args), "reference": reference,
+            "critic": rl.setup_model_and_optimizer(rl.build_critic(stage, arch, device=cpu), args)}
+
+
+def _moe_snapshot(models: dict) -> dict:
+    """Per model, per parameter under its global name (routed experts by their global number), gathered over the
+    expert-parallel group: the parameter and, for a trained model, its fp32 main parameter and Adam moments."""
+    import torch.distributed as dist
+
+    from megatron_hybrid.compat import megatron_expert_groups, unwrap_model
+    from megatron_hybrid.convert.layout import expert_of, renumber_expert
+
+    _, ep, _ = megatron_expert_groups()
+    out = {}
+    for name, m in models.items():
+        trained = name != "reference"
+        module = unwrap_model(m.model if trained else m)
+        table = _adam(m) if trained else {}
+        offset = ep.rank() * module.config.num_moe_experts // ep.size()
+        mine = {}
+        for n, p in module.named_parameters():
+            key = n if expert_of(n) is None else renumber_expert(n, offset)
+            kinds = {"param": p, **{k: table[p][k] for k in KINDS[1:]}} if trained else {"param": p}
+            mine[key] = {k: v.detach().clone() for k, v in kinds.items()}
+        parts: list = [None] * ep.size()
+        dist.all_gather_object(parts, mine, group=ep)
+        out[name] = {k: v for part in parts for k, v in part.items()}
+    return out
+
+
+def moe_save_case(directory: str) -> dict:
+    """One update of an MoE actor and critic at this job's expert parallelism, saved as iteration 1."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+
+    models = _moe_models()
+    passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, 2, VOCAB))
+    batch = _batch(7 + megatron_groups()[2].rank(), 4)
+    aux = {}
+    for name, loss in (("actor", _nll(passes)),
+                       ("critic", lambda o, mb: (rl.response_values(o, mb).square().mean(), {}))):
+        models[name].scheduler.step(increment=8)
+        aux[name] = rl.update(models[name], batch, loss, passes=passes, step=1).aux_losses
+    rl.save_checkpoint(directory, 1, models, {"consumed_prompts": 4})
+    return {"aux": aux, **_moe_snapshot(models)}
+
+
+def moe_load_case(directory: str) -> dict:
+    """Fresh MoE models at this job's expert parallelism, loaded from :func:`moe_save_case`'s checkpoint."""
+    from megatron_hybrid import rl
+
+    models = _moe_models()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = rl.load_checkpoint(directory, models)
+    return {"state": state, "warnings": [str(w.message) for w in caught if "--load" in str(w.message)],
+            **_moe_snapshot(models)}

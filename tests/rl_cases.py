@@ -109,6 +109,30 @@ def optimizer_step_case() -> list[dict]:
     return out
 
 
+def moe_aux_loss_case(coeff: float) -> dict:
+    """One update of a tiny MoE actor (left in eval mode) whose own loss is 0 × its output: the gradient is the
+    routers' load-balancing loss alone, if :func:`megatron_hybrid.rl.update` trains with it. Returns the reported
+    aux losses, the gradient norm and the routers' fp32 main gradients."""
+    from megatron_hybrid import rl
+
+    args = recipe_args("--tensor-model-parallel-size", "1", "--num-experts", "4", "--moe-aux-loss-coeff", str(coeff),
+                       "--global-batch-size", "8", "--micro-batch-size", "2")
+    trained = rl.setup_model_and_optimizer(rl.build_stage(rl.architecture_from_args(args, VOCAB),
+                                                          device=torch.device("cpu")), args)
+    trained.model.eval()
+    passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, args.micro_batch_size, VOCAB))
+    grads: dict = {}
+    step = trained.optimizer.step
+
+    def spying_step():
+        grads.update({n: p.main_grad.clone() for n, p in trained.model.named_parameters() if ".router." in n})
+        return step()
+
+    trained.optimizer.step = spying_step
+    result = rl.update(trained, _batch(3, 8), lambda output, mb: (output.sum() * 0, {}), passes=passes, step=1)
+    return {"aux": result.aux_losses, "grad_norm": result.grad_norm, "router_grads": grads}
+
+
 def offload_case() -> dict:
     """Megatron's optimizers leave the device while rolling out and come back bit for bit: the recipe's actor
     optimizer (a ChainedOptimizer around one Float16OptimizerWithFloat16Params, bf16 parameters) and a

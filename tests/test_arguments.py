@@ -17,6 +17,7 @@ import pytest
 
 from megatron_hybrid.checks import check_number
 from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
+from megatron_hybrid.rl.models import architecture_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,6 +94,59 @@ def test_distributed_optimizer_and_overlap_flags_as_megatron_lm_checks_them():
     with pytest.warns(UserWarning, match="--sequence-parallel is turned off: it needs --tensor-model-parallel-size"):
         validate_args(args, 4)
     assert args.sequence_parallel is False
+
+
+MOE = ("--num-experts", "4", "--sequence-parallel")
+
+
+@pytest.mark.parametrize("argv, message", [
+    # Expert flags on a dense model.
+    (["--moe-router-topk", "2", "--expert-model-parallel-size", "2"],
+     "--moe-router-topk, --expert-model-parallel-size (2): for a mixture of experts, and the model is dense (no "
+     "--num-experts)"),
+    (["--rollout-expert-model-parallel-size", "2"], "--rollout-expert-model-parallel-size (2): for a mixture of "
+     "experts, and the model is dense (no --num-experts)"),
+    # GPTArchitecture's checks, named by flag.
+    ([*MOE, "--expert-model-parallel-size", "3"], "--expert-model-parallel-size (3) must divide --num-experts (4)"),
+    ([*MOE, "--moe-router-topk", "5"], "--moe-router-topk (5) must be between 1 and --num-experts (4)"),
+    ([*MOE, "--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq ([1, 0, 1]) must list 0 or 1 for each of the 2 layers"),
+    ([*MOE, "--moe-ffn-hidden-size", "33"],
+     "--moe-ffn-hidden-size (33) must be ≥ 1 and divisible by --expert-tensor-parallel-size (2)"),
+    ([*MOE, "--moe-shared-expert-gate"],
+     "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (None: no shared expert to gate)"),
+    ([*MOE, "--num-experts", "0"], "--num-experts (0) must be ≥ 1"),
+    # The layouts: training, rollout.
+    ([*MOE, "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
+     "--expert-model-parallel-size (4) × --expert-tensor-parallel-size (2) = 8 must divide "
+     "--tensor-model-parallel-size (2) × data-parallel size (2) = 4, the ranks of a pipeline stage"),
+    ([*MOE, "--expert-model-parallel-size", "2", "--rollout-expert-model-parallel-size", "4"],
+     "--rollout-expert-model-parallel-size (4) must divide --expert-model-parallel-size (2): a rollout rank's "
+     "experts are those of whole training EP ranks"),
+    ([*MOE, "--expert-tensor-parallel-size", "1", "--rollout-expert-tensor-parallel-size", "2"],
+     "--rollout-expert-tensor-parallel-size (2) must divide --expert-tensor-parallel-size (1)"),
+    (["--num-experts", "4"], "a mixture of experts (--num-experts 4) at --tensor-model-parallel-size (2) > 1 needs "
+     "--sequence-parallel (as in Megatron-LM)"),
+])
+def test_bad_expert_flags_are_named_before_any_process_group(argv, message):
+    with pytest.raises(ValueError) as e:
+        _validate(*argv)
+    assert str(e.value) == message
+
+
+def test_expert_flags_take_megatron_lm_defaults_and_spellings():
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(
+        [*MOE, "--expert-model-parallel-size", "2", "--moe-layer-freq", "[1, 0]"])
+    validate_args(args, 4)
+    assert (args.moe_layer_freq, args.moe_router_topk, args.moe_router_score_function, args.moe_aux_loss_coeff,
+            args.moe_router_load_balancing_type, args.moe_token_dispatcher_type) == \
+        ([1, 0], 2, "softmax", 0.0, "aux_loss", "allgather")
+    arch = architecture_from_args(args, 16)
+    assert (arch.num_experts, arch.moe_layer_pattern()) == (4, [1, 0])
+    parser = add_megatron_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--moe-layer-freq", "2"]).moe_layer_freq == 2
+    for bad in ("0", "([1]*3+[0])*2", "[2,1]"):  # Megatron-LM evaluates expressions; we read literals only
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--moe-layer-freq", bad])
 
 
 def test_good_values_pass():

@@ -6,6 +6,7 @@ logits are the trained actor's and its weights moved; and the argument errors, b
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,60 @@ def test_export_hf_refuses_to_replace_anything_but_an_earlier_export(models, tmp
     for fine in (tmp_path / "empty", tmp_path / "new" / "hf"):  # an empty or a new directory
         _validated(*pre, "--export-hf", str(fine), "--save", str(save), "--log-dir", str(tmp_path / "logs"))
     assert (other / "notes.txt").read_text() == "mine\n"
+
+
+# ---- a mixture of experts (issue 24, acceptance 5) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Qwen3-MoE (4 experts of 32, top-2; an MoE layer, then a dense one) and its conversion, stored at
+    TP=1 × EP=2 × ETP=1 (the runs load it at other layouts)."""
+    root = tmp_path_factory.mktemp("moe")
+    hf, mg = root / "qwen3_moe", root / "qwen3_moe-mcore"
+    save_tiny_hf_model(str(hf), "qwen3_moe")
+    hf_to_megatron(hf, mg, expert_model_parallel_size=2, expert_tensor_parallel_size=1, progress=False)
+    return hf, mg
+
+
+def test_grpo_qwen3_moe_at_ep2_rollout_ep1_learns_and_exports_to_hf(moe_model, tmp_path):
+    """Qwen3-MoE saved by transformers → converter → GRPO on 4 ranks: training TP=2 (sequence parallel) × DP=2,
+    the experts over EP=2 × expert TP=2 (an EP group spans both DP replicas), generating at TP=1 × EP=1 × expert
+    TP=1 through the HybridEngine, on the built-in target-token task → --export-hf: transformers' logits of the
+    export are the trained actor's, the reward rises, and the load-balancing loss (a training setting, on top of
+    the checkpoint's none) is logged."""
+    hf, mg = moe_model
+    argv = ["--pretrained-checkpoint", str(mg), "--export-hf", str(tmp_path / "export"),
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+            "--rollout-tensor-model-parallel-size", "1", "--rollout-expert-model-parallel-size", "1",
+            "--moe-aux-loss-coeff", "1e-3", "--moe-router-load-balancing-type", "aux_loss",
+            "--algorithm", "grpo", "--num-samples-per-prompt", "4", "--reward-type", "target-token",
+            "--train-iters", "12", "--global-batch-size", "16", "--micro-batch-size", "8", "--prompt-length", "4",
+            "--max-new-tokens", "8", "--ppo-epochs", "1", "--lr", "2e-2"]
+    r = run_distributed(real_model_cases.train_and_export, 4, argv, str(tmp_path / "logs"), TOKENS, 128,
+                        tensor_model_parallel_size=2, expert_model_parallel_size=2)[0]
+    metrics = r["metrics"]
+    first, last = (sum(m["reward_mean"] for m in part) / 5 for part in (metrics[:5], metrics[-5:]))
+    assert last - first >= 0.3, [m["reward_mean"] for m in metrics]
+    assert all(0 < loss < 4 for m in metrics for loss in m["load_balancing_loss"])  # 1 when balanced
+    assert max(m["rollout_mismatch/logp_abs_diff_max"] for m in metrics) < 1e-4  # rollout layout ≈ training's
+    # LOGITS_TOL: both fp32; the expert and attention sums are split over TP/EP ranks in training and whole in
+    # transformers, ~1e-6 apart; a swapped expert or a wrong router mapping moves them by ≥ 1e-2.
+    _check_export(tmp_path / "export", hf, mg, r["logits"])
+
+
+def test_ppo_on_an_moe_actor_and_critic_trunk(moe_model, tmp_path):
+    """PPO with an MoE critic trunk (2 ranks: EP=2 over DP=2, rollout EP=1): finite losses, both models' load-
+    balancing losses logged."""
+    _, mg = moe_model
+    argv = ["--pretrained-checkpoint", str(mg), "--tensor-model-parallel-size", "1",
+            "--expert-model-parallel-size", "2", "--rollout-expert-model-parallel-size", "1",
+            "--moe-aux-loss-coeff", "1e-2", "--algorithm", "ppo", "--reward-type", "target-token",
+            "--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "4", "--prompt-length", "4",
+            "--max-new-tokens", "4", "--ppo-epochs", "1", "--lr", "1e-2"]
+    metrics = run_distributed(ppo_cases.run_main, 2, argv, str(tmp_path / "logs"), expert_model_parallel_size=2)[0]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for key in ("pg_loss", "vf_loss", "load_balancing_loss", "critic_load_balancing_loss", "actor_grad_norm",
+                "critic_grad_norm"):
+        assert all(math.isfinite(v) for m in metrics for v in m[key]), key
 
 
 # ---- errors, before any collective ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests import rl_cases
@@ -97,3 +98,20 @@ def test_megatron_optimizers_offload_bit_for_bit():
             # the bf16 model parameters (which the rollout reads) stay.
             assert rep["num_mains"] > 0 and rep["num_states"] == 2 * rep["num_mains"], (name, rep)
             assert rep["resident"] == 0 and rep["params_there"] and rep["same"], (name, rep)
+
+
+def test_the_update_trains_an_moe_model_with_its_load_balancing_loss():
+    """Issue 24: megatron-core's routers add the load-balancing loss (MoEAuxLossAutoScaler) in training mode only;
+    rl.update puts the model there (it was left in eval mode), the loss's gradient is coefficient × the same loss
+    (0 without it), and the loss is reported under Megatron-LM's name."""
+    off, one, two = (run_distributed(rl_cases.moe_aux_loss_case, 1, coeff)[0] for coeff in (0.0, 0.01, 0.02))
+    assert off["aux"] == {} and off["grad_norm"] == 0.0
+    assert set(one["aux"]) == {"load_balancing_loss"}
+    # Reported unscaled by the coefficient (coefficient × loss / coefficient: equal up to fp32 rounding).
+    assert two["aux"]["load_balancing_loss"] == pytest.approx(one["aux"]["load_balancing_loss"], rel=1e-6)
+    assert 0.5 < one["aux"]["load_balancing_loss"] < 4  # 1 when balanced (megatron-core's normalisation), ≤ E/k
+    assert one["grad_norm"] > 0 and sorted(one["router_grads"]) == sorted(two["router_grads"])
+    for name, grad in one["router_grads"].items():
+        assert grad.abs().max() > 0, name
+        # The same forward, the loss scaled by 2: the gradient doubles up to fp32 rounding (≤ 1 ulp per sum).
+        torch.testing.assert_close(two["router_grads"][name], 2 * grad, rtol=1e-6, atol=1e-9)

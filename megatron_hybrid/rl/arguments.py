@@ -405,7 +405,7 @@ def _validate_experts(args: argparse.Namespace, *, data_parallel_size: int) -> N
         if given:
             whose = f"--pretrained-checkpoint {args.pretrained_checkpoint!r} has no experts" \
                 if args.pretrained_checkpoint is not None else "no --num-experts"
-            raise ValueError(f"{', '.join(given)} need a mixture-of-experts model; this one is dense ({whose})")
+            raise ValueError(f"{', '.join(given)}: for a mixture of experts, and the model is dense ({whose})")
         return
     for name, value in MOE_DEFAULTS.items():
         if getattr(args, name) is None:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from ..compat import ddp_finish_param_sync, megatron_groups, unwrap_model
+from ..compat import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
 from ..patches.distrib_optimizer import distributed_optimizer_loading
 from .faults import errors_on_every_rank
 from .optimizer import TrainedModel
@@ -74,8 +74,11 @@ Checkpointed = Optional[Union[TrainedModel, torch.nn.Module]]
 
 
 def _layout() -> list[int]:
+    """(tensor, pipeline, data) sizes, and (expert, expert tensor) where experts are split (the RNG states of
+    Megatron's expert-parallel tracker are per expert rank)."""
     tp, pp, dp, _ = megatron_groups()
-    return [tp.size(), pp.size(), dp.size()]
+    _, ep, _, etp = megatron_expert_ranks()
+    return [tp.size(), pp.size(), dp.size()] + ([ep, etp] if (ep, etp) != (1, tp.size()) else [])
 
 
 # ---- RNG states: one safetensors file per rank ----------------------------------------------------------------
@@ -483,7 +486,8 @@ def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[
     if rng is not None:
         _set_rng_state(rng)
     elif rank == 0:
-        warnings.warn(f"--load: {it} was written with (tensor, pipeline, data) sizes {manifest['layout']}, this "
+        axes = "tensor, pipeline, data" + (", expert, expert tensor" if len(manifest["layout"]) > 3 else "")
+        warnings.warn(f"--load: {it} was written with ({axes}) sizes {manifest['layout']}, this "
                       f"run has {_layout()}: its RNG states are not restored (the ranks keep --seed's)",
                       stacklevel=2)
     return {**loaded["state"], "step": loaded["step"]}
