@@ -145,8 +145,10 @@ def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence
         return None, index
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
                     for name, dt in DTYPES.items()}
+    # Routed experts: a bucket per layer, so that a rollout layer's experts are one strided view (grouped GEMMs).
     plan = build_group_plan(members, list(rollout_params), k=plane.k, q=plane.q, u=plane.u,
-                            bucket_numel=bucket_numel, alignment=alignment, tied=tied, strided=strided)
+                            bucket_numel=bucket_numel, alignment=alignment, tied=tied, strided=strided,
+                            bucket_per_layer=plane.name == "experts")
     return plan, index
 
 

@@ -14,7 +14,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from tests.moe_generation_cases import VOCAB, prompts_for, recompute_greedy
+
 SEQ, BATCH, LR, NUM_TOKEN_SETS = 8, 2, 0.1, 8
+PROMPTS_PER_RANK, NEW_TOKENS = 2, 6
 
 
 def moe_arch(**overrides):
@@ -60,7 +63,14 @@ def reference_case(arch_kw: dict) -> dict:
             for name, t in list(model.named_parameters()) + _weight_buffers(model):
                 t.copy_(state[name])
             out[key] = [model(*token_set(s), None).float() for s in range(NUM_TOKEN_SETS)]
+    # Full-recompute greedy decoding of the stepped model, for each training DP rank's prompts.
+    out["greedy_stepped"] = [recompute_greedy(model, rank_prompts(dp), NEW_TOKENS) for dp in range(8)]
     return out
+
+
+def rank_prompts(dp_rank: int) -> list[list[int]]:
+    """Training DP rank ``dp_rank``'s prompts."""
+    return prompts_for(700 + dp_rank, PROMPTS_PER_RANK)
 
 
 def _shard_of(full: torch.Tensor, spec, rank: int, size: int) -> torch.Tensor:
@@ -184,6 +194,18 @@ def moe_engine_case(arch_kw: dict, rollout_kw: dict, ref: dict, *, sequence_para
                              rollout_logits=rollout_logits)
             engine.switch_to_training()
             res[when]["peer_bytes_after"] = engine.placement.report()["peer_bytes_mapped"]
+        # Greedy generation on the rollout layout (this training rank's prompts), stepped weights.
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        params = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
+        results = engine.generate(rank_prompts(ps.get_data_parallel_rank()), params, vocab_size=VOCAB)
+        res["generated"] = [r.generated_tokens for r in results]
+        res["dp_rank"] = ps.get_data_parallel_rank()
+        # Which expert path each MoE layer of the rollout model took: grouped GEMMs over strided 3-D views of its
+        # experts' weights, or expert by expert.
+        res["paths"] = [m.experts_path().__name__ for m in engine.rollout_chunks[0].modules()
+                        if hasattr(m, "experts_path")]
+        engine.switch_to_training()
         res["missing"] = _missing_bytes(engine)
         res["expert_layout"] = engine.expert_layout
         res["expert_numel"] = sum(prm.numel() for name, _, prm in named_weights(engine.modules) if is_expert(name))

@@ -5,7 +5,9 @@ Checked on every rank against the unsharded model (one rank, the same seeded wei
 the rank's rollout shard of the full tensor bit for bit (a routed expert by its global index); rollout and
 training logits equal the unsharded model's; the bytes received equal the rollout shard minus what the rank's
 own training tensors hold (counted by name), and the expert bytes (micro-EP size − 1) × the rank's own expert
-bytes; in aliased mode the only memory mapped while rolling out is the peers' slots, and none while training.
+bytes; in aliased mode the only memory mapped while rolling out is the peers' slots, and none while training;
+greedy KV-cache generation through the engine (replicas of one rollout EP group in lockstep) equals the unsharded
+model's full-recompute greedy decoding.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def test_moe_switch_is_exact_and_moves_only_missing_bytes(name):
                     assert rep["canonical_bytes_mapped"] == 0, (ctx, rep)
                 assert rep["rollout_memory_bytes_mapped"] == 0 and got["peer_bytes_after"] == 0, (ctx, rep)
             assert res["second"]["report"] == res["first"]["report"], (r["rank"], mode)
+            # Greedy KV-cache generation on the rollout layout = full recompute by the unsharded stepped model.
+            assert res["generated"] == ref["greedy_stepped"][res["dp_rank"]], (r["rank"], mode)
+            # Grouped GEMMs wherever a rollout layer's experts are one strided view: always in canonical mode (one
+            # bucket per layer, or rebuilt back to back); in aliased mode unless the experts are expert-TP blocks.
+            grouped = mode == "canonical" or et == et_g
+            assert set(res["paths"]) == {"grouped_experts" if grouped else "sequential_experts"}, (r["rank"], mode)
 
 
 _BAD = [
