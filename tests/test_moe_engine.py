@@ -116,3 +116,20 @@ def test_bad_expert_layouts_are_value_errors_before_any_collective():
         from megatron_hybrid import RolloutLayout
 
         RolloutLayout(1, 1, **_BAD[-1][0])
+
+
+def test_distributed_optimizer_buffers_are_the_own_slots_of_both_planes():
+    """DDP with the distributed optimizer keeps a routed expert's parameters in buffers of their own (over the
+    expert data-parallel group): each buffer moves, whole, into the own slot of its plane's gather (dense over the
+    micro-DP group, experts over the micro-EP group). 2 Adam steps through the engine equal 2 without it, bit for
+    bit, and each switch's rollout tensors are that step's training weights. (Aliased mode: the planes' held
+    regions are mode-independent; canonical mode only rebuilds from them, as with the dense distributed optimizer
+    in test_distopt.)"""
+    rollout = dict(expert_model_parallel_size=1)  # (t, p, e) = (2, 1, 2) on 4 ranks -> (1, 1, 1)
+    results = run_distributed(cases.moe_distopt_case, 4, "aliased", rollout, steps=2, tensor_model_parallel_size=2,
+                              expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["params_differ"] == [], (rank, r)
+        assert r["mismatches"] == [[]] * 2, (rank, r["mismatches"])
+        assert r["num_buffers"] == 2 and all(r["inside"]), (rank, r)  # a dense and an expert buffer, both moved
+        assert all(expert > 0 and total > expert for total, expert in r["moved"]), (rank, r["moved"])
