@@ -182,8 +182,8 @@ def _new_group_keeps_order() -> bool:
 NEW_GROUP_KEEPS_ORDER = _new_group_keeps_order()
 
 
-def new_group(ranks: list[int], *, timeout):
-    """``dist.new_group(ranks, timeout=timeout)`` with group rank i = ``ranks[i]``.
+def new_group(ranks: list[int], *, timeout, backend: Optional[str] = None):
+    """``dist.new_group(ranks, timeout=timeout, backend=backend)`` with group rank i = ``ranks[i]``.
 
     Older torch sorts the ranks; a list that is not sorted is then refused (a ``ValueError``, raised on every rank
     alike, since the lists are the same everywhere).
@@ -191,13 +191,13 @@ def new_group(ranks: list[int], *, timeout):
     import torch.distributed as dist
 
     if NEW_GROUP_KEEPS_ORDER:
-        return dist.new_group(ranks, timeout=timeout, sort_ranks=False)
+        return dist.new_group(ranks, timeout=timeout, backend=backend, sort_ranks=False)
     if list(ranks) != sorted(ranks):
         import torch
 
         raise ValueError(f"this layout needs a process group whose ranks are not in global order ({ranks}); "
                          f"torch {torch.__version__} sorts them: use torch >= 2.13 (new_group(sort_ranks=False))")
-    return dist.new_group(ranks, timeout=timeout)
+    return dist.new_group(ranks, timeout=timeout, backend=backend)
 
 
 def group_timeout(group):

@@ -156,8 +156,7 @@ class HybridEngine:
         # An MoE model's routed experts: their own grid (expert tp, ep, expert dp) and rollout sizes.
         expert_groups = compat.megatron_expert_groups() if self.config.num_moe_experts is not None else None
         self.expert_layout: Optional[ExpertLayout] = check_experts(
-            self.chunks, self.modules, lay, rollout, expert_groups=expert_groups, held=bool(held_buffers(
-                self.chunks, optimizers=[])[0]), world_size=dist.get_world_size())
+            self.modules, lay, rollout, expert_groups=expert_groups, world_size=dist.get_world_size())
         if timeout is None:
             timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
         self.timeout = as_timeout(timeout)
@@ -183,21 +182,23 @@ class HybridEngine:
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
         self._optimizers = [optimizer] if optimizer is not None else []  # close() may add one: read at the move
-        held, held_at = held_buffers(self.chunks, optimizers=self._optimizers)
         alignment = Placement.alignment(self.device) if align_slots else None
         planes: dict[str, Placement] = {}
         self.plans: dict[str, tuple[Optional[Any], int]] = {}
         self._executors: list[PlanExecutor] = []  # the switch's collectives, plane by plane
         for spec in self._plane_specs(expert_groups):
             dense = spec.name == "dense"
+            # DDP's parameter buffers (distributed optimizer): its expert-parallel ones are the experts plane's.
+            held, held_at = held_buffers(self.chunks, optimizers=self._optimizers,
+                                         experts=None if self.expert_layout is None else not dense)
             plan, index = make_group_plan(
                 self.modules, self.rollout_chunks, spec, self.rollout_groups,
                 layers_per_stage=self.config.num_layers // lay.p, bucket_size_mb=self.bucket_size_mb,
-                held=held if dense else (), held_at=held_at if dense else {}, alignment=alignment,
-                tied=self._tied if dense else None, strided=weight_mode == "canonical")
+                held=held, held_at=held_at, alignment=alignment, tied=self._tied if dense else None,
+                strided=weight_mode == "canonical")
             self.plans[spec.name] = (plan, index)
             planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
-                                          device=self.device, held=held if dense and plan is not None else ())
+                                          device=self.device, held=held if plan is not None else ())
             if plan is not None:  # none when the rollout layout widens TP: every rank holds its rollout shard
                 self._executors.append(PlanExecutor(plan, index, self.rollout_groups, plane=spec.name,
                                                     training_params=self._train_params, device=self.device))

@@ -40,18 +40,25 @@ class CollectiveRecord:
 
 
 # ---- the exchange that makes the plan ----------------------------------------------------------------------
-def held_buffers(chunks: Sequence[torch.nn.Module], *, optimizers: list[Any]
+def held_buffers(chunks: Sequence[torch.nn.Module], *, optimizers: list[Any], experts: Optional[bool] = None
                  ) -> tuple[list[HeldBuffer], dict[int, tuple[int, int]]]:
     """Megatron DDP's parameter buffers of ``chunks`` (distributed optimizer), and id(parameter) -> (buffer index,
     offset in it). ``optimizers``: the optimizers whose shards view the buffers and move with them; read when a
-    buffer moves, so one appended later (``HybridEngine.close(optimizer=...)``) is moved too."""
+    buffer moves, so one appended later (``HybridEngine.close(optimizer=...)``) is moved too. ``experts``: only
+    the buffers of routed experts (True: DDP's expert-parallel buffers, over the expert data-parallel group) or
+    only the others (False); all with None."""
     held, at = [], {}
     for chunk in chunks:
         for buffer in compat.ddp_param_buffers(chunk):
+            offsets = compat.ddp_param_offsets(buffer)
+            # DDP keeps a routed expert's parameters (allreduce=False) in buffers of their own.
+            if experts is not None and any(getattr(p, "allreduce", True) is False for p in offsets) != experts:
+                continue
+
             def move(new, chunk=chunk, buffer=buffer):
                 compat.ddp_move_param_buffer(chunk, buffer, new, optimizers=optimizers)
 
-            for prm, offset in compat.ddp_param_offsets(buffer).items():
+            for prm, offset in offsets.items():
                 at[id(prm)] = (len(held), offset)
             held.append(HeldBuffer(lambda buffer=buffer: buffer.param_data, move))
     return held, at
@@ -145,8 +152,10 @@ def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence
         return None, index
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
                     for name, dt in DTYPES.items()}
+    # Routed experts: a bucket per layer, so that a rollout layer's experts are one strided view (grouped GEMMs).
     plan = build_group_plan(members, list(rollout_params), k=plane.k, q=plane.q, u=plane.u,
-                            bucket_numel=bucket_numel, alignment=alignment, tied=tied, strided=strided)
+                            bucket_numel=bucket_numel, alignment=alignment, tied=tied, strided=strided,
+                            bucket_per_layer=plane.name == "experts")
     return plan, index
 
 

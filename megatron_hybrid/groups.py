@@ -31,7 +31,10 @@ from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout
 #: model's: its rollout expert groups and the micro-EP groups its switch gathers expert tensors over) and
 #: ``stage`` (every rank of a rollout stage, megatron-core's tensor × data-parallel group) exist only with experts.
 KINDS = ("tp", "pp", "dp", "micro_dp", "cross_stage", "tied_embedding", "single", "stage", "ep", "expt_tp",
-         "tp_ep", "expt_dp", "micro_ep")
+         "tp_ep", "expt_dp", "micro_ep", "tp_ep_host")
+#: Kinds made with the gloo backend whatever the default is: host-side agreements (the generator's replicas of one
+#: expert-parallel group agree on each step's rows there, with no device sync).
+HOST_KINDS = ("tp_ep_host",)
 
 
 @dataclass
@@ -136,20 +139,28 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
         lists.update(stage=layout.rollout_stage_groups(grid), ep=ex.rollout_ep_groups(expert_grid),
                      expt_tp=ex.rollout_expt_tp_groups(expert_grid), tp_ep=ex.rollout_tp_ep_groups(expert_grid),
                      expt_dp=ex.rollout_expt_dp_groups(expert_grid), micro_ep=ex.micro_ep_groups(expert_grid))
+        if dist.get_backend() != "gloo":  # on gloo, tp_ep itself is a host group
+            lists["tp_ep_host"] = lists["tp_ep"]
     groups: dict[str, Any] = {}
     ranks: dict[str, list[int]] = {}
     by_ranks: dict[tuple[int, ...], Any] = {}
     # One group per distinct rank list (the lists are the same everywhere); the world group is one of them.
     created: dict[tuple[int, ...], Any] = {tuple(everyone): world}
     for kind in KINDS:
+        host = kind in HOST_KINDS
         for members in lists.get(kind, []):
             key = tuple(members)
-            if key not in created:
-                created[key] = compat.new_group(members, timeout=timeout)
+            if host:  # a gloo twin of a device group over the same ranks: not the group the plan names by ranks
+                group = compat.new_group(members, timeout=timeout, backend="gloo")
+            else:
+                if key not in created:
+                    created[key] = compat.new_group(members, timeout=timeout)
+                group = created[key]
             if me in members:
-                by_ranks[key] = created[key]
+                if not host:
+                    by_ranks[key] = group
                 if kind != "tied_embedding":
-                    groups[kind], ranks[kind] = created[key], list(members)
+                    groups[kind], ranks[kind] = group, list(members)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgc = ProcessGroupCollection()

@@ -240,7 +240,8 @@ def _align(n: int, alignment: int) -> int:
 
 def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q: int,
                      bucket_numel: Union[int, dict[str, int]], alignment: Optional[dict[str, int]] = None,
-                     tied: Optional[tuple[str, str]] = None, strided: bool = False, u: int = 1) -> GroupPlan:
+                     tied: Optional[tuple[str, str]] = None, strided: bool = False, u: int = 1,
+                     bucket_per_layer: bool = False) -> GroupPlan:
     """Plan the switch for one micro-DP group (or, for an MoE model's routed experts, one micro-EP group).
 
     ``members`` are ordered by global rank (the group-rank order of torch process groups); member j sits at
@@ -254,6 +255,9 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     (p_g = 1 < p): the last stage's output layer is a copy of the embedding, so its ranks receive no embedding;
     each embedding shard is broadcast to the other members only (the layout's ``tied_embedding_groups``).
     ``strided``: interleaved dim-0 shards get ``strided`` regions (canonical mode; see the module docstring).
+    ``bucket_per_layer``: one gather bucket per layer, whatever its size (routed experts: a layer's experts then lie
+    at one stride across the members' slots, each expert's weights after the previous one's, so the rollout
+    layer's experts are one strided 3-D view for a grouped GEMM).
     """
     if len(members) != k * q * u:
         raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q} × {u}")
@@ -319,8 +323,10 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
             # Padded to whole granules, so that the region's pages are its own (released with it).
             offsets[p.dtype] = reg.offset + _align(reg.numel, (alignment or {}).get(p.dtype, 1))
         even = {j: [p for i, p in enumerate(ps) if i not in direct] for j, ps in even.items()}
-    _bucketed(even, bucket_numel, lambda dtype, per: add_region(dtype, RegionKind.GATHER, everyone, per),
-              alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)))
+    _bucketed(even, None if bucket_per_layer else bucket_numel,
+              lambda dtype, per: add_region(dtype, RegionKind.GATHER, everyone, per),
+              alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)),
+              group=(lambda p: _pair_key(p, members[0].layers_per_stage)[:2]) if bucket_per_layer else None)
 
     if q > 1:
         # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.
@@ -417,20 +423,26 @@ def _stacks_whole(p: ParamInfo, k: int, alignment: int) -> bool:
             and p.numel * k >= STACKED_MIN_NUMEL)
 
 
-def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[int, dict[str, int]], emit, *,
-              alone=lambda p: False) -> None:
+def _bucketed(per_member: dict[int, list[ParamInfo]], bucket_numel: Union[None, int, dict[str, int]], emit, *,
+              alone=lambda p: False, group=None) -> None:
     """Split each member's (corresponding) lists into dtype-homogeneous buckets of about ``bucket_numel``; a
-    parameter for which ``alone`` holds gets a bucket of its own."""
+    parameter for which ``alone`` holds gets a bucket of its own. With ``group``, a bucket also ends where
+    ``group(parameter)`` changes (and ``bucket_numel`` None: only there)."""
     first = next(iter(per_member))
     n = len(per_member[first])
     dtypes = sorted({p.dtype for p in per_member[first]})
     for dtype in dtypes:
         idx = [i for i in range(n) if per_member[first][i].dtype == dtype]
         limit = bucket_numel[dtype] if isinstance(bucket_numel, dict) else bucket_numel
+        if limit is None:
+            limit = float("inf")
         start = 0
         while start < len(idx):
             end, total = start, 0
             while end < len(idx) and (end == start or total + per_member[first][idx[end]].numel <= limit):
+                if group is not None and end > start and \
+                        group(per_member[first][idx[end]]) != group(per_member[first][idx[end - 1]]):
+                    break
                 if alone(per_member[first][idx[end]]) and end > start:
                     break  # ends the bucket before it; it is a bucket of its own next
                 total += per_member[first][idx[end]].numel

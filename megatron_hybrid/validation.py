@@ -106,12 +106,11 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
                                      ") on blocks; use weight_mode='canonical' for this model")
 
 
-def check_experts(chunks: Sequence[torch.nn.Module], modules: Sequence[torch.nn.Module], layout: ParallelLayout,
-                  rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]], held: bool,
+def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
+                  rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]],
                   world_size: int) -> Optional[ExpertLayout]:
     """An MoE model's expert layout (``None`` for a dense model) against the rollout layout, the world and the
-    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model; ``held``: whether
-    DDP holds the parameters in buffers of its own (the distributed optimizer)."""
+    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model."""
     config = modules[0].config
     if config.num_moe_experts is None:
         if rollout.expert_model_parallel_size != 1:
@@ -129,9 +128,6 @@ def check_experts(chunks: Sequence[torch.nn.Module], modules: Sequence[torch.nn.
     if layout.widens:
         raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
                          f"({layout.t}) is not supported for MoE models")
-    if held:
-        raise ValueError("the distributed optimizer (Megatron DDP's parameter buffers) is not supported for MoE "
-                         "models by the HybridEngine yet; use the plain optimizer")
     lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
     if config.num_moe_experts % lay.e_g:
         raise ValueError(f"rollout expert_model_parallel_size ({lay.e_g}) must divide num_moe_experts "

@@ -14,7 +14,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from tests.moe_generation_cases import VOCAB, prompts_for, recompute_greedy
+
 SEQ, BATCH, LR, NUM_TOKEN_SETS = 8, 2, 0.1, 8
+PROMPTS_PER_RANK, NEW_TOKENS = 2, 6
 
 
 def moe_arch(**overrides):
@@ -60,7 +63,14 @@ def reference_case(arch_kw: dict) -> dict:
             for name, t in list(model.named_parameters()) + _weight_buffers(model):
                 t.copy_(state[name])
             out[key] = [model(*token_set(s), None).float() for s in range(NUM_TOKEN_SETS)]
+    # Full-recompute greedy decoding of the stepped model, for each training DP rank's prompts.
+    out["greedy_stepped"] = [recompute_greedy(model, rank_prompts(dp), NEW_TOKENS) for dp in range(8)]
     return out
+
+
+def rank_prompts(dp_rank: int) -> list[list[int]]:
+    """Training DP rank ``dp_rank``'s prompts."""
+    return prompts_for(700 + dp_rank, PROMPTS_PER_RANK)
 
 
 def _shard_of(full: torch.Tensor, spec, rank: int, size: int) -> torch.Tensor:
@@ -184,6 +194,18 @@ def moe_engine_case(arch_kw: dict, rollout_kw: dict, ref: dict, *, sequence_para
                              rollout_logits=rollout_logits)
             engine.switch_to_training()
             res[when]["peer_bytes_after"] = engine.placement.report()["peer_bytes_mapped"]
+        # Greedy generation on the rollout layout (this training rank's prompts), stepped weights.
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        params = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
+        results = engine.generate(rank_prompts(ps.get_data_parallel_rank()), params, vocab_size=VOCAB)
+        res["generated"] = [r.generated_tokens for r in results]
+        res["dp_rank"] = ps.get_data_parallel_rank()
+        # Which expert path each MoE layer of the rollout model took: grouped GEMMs over strided 3-D views of its
+        # experts' weights, or expert by expert.
+        res["paths"] = [m.experts_path().__name__ for m in engine.rollout_chunks[0].modules()
+                        if hasattr(m, "experts_path")]
+        engine.switch_to_training()
         res["missing"] = _missing_bytes(engine)
         res["expert_layout"] = engine.expert_layout
         res["expert_numel"] = sum(prm.numel() for name, _, prm in named_weights(engine.modules) if is_expert(name))
@@ -240,3 +262,83 @@ def moe_bad_input_cases(rollout_kws: list[dict]) -> list[str]:
         compat.megatron_expert_groups = groups
         for n, f in saved.items():
             setattr(dist, n, f)
+
+
+def _full_state(chunks) -> dict[str, torch.Tensor]:
+    """Every training weight as a full tensor by global name (routed experts by global index), on every rank: the
+    ranks' shards, gathered over the world as objects (tiny models only)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid.binding import named_weights
+    from megatron_hybrid.sharding import TPSpec, is_expert, unshard
+
+    mine = {}
+    for name, _, t in named_weights(chunks):
+        rank = ps.get_expert_tensor_parallel_rank() if is_expert(name) else ps.get_tensor_model_parallel_rank()
+        mine[name] = (rank, t.detach().clone(), TPSpec.of(t))
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    shards: dict[str, dict[int, tuple[torch.Tensor, Any]]] = {}
+    for part in parts:
+        for name, (rank, t, spec) in part.items():
+            shards.setdefault(name, {})[rank] = (t, spec)
+    return {name: unshard([s[r][0] for r in sorted(s)], next(iter(s.values()))[1]) for name, s in shards.items()}
+
+
+def moe_distopt_case(mode: str, rollout_kw: dict, steps: int = 3) -> dict[str, Any]:
+    """An MoE actor in Megatron DDP with the distributed optimizer (Adam): ``steps`` updates without the engine,
+    then the same updates through it (a switch to rollout and back after every ``step()``). Returns whether losses
+    and parameters are the same bits, the rollout tensors that differ from each step's training weights, and the
+    bytes received (all, experts)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from tests.distopt_cases import train_step
+
+    def build():
+        torch.manual_seed(1234)
+        model_parallel_cuda_manual_seed(1234)
+        arch = moe_arch()
+        config = arch.transformer_config(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1)  # megatron-core's MoE asks for it
+        config.finalize_model_grads_func = finalize_model_grads
+        stage = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, bucket_size=1500), stage)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0,
+                                                           use_distributed_optimizer=True), [model])
+        return model, optimizer
+
+    model, optimizer = build()
+    ref_losses, ref_states = [], []
+    for s in range(steps):
+        ref_losses.append(train_step(model, optimizer, s))
+        ref_states.append(_full_state([compat.unwrap_model(model)]))
+    del model, optimizer
+
+    model, optimizer = build()
+    engine = HybridEngine(model, RolloutLayout(**rollout_kw), weight_mode=mode, bucket_size_mb=0.01,
+                          optimizer=optimizer)
+    buffers = compat.ddp_param_buffers(model)
+    spans = engine.placement.spans()
+    inside = [any(lo <= b.param_data.data_ptr() < hi for lo, hi in spans) for b in buffers]
+    losses, mismatches, moved = [], [], []
+    for s in range(steps):
+        losses.append(train_step(model, optimizer, s))
+        engine.switch_to_rollout()
+        report = engine.communication_report()
+        moved.append((report["total_bytes"], report["expert_bytes"]))
+        mismatches.append(_rollout_mismatches(engine, ref_states[s]))
+        engine.switch_to_training()
+    params_differ = sorted(n for n, t in _full_state([compat.unwrap_model(model)]).items()
+                           if not torch.equal(t, ref_states[-1][n]))
+    engine.close()
+    return {"losses_equal": losses == ref_losses, "params_differ": params_differ, "mismatches": mismatches,
+            "moved": moved, "inside": inside, "num_buffers": len(buffers)}

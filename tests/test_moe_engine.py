@@ -5,7 +5,9 @@ Checked on every rank against the unsharded model (one rank, the same seeded wei
 the rank's rollout shard of the full tensor bit for bit (a routed expert by its global index); rollout and
 training logits equal the unsharded model's; the bytes received equal the rollout shard minus what the rank's
 own training tensors hold (counted by name), and the expert bytes (micro-EP size − 1) × the rank's own expert
-bytes; in aliased mode the only memory mapped while rolling out is the peers' slots, and none while training.
+bytes; in aliased mode the only memory mapped while rolling out is the peers' slots, and none while training;
+greedy KV-cache generation through the engine (replicas of one rollout EP group in lockstep) equals the unsharded
+model's full-recompute greedy decoding.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def test_moe_switch_is_exact_and_moves_only_missing_bytes(name):
                     assert rep["canonical_bytes_mapped"] == 0, (ctx, rep)
                 assert rep["rollout_memory_bytes_mapped"] == 0 and got["peer_bytes_after"] == 0, (ctx, rep)
             assert res["second"]["report"] == res["first"]["report"], (r["rank"], mode)
+            # Greedy KV-cache generation on the rollout layout = full recompute by the unsharded stepped model.
+            assert res["generated"] == ref["greedy_stepped"][res["dp_rank"]], (r["rank"], mode)
+            # Grouped GEMMs wherever a rollout layer's experts are one strided view: always in canonical mode (one
+            # bucket per layer, or rebuilt back to back); in aliased mode unless the experts are expert-TP blocks.
+            grouped = mode == "canonical" or et == et_g
+            assert set(res["paths"]) == {"grouped_experts" if grouped else "sequential_experts"}, (r["rank"], mode)
 
 
 _BAD = [
@@ -108,3 +116,20 @@ def test_bad_expert_layouts_are_value_errors_before_any_collective():
         from megatron_hybrid import RolloutLayout
 
         RolloutLayout(1, 1, **_BAD[-1][0])
+
+
+def test_distributed_optimizer_buffers_are_the_own_slots_of_both_planes():
+    """DDP with the distributed optimizer keeps a routed expert's parameters in buffers of their own (over the
+    expert data-parallel group): each buffer moves, whole, into the own slot of its plane's gather (dense over the
+    micro-DP group, experts over the micro-EP group). 2 Adam steps through the engine equal 2 without it, bit for
+    bit, and each switch's rollout tensors are that step's training weights. (Aliased mode: the planes' held
+    regions are mode-independent; canonical mode only rebuilds from them, as with the dense distributed optimizer
+    in test_distopt.)"""
+    rollout = dict(expert_model_parallel_size=1)  # (t, p, e) = (2, 1, 2) on 4 ranks -> (1, 1, 1)
+    results = run_distributed(cases.moe_distopt_case, 4, "aliased", rollout, steps=2, tensor_model_parallel_size=2,
+                              expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["params_differ"] == [], (rank, r)
+        assert r["mismatches"] == [[]] * 2, (rank, r["mismatches"])
+        assert r["num_buffers"] == 2 and all(r["inside"]), (rank, r)  # a dense and an expert buffer, both moved
+        assert all(expert > 0 and total > expert for total, expert in r["moved"]), (rank, r["moved"])

@@ -92,8 +92,9 @@ class RolloutGenerator:
         self.memory = engine.rollout_memory
         self.config = config if config is not None else GenerationConfig()
         tp, pp = self.groups.groups["tp"], self.groups.groups["pp"]
+        # An MoE model's replicas of one expert-parallel group step in lockstep, agreeing over its gloo twin.
         self.replica = ReplicaGenerator(chunks[0], tp_group=tp, pp_group=pp, config=self.config, memory=self.memory,
-                                        groups=self.groups)
+                                        groups=self.groups, lockstep_group=self.groups.groups.get("tp_ep_host"))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0,
