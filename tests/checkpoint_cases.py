@@ -217,6 +217,9 @@ def moe_load_case(directory: str) -> dict:
     models = _moe_models()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        state = rl.load_checkpoint(directory, models)
+        try:
+            state = rl.load_checkpoint(directory, models)
+        except ValueError as e:
+            return {"error": str(e)}
     return {"state": state, "warnings": [str(w.message) for w in caught if "--load" in str(w.message)],
             **_moe_snapshot(models)}

@@ -438,10 +438,6 @@ def _validate_experts(args: argparse.Namespace, *, data_parallel_size: int) -> N
         # megatron-core's MoELayer refuses to train at TP > 1 without it, and Megatron-LM asks for the flag.
         raise ValueError(f"a mixture of experts (--num-experts {args.num_experts}) at --tensor-model-parallel-size "
                          f"({t}) > 1 needs --sequence-parallel (as in Megatron-LM)")
-    if args.use_distributed_optimizer and not args.no_hybrid_rollout:
-        raise ValueError("--use-distributed-optimizer with a mixture of experts (--num-experts "
-                         f"{args.num_experts}) is not supported by the HybridEngine yet; leave it out or pass "
-                         "--no-hybrid-rollout")
 
 
 def _validate_data_and_rewards(args: argparse.Namespace) -> None:

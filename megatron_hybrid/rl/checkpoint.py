@@ -425,6 +425,21 @@ def check_checkpoint(directory: str, names: Optional[list[str]] = None) -> dict[
     return manifest
 
 
+def _check_expert_optimizers(it: str, saved_layout: list[int], models: Mapping[str, Checkpointed]) -> None:
+    """``ValueError`` when a trained MoE model's optimizer was saved with expert parallelism and is loaded without
+    it, or the other way round: megatron-core (0.16.1) gives the routed experts an optimizer of their own only at
+    EP > 1 (at EP = 1 they are ordinary data-parallel parameters), so the saved optimizer's structure (a
+    ``ChainedOptimizer`` of one or two) does not match."""
+    saved_ep = saved_layout[3] if len(saved_layout) > 3 else 1
+    ep = megatron_expert_ranks()[1]
+    moe = [name for name, m in models.items() if isinstance(m, TrainedModel)
+           and unwrap_model(m.model).config.num_moe_experts is not None]
+    if moe and (saved_ep > 1) != (ep > 1):
+        raise ValueError(f"--load: {it} holds the optimizer of {', '.join(moe)} at expert-parallel size {saved_ep}; "
+                         f"megatron-core keeps the experts' optimizer apart only at sizes > 1, so it cannot be "
+                         f"loaded at expert-parallel size {ep}: resume at a size {'> 1' if saved_ep > 1 else 'of 1'}")
+
+
 @recorded("load")
 def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[str, Any]:
     """Load the latest iteration in ``directory`` into ``models`` (in place: parameters, and for a
@@ -444,6 +459,7 @@ def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[
     # in dist_checkpointing.load's collectives.
     try:
         it, manifest = _manifest(directory, names)
+        _check_expert_optimizers(it, manifest["layout"], models)
         same_layout = manifest["layout"] == _layout()
         _verify(it, manifest, _verified_by(manifest["files"], rank, dist.get_world_size(), rng=same_layout))
         if same_layout:
