@@ -14,6 +14,8 @@ TP=2 × DP=2 and generate with TP=1 (a real layout change every step):
         --rollout-tensor-model-parallel-size 2 --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
         --prompt-file prompts.txt --reward-fn my_rewards:score --bf16 --lr-warmup-iters 5 --log-dir runs/ppo
     torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --pretrained-checkpoint qwen-mcore --export-hf qwen-rl
+    torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --pretrained-checkpoint qwen3-moe-mcore \
+        --sequence-parallel --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-3 --export-hf qwen3-moe-rl
     torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --use-distributed-optimizer --sequence-parallel \\
         --overlap-grad-reduce --overlap-param-gather
     python examples/tasks/arithmetic.py --output-dir data && torchrun --nproc_per_node 4 examples/ppo/train_ppo.py \\

@@ -9,7 +9,10 @@ optimizer (``--load`` resumes a run).
 
 Out: :func:`export_hf` goes through the converter's own format. Every rank of data-parallel replica 0 writes its
 stage's tensor-parallel shard, under its stage's names, into a Megatron checkpoint in a hidden directory next to
-the target (``release/mp_rank_TT[_PPP]/model.safetensors`` plus the metadata, at the training TP/PP); rank 0 then
+the target (``release/mp_rank_TT[_PPP]/model.safetensors`` plus the metadata, at the training TP/PP); with
+experts, every rank of expert-data-parallel replica 0 writes its routed experts (its local expert numbers, its
+expert-TP shard) into ``release/mp_rank_UU_PPP_EEE/`` (an expert-parallel group may span data-parallel replicas,
+so these are other ranks than the dense files'; each file has one writer); rank 0 then
 runs the converter's :func:`~megatron_hybrid.convert.megatron_to_hf` on it, which reassembles the shards band by
 band (no rank ever holds the whole model) and applies the family's tensor mapping, and renames the result onto the
 target. A failure on any rank raises on every rank and leaves no partial export behind.
