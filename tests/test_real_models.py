@@ -223,7 +223,7 @@ def test_ppo_on_an_moe_actor_and_critic_trunk(moe_model, tmp_path):
     _, mg = moe_model
     argv = ["--pretrained-checkpoint", str(mg), "--tensor-model-parallel-size", "1",
             "--expert-model-parallel-size", "2", "--rollout-expert-model-parallel-size", "1",
-            "--moe-aux-loss-coeff", "1e-2", "--algorithm", "ppo", "--reward-type", "target-token",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-router-load-balancing-type", "aux_loss", "--algorithm", "ppo", "--reward-type", "target-token",
             "--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "4", "--prompt-length", "4",
             "--max-new-tokens", "4", "--ppo-epochs", "1", "--lr", "1e-2"]
     metrics = run_distributed(ppo_cases.run_main, 2, argv, str(tmp_path / "logs"), expert_model_parallel_size=2)[0]
@@ -231,6 +231,30 @@ def test_ppo_on_an_moe_actor_and_critic_trunk(moe_model, tmp_path):
     for key in ("pg_loss", "vf_loss", "load_balancing_loss", "critic_load_balancing_loss", "actor_grad_norm",
                 "critic_grad_norm"):
         assert all(math.isfinite(v) for m in metrics for v in m[key]), key
+
+
+def test_moe_flags_come_from_the_checkpoint(moe_model, models):
+    _, mg = moe_model
+    pre = ("--pretrained-checkpoint", str(mg), "--tensor-model-parallel-size", "1",
+           "--expert-model-parallel-size", "2")
+    args = _validated(*pre, "--moe-layer-freq", "[1,0]", "--moe-aux-loss-coeff", "0.01")  # agreeing; a setting
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.moe_layer_freq,
+            args.moe_router_pre_softmax, args.moe_aux_loss_coeff, args.moe_router_load_balancing_type) == \
+        (4, 2, 32, [1, 0], False, 0.01, "none")  # Qwen3-MoE's HF config asks for no router logits: no balancing
+    for flag, value, stored in (("--num-experts", "8", "4"), ("--moe-layer-freq", "1", "[1, 0]"),
+                                ("--moe-router-pre-softmax", None, "False")):
+        with pytest.raises(ValueError) as e:
+            _validated(*pre, flag, *([value] if value else []))
+        assert str(e.value) == (f"{flag} ({value or True}) contradicts --pretrained-checkpoint {str(mg)!r}, whose "
+                                f"model has {stored}; leave the flag out to take the checkpoint's")
+    _, dense = models["llama"]
+    with pytest.raises(ValueError, match=r"^--num-experts \(4\) contradicts .*, whose model has None"):
+        _validated("--pretrained-checkpoint", str(dense), "--num-experts", "4")
+    with pytest.raises(ValueError) as e:
+        _validated("--pretrained-checkpoint", str(dense), "--moe-router-topk", "2", "--expert-model-parallel-size",
+                   "2")
+    assert str(e.value) == (f"--moe-router-topk, --expert-model-parallel-size (2): for a mixture of experts, and "
+                            f"the model is dense (--pretrained-checkpoint {str(dense)!r} has no experts)")
 
 
 # ---- errors, before any collective ---------------------------------------------------------------------------
@@ -243,7 +267,7 @@ def test_ppo_on_an_moe_actor_and_critic_trunk(moe_model, tmp_path):
      "--untie-embeddings-and-output-weights (True) contradicts --pretrained-checkpoint '{mg}', whose model has "
      "False"),
     (["--pretrained-checkpoint", "{mg}", "--hidden-size", "64", "--swiglu", "--tensor-model-parallel-size", "3"],
-     "must divide num_attention_heads (4)"),
+     "--tensor-model-parallel-size (3) must divide --num-attention-heads (4)"),
     (["--export-hf", "out"], "--export-hf ('out') needs --pretrained-checkpoint"),
     (["--pretrained-checkpoint", "{mg}", "--export-hf-interval", "2"], "--export-hf-interval (2) needs --export-hf"),
     (["--pretrained-checkpoint", "{mg}", "--export-hf", "{mg}/x"], "must not contain one another"),

@@ -428,9 +428,9 @@ def _validate_experts(args: argparse.Namespace, *, data_parallel_size: int) -> N
         raise ValueError(f"--rollout-expert-model-parallel-size ({e_g}) must divide --expert-model-parallel-size "
                          f"({e}): a rollout rank's experts are those of whole training EP ranks")
     if et % et_g:
-        raise ValueError(f"--rollout-expert-tensor-parallel-size ({et_g}"
-                         f"{'' if args.rollout_expert_tensor_parallel_size else ', from --rollout-tensor-model-parallel-size'}"
-                         f") must divide --expert-tensor-parallel-size ({et})")
+        default = "" if args.rollout_expert_tensor_parallel_size else ", from --rollout-tensor-model-parallel-size"
+        raise ValueError(f"--rollout-expert-tensor-parallel-size ({et_g}{default}) must divide "
+                         f"--expert-tensor-parallel-size ({et})")
     if t_g > t:  # megatron_hybrid.validation.check_experts: the HybridEngine does not widen TP for experts
         raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) > --tensor-model-parallel-size ({t}) is not "
                          "supported for a mixture of experts")

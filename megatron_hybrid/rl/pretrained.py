@@ -65,8 +65,8 @@ MODEL_FLAGS: dict[str, Callable[[GPTArchitecture], Any]] = {
     "untie_embeddings_and_output_weights": lambda a: a.untie_embeddings_and_output_weights,
     "max_position_embeddings": lambda a: a.max_position_embeddings,
     "make_vocab_size_divisible_by": lambda a: a.make_vocab_size_divisible_by,
-    # A mixture of experts (compared and filled only when the checkpoint has experts; on a dense one these flags
-    # are refused by validate_args as expert flags on a dense model).
+    # A mixture of experts (the moe_ flags compared and filled only when the checkpoint has experts; on a dense one
+    # validate_args refuses them as expert flags on a dense model).
     "num_experts": lambda a: a.num_experts,
     "moe_router_topk": lambda a: a.moe_router_topk,
     "moe_ffn_hidden_size": lambda a: a.moe_ffn_hidden_size or a.ffn_hidden_size or 4 * a.hidden_size,
@@ -120,7 +120,7 @@ def model_args_from_checkpoint(args: argparse.Namespace) -> None:
     ckpt = _open_checkpoint(directory)
     arch = ckpt.architecture
     for name, of in MODEL_FLAGS.items():
-        if arch.num_experts is None and name.startswith(("num_experts", "moe_")):
+        if arch.num_experts is None and name.startswith("moe_"):
             continue
         given, stored = getattr(args, name), of(arch)
         if name == "moe_layer_freq" and given is not None:  # 1 and [1, 1] are the same layers
