@@ -10,13 +10,15 @@
 #                 parameters, initialised on the GPU), greedy, 128-token prompts, 128 new tokens, batch 32 and 128,
 #                 3 timed calls after 1 warm-up (which captures the graphs); then megatron's forward over the finished
 #                 sequences for the experts the batches routed to                                      ~100 s, limit 240
-#   transformers  Qwen3MoeForCausalLM.generate, the same shape, 1 timed call after 1 warm-up per batch   ~60 s, limit 150
+#   transformers  Qwen3MoeForCausalLM.generate, the same shape, 1 timed call after 1 warm-up per batch
+#                                                                                                        ~60 s, limit 150
 #   roofline      the device's copy bandwidth, bytes read per decode step (the distinct experts: ours' measurement);
 #                 prints the three methods side by side and the issue's targets                          ~15 s, limit 45
 # At most 9 minutes in all. Returns steps.txt, generate_moe_h200.json (every row; each step appends its own),
 # gpu_moe_generation_h200.json and logs.tgz (every step's output, refreshed after each step: a run cut short still
-# returns its logs). STEPS="ours roofline" runs a subset; GEN_ARGS adds arguments to every bench/generate.py call;
-# SHAPE=cpu-tiny-moe GEN_ARGS=--smoke STEPS="ours transformers roofline" runs the script's steps on a CPU in a minute.
+# returns its logs). STEPS="ours roofline" runs a subset, STEPS="kernels gpu_moe ..." adds the kernels' tests (~40 s);
+# GEN_ARGS adds arguments to every bench/generate.py call; SHAPE=cpu-tiny-moe LAYERS=2 GEN_ARGS=--smoke
+# STEPS="ours transformers roofline" runs the script's steps on a CPU in a minute or two.
 set -u
 OUT=${OUT:-/tmp/out}
 LAYERS=${LAYERS:-8}
@@ -27,7 +29,8 @@ ln -sfn "$PWD/patches" megatron_hybrid/patches
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/logs/gpus.txt"
 python3 -c "import torch, triton, transformers, megatron.core as m; print('torch', torch.__version__, 'triton',
-triton.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)" >> "$OUT/logs/gpus.txt" 2>&1
+triton.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)" \
+  >> "$OUT/logs/gpus.txt" 2>&1
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -39,6 +42,7 @@ RESULTS="$OUT/generate_moe_h200.json"
 GEN="python3 bench/generate.py --shape $SHAPE --layers $LAYERS --batch 32 128 --prompt-len 128 --new-tokens 128"
 for s in ${STEPS:-gpu_moe ours transformers roofline}; do
   case $s in
+    kernels) step kernels 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py ;;  # not by default
     gpu_moe) step gpu_moe 90 python3 tests/gpu_moe_generation.py --output "$OUT/gpu_moe_generation_h200.json" ;;
     ours) step ours 240 $GEN --methods ours --variants greedy --graph-pool-gib 8 --append --out "$RESULTS" \
         ${GEN_ARGS:-} ;;
