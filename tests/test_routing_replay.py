@@ -1,0 +1,64 @@
+"""Routing replay (issue 24 item 8, acceptance 6): the generator records every token's top-k experts per MoE layer
+(GenerationConfig.record_routing), and the training passes replay them through megatron-core's RouterReplay
+(--moe-enable-routing-replay), counting the tokens routed differently from the rollout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests import routing_replay_cases as cases
+from tests.harness import run_distributed
+
+# The acceptance test's tiny MoE (bf16): 32 experts, top-4, so that the 4th and 5th router logits of some tokens lie
+# close enough for the layouts' different reduction orders to swap them; weights at std 0.1 so that a swapped expert
+# shows in the log-probs.
+ARCH = dict(num_experts=32, moe_router_topk=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, init_method_std=0.1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(mixed=32), dict(bucketed=True)], ids=["eager", "mixed", "graph_buckets"])
+def test_record_equals_full_forward_routing(kw):
+    # Greedy fp32 generation with refills (7 prompts through 3 slots) and stop tokens; mixed: prompts ride along
+    # decode steps; graph_buckets: steps rounded to graph buckets, padded rows in the spare slot, slots compacted.
+    # Each record row is the experts megatron's routers chose for that token in a full forward over prompt +
+    # response (the last generated token never ran); dense layer 1 has none.
+    (r,) = run_distributed(cases.record_case, 1, dict(moe_layer_freq=[1, 0, 1], num_layers=3), count=7, slots=3,
+                           **kw)
+    assert r["generated"] == r["reference"]
+    assert r["dtype"] == "torch.int16"
+    for rec, exp, gen_tokens, in zip(r["records"], r["expected"], r["generated"]):
+        assert rec.shape == exp.shape and rec.shape[1:] == (2, 2), (rec.shape, exp.shape)
+        assert (rec == exp).all(), (rec, exp)
+
+
+def test_replay_routes_training_as_the_rollout_did():
+    r0, r1 = run_distributed(cases.replay_case, 2, ARCH, count=8, new_tokens=12, seed=3,
+                             micro_batch_size=3, tensor_model_parallel_size=2)
+    print({k: r0[k] for k in ("plain", "replay")})
+    assert r0 == r1  # TP ranks: the same metrics
+    plain, replay = r0["plain"], r0["replay"]
+    assert all(shape[0] == n - 1 for shape, n in zip(r0["record_shapes"], r0["lengths"]))
+    # Without replay: the training layout (TP=2: other reduction orders, bf16) routes some tokens elsewhere.
+    assert plain["log_prob_pass"]["moe/routing_mismatch_tokens"] > 0
+    assert plain["log_prob_pass"]["moe/router_choice_mismatch_tokens"] == \
+        plain["log_prob_pass"]["moe/routing_mismatch_tokens"]
+    # With replay: every recorded token routed as in the rollout, in the log-prob pass and in the training pass.
+    for p in ("log_prob_pass", "update_pass"):
+        assert replay[p]["moe/routing_mismatch_tokens"] == 0.0, replay
+        assert replay[p]["moe/routing_recorded_tokens"] == plain[p]["moe/routing_recorded_tokens"] > 0
+    assert replay["mismatch"]["rollout_mismatch/logp_abs_diff_mean"] < \
+        plain["mismatch"]["rollout_mismatch/logp_abs_diff_mean"]
+    for run in (plain, replay):
+        assert run["losses"] and all(math.isfinite(x) for x in run["losses"])
+        assert run["grads"] > 0 and run["finite_grads"]
+
+
+def test_flag_needs_an_moe_model():
+    import argparse
+
+    from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
+
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(["--moe-enable-routing-replay"])
+    with pytest.raises(ValueError, match="--moe-enable-routing-replay needs an MoE model"):
+        validate_args(args, 4)  # no process group exists: a usage error, before any
