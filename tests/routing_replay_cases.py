@@ -10,38 +10,57 @@ from tests import moe_generation_cases as gen
 VOCAB = gen.VOCAB
 
 
-def _router_topk(model, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Per sequence, ``[len, M, k]``: every MoE layer's top-k experts of each token in a full forward of the one-
-    stage ``model`` over the right-padded sequences (megatron's routers, read by forward hooks)."""
-    from megatron.core.transformer.moe.router import TopKRouter
+def _router_topk(model, seqs: list[list[int]]) -> dict[int, list[torch.Tensor]]:
+    """This stage's MoE layers in a forward of ``model`` (every stage runs it) over the right-padded ``seqs``: per
+    layer ordinal among the model's MoE layers, per sequence, ``[len, k]``: the experts megatron's router chose for
+    each token (read by forward hooks from its routing map), ascending."""
+    from megatron.core import parallel_state as ps
 
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    from megatron_hybrid.forward import pipeline_forward
+    from megatron_hybrid.rl.routing import moe_routers
+
+    routers = moe_routers(model)
     width = max(len(s) for s in seqs)
     tokens = torch.zeros(len(seqs), width, dtype=torch.long)
     for row, s in enumerate(seqs):
         tokens[row, : len(s)] = torch.tensor(s)
-    maps: list[torch.Tensor] = []
-    handles = [r.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach())) for r in routers]
+    maps: dict[int, torch.Tensor] = {}
+
+    def capture(ordinal):
+        return lambda module, args, out: maps.__setitem__(ordinal, out[1].detach())
+
+    handles = [router.register_forward_hook(capture(ordinal)) for ordinal, router in routers]
     try:
         with torch.no_grad():
-            model(tokens, torch.arange(width).expand(len(seqs), -1), None)
+            pipeline_forward(model, ps.get_pipeline_model_parallel_group(), tokens,
+                             torch.arange(width).expand(len(seqs), -1))
     finally:
         for h in handles:
             h.remove()
-    k = routers[0].topk
-    # routing_map [S*B, E] (sequence-major) -> the k experts of each token, ascending
-    experts = [m.view(width, len(seqs), -1).transpose(0, 1).float().topk(k, dim=-1).indices.sort(-1).values
-               for m in maps]
-    per_seq = torch.stack(experts, dim=2)  # [B, S, M, k]
-    return [per_seq[b, : len(s)] for b, s in enumerate(seqs)]
+    out = {}
+    for ordinal, router in routers:  # routing map [S*B, E] (sequence-major) -> each token's k experts
+        experts = maps[ordinal].view(width, len(seqs), -1).transpose(0, 1).float().topk(router.topk, dim=-1)
+        out[ordinal] = [experts.indices.sort(-1).values[b, : len(s)] for b, s in enumerate(seqs)]
+    return out
+
+
+def _compared(results, model) -> dict:
+    """The records (experts ascending) of this stage's MoE layers against :func:`_router_topk` of prompt + response
+    without its last token (never an input)."""
+    seqs = [r.prompt_tokens + r.generated_tokens[:-1] for r in results]
+    expected = _router_topk(model, seqs)
+    records = [r.routed_experts.sort(-1).values for r in results]
+    return {"shapes": [tuple(r.shape) for r in records], "lengths": [len(s) for s in seqs],
+            "layers": sorted(expected), "dtype": str(results[0].routed_experts.dtype),
+            "differ": sum(int((rec[:, m] != exp).any(-1).sum()) for m, per_seq in expected.items()
+                          for rec, exp in zip(records, per_seq)),
+            "unfilled": sum(int((rec < 0).sum()) for rec in records)}
 
 
 def record_case(arch_kw: dict, *, count: int, slots: int, mixed: int = 0, bucketed: bool = False) -> dict:
     """One rank: greedy generation with ``record_routing`` (refills, stop tokens; ``mixed``: prompts riding along
     decode steps; ``bucketed``: the graph-step path, slots compacted), the records against the routers of a full
-    forward over each prompt + response (all but its last token)."""
-    import dataclasses
-
+    forward over each prompt + response."""
     from megatron.core.inference.sampling_params import SamplingParams
 
     torch.manual_seed(3)
@@ -51,19 +70,34 @@ def record_case(arch_kw: dict, *, count: int, slots: int, mixed: int = 0, bucket
     prompts = gen.prompts_for(500, count)
     reference = gen.recompute_greedy(model, prompts, gen.NEW_TOKENS)
     stops = gen.stop_tokens(reference)
-    generator = gen._generator(model, slots, mixed, bucketed=bucketed)
-    generator.config = dataclasses.replace(generator.config, record_routing=True)
-    generator.runner.config = generator.config
-    generator.runner.records_routing = True
+    generator = gen._generator(model, slots, mixed, bucketed=bucketed, record_routing=True)
     params = SamplingParams(top_k=1, num_tokens_to_generate=gen.NEW_TOKENS)
     results = generator.generate(prompts, params, vocab_size=VOCAB, stop_token_ids=stops)
-    seqs = [r.prompt_tokens + r.generated_tokens[:-1] for r in results]
-    expected = _router_topk(model, seqs)
-    report = generator.report()
     generator.close()
     return {"generated": [r.generated_tokens for r in results], "reference": gen.truncated(reference, stops),
-            "records": [r.routed_experts.sort(-1).values for r in results], "expected": expected,
-            "dtype": str(results[0].routed_experts.dtype), "report": report}
+            **_compared(results, model)}
+
+
+def pipeline_record_case(arch_kw: dict, *, count: int) -> dict:
+    """Two pipeline stages (the harness's PP=2), greedy generation on the stage models themselves
+    (``generate_with_model``) with ``record_routing``: every rank's records hold every MoE layer; each stage checks
+    its own layers' columns against its routers in a pipeline forward."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid.inference import GenerationConfig, generate_with_model
+
+    torch.manual_seed(3)
+    model = gen.moe_arch(**arch_kw).build(pipeline_model_parallel_size=2, pre_process=ps.is_pipeline_first_stage(),
+                                          post_process=ps.is_pipeline_last_stage())
+    model.eval()
+    prompts = gen.prompts_for(500, count)
+    config = GenerationConfig(max_batch_size=3, max_sequence_length=gen.MAX_LEN, cuda_graphs=False,
+                              record_routing=True)
+    results = generate_with_model(model, prompts, SamplingParams(top_k=1, num_tokens_to_generate=gen.NEW_TOKENS),
+                                  tp_group=ps.get_tensor_model_parallel_group(),
+                                  pp_group=ps.get_pipeline_model_parallel_group(), config=config, vocab_size=VOCAB)
+    return _compared(results, model)
 
 
 def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_batch_size: int) -> dict:
