@@ -157,7 +157,7 @@ class TrainingPasses:
         after the body, to be called on every rank of the model's tensor- and pipeline-parallel groups; ``{}``
         for a batch without a record or a model without MoE layers."""
         if "routed_experts" not in batch.data or not moe_routers(model):
-            yield dict
+            yield lambda: {}
             return
         routing = TrainingRouting(model, batch.data["routed_experts"], tp_group=self.tp_group,
                                   pp_group=self.pp_group, replay=replays_routing(model))
