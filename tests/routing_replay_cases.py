@@ -161,3 +161,26 @@ def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_
                      "losses": [float(s["loss"]) for s in stats],
                      "grads": len(grads), "finite_grads": all(bool(torch.isfinite(g).all()) for g in grads)}
     return out
+
+
+def recipe_case(argv: list[str], *, steps: int) -> list[dict]:
+    """The PPO recipe's steps (examples/ppo/train_ppo.py's Trainer) with ``--moe-enable-routing-replay`` on its
+    built-in task, the architecture given experts (the recipe's MoE flags are another change's): every step's
+    metrics."""
+    import dataclasses
+    import runpy
+
+    from megatron_hybrid import rl
+
+    from tests.ppo_cases import RECIPE
+
+    recipe = runpy.run_path(RECIPE, run_name="recipe")
+    args = recipe["parse_args"](argv)
+    args.moe_enable_routing_replay = True
+    task = rl.load_task(args)
+    task = dataclasses.replace(task, arch=dataclasses.replace(task.arch, num_experts=8, moe_router_topk=2,
+                                                                   moe_ffn_hidden_size=32),
+                               generation=dataclasses.replace(task.generation, record_routing=True))
+    with rl.initialize(args):
+        trainer = recipe["Trainer"](args, task)
+        return [trainer.train_step() for _ in range(steps)]

@@ -72,3 +72,15 @@ def test_flag_needs_an_moe_model():
     args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(["--moe-enable-routing-replay"])
     with pytest.raises(ValueError, match="--moe-enable-routing-replay needs an MoE model"):
         validate_args(args, 4)  # no process group exists: a usage error, before any
+
+
+def test_recipe_replays_routing():
+    # The recipe at TP=2 (sequence-parallel) on 2 ranks, rollout TP=1, bf16: the actor's log-prob pass routes every
+    # recorded token as the rollout did; the metrics are logged.
+    argv = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--global-batch-size", "8",
+            "--micro-batch-size", "4", "--max-new-tokens", "6", "--train-iters", "2", "--no-progress"]
+    history = run_distributed(cases.recipe_case, 2, argv, steps=2, tensor_model_parallel_size=2)[0]
+    for m in history:
+        assert m["moe/routing_mismatch_tokens"] == 0.0 and m["moe/routing_recorded_tokens"] > 0, m
+        assert 0 <= m["moe/router_choice_mismatch_tokens"] <= 1
+        assert math.isfinite(m["pg_loss"][0]) and math.isfinite(m["actor_grad_norm"][0])
