@@ -101,9 +101,9 @@ def pipeline_record_case(arch_kw: dict, *, count: int) -> dict:
 
 
 def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_batch_size: int) -> dict:
-    """Two ranks, training TP=2 with sequence parallelism, the HybridEngine's rollout at TP=1 (two replicas), bf16: sampled generation with
-    a routing record, then the log-prob pass and a training (forward-backward) pass of the same weights built
-    without routing replay and with it (``moe_enable_routing_replay``), each counting the tokens routed
+    """Two ranks, training TP=2 with sequence parallelism, the HybridEngine's rollout at TP=1 (two replicas), bf16:
+    sampled generation with a routing record, then the log-prob pass and a training (forward-backward) pass of the
+    same weights built without routing replay and with it (``moe_enable_routing_replay``), each counting the tokens routed
     differently from the rollout and comparing its log-probs with the rollout's."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams

@@ -45,7 +45,6 @@ def test_record_merges_pipeline_stages():
 def test_replay_routes_training_as_the_rollout_did():
     r0, r1 = run_distributed(cases.replay_case, 2, ARCH, count=8, new_tokens=12, seed=3,
                              micro_batch_size=3, tensor_model_parallel_size=2)
-    print({k: r0[k] for k in ("plain", "replay")})
     assert r0 == r1  # TP ranks: the same metrics
     plain, replay = r0["plain"], r0["replay"]
     assert all(shape[0] == n - 1 for shape, n in zip(r0["record_shapes"], r0["lengths"]))

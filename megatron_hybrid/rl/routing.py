@@ -6,8 +6,8 @@ The generator records the top-k experts every MoE layer chose for every token it
 :func:`routed_experts_BSMk` lays them out like a batch's tokens. During a pass over the batch, a
 :class:`TrainingRouting` hooks the model's routers (megatron-core's ``TopKRouter``) and, per micro-batch, aligns the
 record with the tokens each router sees (``[S, b]`` flattened sequence-major, this rank's slice of the sequence with
-sequence parallelism). Before each router runs it takes the router's own top-k (:func:`~megatron_hybrid.inference.moe.route`,
-megatron's computation, without gradients); where the model replays (its routers carry megatron-core's
+sequence parallelism). Before each router runs it takes the router's own top-k
+(:func:`~megatron_hybrid.inference.moe.route`, megatron's computation, without gradients); where the model replays (its routers carry megatron-core's
 ``RouterReplay``: built with ``moe_enable_routing_replay``), it hands the ``RouterReplay`` the recorded experts of
 each token with ``REPLAY_FORWARD``, so megatron's router takes those experts and computes their probabilities from
 its own logits (gathered at them, then its score function: the gradient reaches the router's weights as without
