@@ -344,6 +344,8 @@ class ReplicaGenerator:
         out["kv_cache_mapped_bytes"] = cache.mapped_bytes if cache is not None else 0
         out["kv_cache_address"] = cache.data_ptr() if cache is not None else 0
         out["sampling_noise_mapped_bytes"] = noise.mapped_bytes if noise is not None else 0
+        routing = self.runner.routing
+        out["routing_record_mapped_bytes"] = routing.mapped_bytes if routing is not None else 0
         out["overlap_host"] = self.overlap
         out["attention_reads_lengths"] = self.runner.reads_lengths
         return out
