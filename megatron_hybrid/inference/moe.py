@@ -318,10 +318,16 @@ class StepMoELayer(MoELayer):
             x_PH = (probs_P.unsqueeze(-1) * x_PH).to(x_RH.dtype)
             probs_P = torch.ones_like(probs_P)
         y_PH = self.experts_path()(x_PH, probs_P, offs_L, self.expert_stack)
-        # megatron's unpermute: the pairs' outputs summed into their tokens in pair order; other ranks' pairs (and
-        # undefined rows past offs[-1]) go to row R, dropped.
-        dest_P = torch.where(key_P < L, token_P, R)
-        out_RH = y_PH.new_zeros(R + 1, H).index_add_(0, dest_P, y_PH)[:R]
+        # megatron's unpermute sums each token's pairs into it in pair order (by expert) with a scatter-add, which
+        # adds atomically on a GPU: the order, hence the bits, would vary from run to run (top-k > 2). Instead each
+        # token's k pairs are gathered, still by expert (a stable sort by token keeps the expert order), and added
+        # one after another: megatron's order and roundings on a CPU, the same bits on every run. Other ranks'
+        # pairs (and undefined rows past offs[-1]) add zeros.
+        y_PH = torch.where((key_P < L).unsqueeze(-1), y_PH, 0)
+        y_RkH = y_PH.index_select(0, torch.argsort(token_P, stable=True)).view(R, k, H)
+        out_RH = y_RkH[:, 0]
+        for j in range(1, k):
+            out_RH = out_RH + y_RkH[:, j]
         if size > 1:  # in the probabilities' dtype, as the all-gather dispatcher's token_combine
             out_RH = reduce_scatter_rows(out_RH.to(probs_Rk.dtype), group).to(y_PH.dtype)
         return out_RH[:T]
