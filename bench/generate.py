@@ -1,5 +1,6 @@
 """Generation throughput on one device: megatron_hybrid.inference ("ours", on a HybridEngine's rollout model) against
-transformers' ``LlamaForCausalLM.generate`` on the same shape, and the decode memory roofline.
+transformers' ``generate`` on the same shape (``LlamaForCausalLM``, or ``Qwen3MoeForCausalLM`` for an MoE shape), and
+the decode memory roofline.
 
 Rows, written as one JSON list to ``--out`` (compare them run to run)::
 
@@ -22,23 +23,38 @@ Rows, written as one JSON list to ``--out`` (compare them run to run)::
   the CUDA graphs). ``new_tokens`` is the cap; ``mean_new_tokens`` what the prompts got. ``digest``: SHA-256 of
   every call's tokens and log-probs (the bits of the float32 values), the same for every call of a row (else
   ``digests`` lists them): two commits that compute the same tokens and log-probs give the same digest.
-- ``transformers``: ``LlamaForCausalLM`` with the same shape and random weights, in the same dtype, its defaults
-  (``attn_implementation="sdpa"``, dynamic cache, no compile); greedy, ``min_new_tokens = max_new_tokens = N``.
-- ``roofline``: per decode step, the weight bytes plus the KV-cache bytes read (on average P + N/2 positions per
+- ``transformers``: ``LlamaForCausalLM`` (``Qwen3MoeForCausalLM`` for an MoE shape) with the same shape and random
+  weights, made on the device in the same dtype, its defaults (``attn_implementation="sdpa"``, dynamic cache, no
+  compile; for MoE its default experts implementation, recorded with what its prefill and decode forwards ran);
+  greedy, ``min_new_tokens = max_new_tokens = N``.
+- ``roofline``: per decode step, the weight bytes read plus the KV-cache bytes read (on average P + N/2 positions per
   sequence), at the device's copy bandwidth (bytes read + written per second of a large device copy); tok/s =
-  B / step time.
+  B / step time. The weights read: every weight (the embedding table whole, as for a dense model) except the routed
+  experts, of which a step reads the distinct experts the batch's tokens were routed to in each MoE layer: as
+  measured on ours' greedy rows of the same batch (``routed_experts``: megatron's own forward over the finished
+  sequences, its routers' choices at the decode steps' tokens) when present, else the expectation for uniform
+  routing, E·(1 − (1 − k/E)^B) (``distinct_experts_source`` says which).
+
+An MoE shape's rows also give ``layers`` and ``parameters``; ours' rows the experts' path (``moe_experts``: grouped
+GEMMs over one stride per layer, else the per-expert path without CUDA graphs). ``--append`` adds the rows to those
+already in ``--out`` (one method per process, each under its own time limit) and prints the targets over all of them.
 
 Also prints the issue's target ratios (ours / transformers, ours / roofline, 512 vs 128 new tokens, mixed vs
-fixed, top-p vs greedy).
+fixed, top-p vs greedy), and for a shape with targets of its own (``TARGETS``) whether each is met.
 
     python3 bench/generate.py --out bench/results/generate_h200.json          # one GPU: gpu-1b, B 32 and 128
     python3 bench/generate.py --smoke --out /tmp/generate_smoke.json          # tiny model on the CPU, seconds
     python3 bench/generate.py --out /tmp/g.json --batch 128 --methods ours --profile greedy mixed  # where time goes
+    # an MoE: Qwen3-30B-A3B's layers, 8 of them (bench/run_moe_h200.sh runs the methods one process each)
+    python3 bench/generate.py --shape qwen3-30b-a3b --layers 8 --new-tokens 128 --variants greedy \
+        --out /tmp/moe.json
+    python3 bench/generate.py --smoke --shape cpu-tiny-moe --out /tmp/moe_smoke.json   # a tiny MoE on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import hashlib
@@ -64,10 +80,26 @@ from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 
 SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16
+    "qwen3-30b-a3b": _BENCH_SHAPES["qwen3-30b-a3b"],  # 48 layers: 30.5 B parameters; --layers 8: 5.6 B
     "cpu-tiny": GPTArchitecture(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                 ffn_hidden_size=128, vocab_size=256, make_vocab_size_divisible_by=32,
                                 max_position_embeddings=512),
+    # qwen3-30b-a3b in miniature (q/k norms, head dim != hidden / heads, top-k softmax, bf16): the MoE smoke.
+    "cpu-tiny-moe": GPTArchitecture(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                    kv_channels=32, qk_layernorm=True, ffn_hidden_size=128, vocab_size=256,
+                                    make_vocab_size_divisible_by=32, max_position_embeddings=512, norm_epsilon=1e-6,
+                                    rotary_base=1000000, params_dtype="bfloat16", num_experts=16, moe_router_topk=4,
+                                    moe_ffn_hidden_size=32),
 }
+
+#: The issue's targets for a shape (at 128 new tokens): ratio name (as :func:`targets` names it) -> the least value.
+TARGETS: dict[str, dict[str, float]] = {
+    "qwen3-30b-a3b": {"ours/transformers B=32 N=128": 3.0, "ours/transformers B=128 N=128": 5.0,
+                      "ours/roofline B=128 N=128": 0.35},
+}
+
+VARIANTS = ("greedy", "top_p", "mixed", "mixed_prompt_heavy")
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -118,20 +150,98 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 # -------------------------------------------------------------------------------------------------------------
 
 
+def build_model(arch: GPTArchitecture, device: torch.device) -> torch.nn.Module:
+    """``arch``'s GPTModel on ``device``, the same weights in every run (digests compare across commits). Dense
+    shapes are initialised on the host and moved (their weights as in earlier runs); a model with experts is
+    initialised where it lives (megatron's host initialisation of qwen3-30b-a3b's 8 layers, 5.6 B parameters drawn
+    in fp32, would take minutes)."""
+    torch.manual_seed(1234)
+    if arch.num_experts is None:
+        return arch.build().to(device)
+    model = arch.build(arch.transformer_config(use_cpu_initialization=False))
+    assert next(model.parameters()).device == device, (next(model.parameters()).device, device)
+    return model.to(device)  # buffers megatron keeps on the host, if any
+
+
+def moe_layers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ``MoELayer`` of every layer of ``chunk`` that has one, in layer order."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [layer.mlp for layer in chunk.decoder.layers if isinstance(getattr(layer, "mlp", None), MoELayer)]
+
+
+def moe_experts(chunk: torch.nn.Module) -> dict[str, Any]:
+    """How the generator runs the routed experts of ``chunk`` (a rollout chunk, its MoE layers installed): per
+    layer the path (``grouped_experts``: two grouped GEMMs over 3-D views of the experts' weights, graph-capturable;
+    ``sequential_experts``: per expert, host syncs, no CUDA graphs), and where the fc1 weights lie: how many storages
+    hold them and the distinct distances between consecutive experts' fc1 (elements; one value per layer is the
+    uniform stride the views need)."""
+    out: dict[str, Any] = {"paths": {}, "layers": []}
+    for layer in moe_layers(chunk):
+        path = layer.experts_path().__name__
+        out["paths"][path] = out["paths"].get(path, 0) + 1
+        fc1 = [e.linear_fc1.weight for e in layer.experts.local_experts]
+        strides = sorted({b.data_ptr() - a.data_ptr() for a, b in zip(fc1, fc1[1:])})
+        out["layers"].append({"path": path, "storages": len({w.untyped_storage().data_ptr() for w in fc1}),
+                              "fc1_strides": [d // fc1[0].element_size() for d in strides],
+                              "fc1_offset_bytes_mod_16": fc1[0].data_ptr() % 16})
+    return out
+
+
+def routed_experts(model: torch.nn.Module, sequences: list[list[int]], first: int, *,
+                   rows_per_forward: int) -> list[float]:
+    """Per MoE layer of ``model`` (one stage, megatron's own MoE layers): how many distinct experts a decode step of
+    the whole batch routes its tokens to, averaged over the steps. Read from megatron's forward over the finished
+    sequences (of equal length; ``rows_per_forward`` at a time), its routers' routing maps at positions ``first``
+    to the one before the last: the tokens the decode steps ran (the last sampled token is never run)."""
+    layers = moe_layers(model)
+    length = len(sequences[0])
+    union = [None] * len(layers)  # per layer [positions, E]: experts any sequence's token there was routed to
+
+    def hook(i: int):
+        def record(module, inputs, output):
+            routing_map = output[1].view(length, -1, output[1].shape[-1])  # [S, b, E]: tokens are s-major
+            seen = routing_map.any(dim=1)
+            union[i] = seen if union[i] is None else union[i] | seen
+        return record
+
+    handles = [layer.router.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(sequences), rows_per_forward):
+                tokens = torch.tensor(sequences[lo: lo + rows_per_forward], device=device)
+                positions = torch.arange(length, device=device).expand(tokens.shape[0], -1)
+                model(tokens, positions, None)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return [float(u[first: length - 1].sum(dim=-1).float().mean()) for u in union]
+
+
 def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
 
-    torch.manual_seed(1234)  # the same weights in every run, so that digests compare across commits
-    model = arch.build().to(device)
-    engine = HybridEngine(model, RolloutLayout(1, 1))
+    model = build_model(arch, device)
+    counts = param_counts(arch)
+    assert sum(counts.values()) == sum(p.numel() for p in model.parameters()), (counts, "the roofline's count")
+    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=args.weight_mode,
+                          bucket_size_mb=args.bucket_size_mb)
     P, vocab = args.prompt_len, arch.vocab_size
     longest = 7 * P // 4 + max(max(args.new_tokens), 2 * args.new_tokens[0])
+    moe = arch.num_experts is not None
+    finished: dict[int, list[list[int]]] = {}  # per batch: the greedy sequences (first N), for routed_experts
     rows = []
     for B in args.batch:
-        generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=B, max_sequence_length=longest))
+        config = GenerationConfig(max_batch_size=B, max_sequence_length=longest,
+                                  **({} if args.graph_pool_gib is None else {"graph_pool_gib": args.graph_pool_gib}))
+        generator = RolloutGenerator(engine, config)
         order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1)).tolist()
         variants = [("greedy", N, prompts_of(B, P, P, vocab, 10), SamplingParams(top_k=1, num_tokens_to_generate=N),
                      []) for N in args.new_tokens]
@@ -145,6 +255,7 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
         variants.append(("mixed_prompt_heavy", n0, mixed_prompts,
                          SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=n0),
                          order[: max(1, vocab // 64)]))
+        variants = [v for v in variants if v[0] in args.variants]
         for variant, N, prompts, params, stop_ids in variants:
             digests: list[str] = []
 
@@ -169,11 +280,22 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
                          "per_call": per_call, "attention_reads_lengths": rep["attention_reads_lengths"],
                          "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"],
                          "digest": digests[-1], **({"digests": digests} if len(set(digests)) > 1 else {})})
+            if moe:
+                rows[-1]["moe_experts"] = moe_experts(engine.rollout_chunks[0])
+                if (variant, N) == ("greedy", n0):
+                    finished[B] = [list(p) + list(r.generated_tokens) for p, r in zip(prompts, out)]
             print(json.dumps(rows[-1]), flush=True)
             if args.profile and device.type == "cuda" and variant in args.profile:
                 profile(run, f"{variant} B={B} N={N}")
         generator.close()
     engine.switch_to_training()
+    for B, sequences in finished.items():  # on the training model: the same weights (one rank, no resharding)
+        per_layer = routed_experts(model, sequences, P, rows_per_forward=args.routing_rows)
+        for row in rows:
+            if (row["variant"], row["batch"], row["new_tokens"]) == ("greedy", B, args.new_tokens[0]):
+                row["routed_experts"] = {"mean": statistics.fmean(per_layer), "per_layer": per_layer,
+                                         "decode_steps": len(sequences[0]) - P - 1}
+                print(json.dumps({"batch": B, "routed_experts": row["routed_experts"]}), flush=True)
     engine.close()
     del model, engine
     gc.collect()
@@ -196,36 +318,85 @@ def profile(fn: Callable[[], Any], title: str) -> None:
           flush=True)
 
 
+def hf_model(arch: GPTArchitecture, device: torch.device) -> torch.nn.Module:
+    """transformers' model of ``arch`` with random weights, made on ``device`` in ``arch``'s dtype:
+    ``LlamaForCausalLM`` for a dense shape, ``Qwen3MoeForCausalLM`` for an MoE (every layer MoE, no shared expert,
+    top-k softmax: its ``norm_topk_prob``). Its defaults otherwise (attention and experts implementation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
+                  num_attention_heads=arch.num_attention_heads,
+                  num_key_value_heads=arch.num_query_groups or arch.num_attention_heads,
+                  head_dim=arch.kv_channels or arch.hidden_size // arch.num_attention_heads,
+                  vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
+                  rms_norm_eps=arch.norm_epsilon, rope_theta=float(arch.rotary_base),
+                  tie_word_embeddings=not arch.untie_embeddings_and_output_weights)
+    if arch.num_experts is None:
+        cls, config = LlamaForCausalLM, LlamaConfig(intermediate_size=arch.ffn_hidden_size, **common)
+    else:
+        if (arch.moe_shared_expert_intermediate_size is not None or arch.moe_router_score_function != "softmax"
+                or arch.moe_router_pre_softmax or 0 in arch.moe_layer_pattern() or not arch.qk_layernorm):
+            raise ValueError("transformers' side of an MoE shape is Qwen3-MoE: q/k norms, every layer MoE, top-k "
+                             "softmax, no shared expert")
+        cls = Qwen3MoeForCausalLM
+        config = Qwen3MoeConfig(intermediate_size=arch.ffn_hidden_size or 4 * arch.hidden_size,
+                                moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+                                num_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls._from_config(config, dtype=arch.dtype).eval()
+
+
 def bench_transformers(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
+        model = hf_model(arch, device)
     except ImportError as exc:
         print(f"transformers rows skipped: {exc}", file=sys.stderr)
         return []
-    config = LlamaConfig(hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
-                         num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
-                         num_key_value_heads=arch.num_query_groups or arch.num_attention_heads,
-                         vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
-                         rms_norm_eps=arch.norm_epsilon, rope_theta=float(arch.rotary_base),
-                         tie_word_embeddings=not arch.untie_embeddings_and_output_weights)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=arch.dtype).eval()
+    hf_params = sum(p.numel() for p in model.parameters())
+    assert hf_params == sum(param_counts(arch).values()), (hf_params, param_counts(arch), "the same shape")
+    moe = arch.num_experts is not None
+    # What the experts ran, by forward kind: transformers 5.24 switches grouped_mm to batched_mm while decoding on a
+    # GPU (``_optimize_model_for_decode``). getattr: the experts module and its setting are transformers 5's (the
+    # device's transformers is not this machine's).
+    seen: dict[str, dict[str, int]] = {}
+    experts = getattr(model.model.layers[0].mlp, "experts", None) if moe else None
+    if experts is not None:
+        def record(module, inputs):
+            kind = "prefill" if inputs[0].shape[0] > B else "decode"  # [tokens, hidden]: one per row when decoding
+            impl = str(getattr(model.config, "_experts_implementation", None))
+            seen.setdefault(kind, {}).setdefault(impl, 0)
+            seen[kind][impl] += 1
+
+        experts.register_forward_pre_hook(record)
     rows = []
     for B in args.batch:
         for N in args.new_tokens:
             ids = torch.randint(0, arch.vocab_size, (B, args.prompt_len), device=device)
+            digests: list[str] = []
 
             def run():
                 with torch.no_grad():
-                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
-                                          min_new_tokens=N, do_sample=False, pad_token_id=0)
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                         min_new_tokens=N, do_sample=False, pad_token_id=0)
+                digests.append(hashlib.sha256(out[:, args.prompt_len:].cpu().numpy().tobytes()).hexdigest())
+                return out
 
-            out, times = timed(run, device, runs=args.runs, warmup=args.warmup)
+            seen.clear()
+            out, times = timed(run, device, runs=args.transformers_runs, warmup=args.warmup)
             tokens = B * (out.shape[1] - args.prompt_len)
             rows.append({"method": "transformers", "variant": "greedy", "batch": B, "new_tokens": N,
                          "prompt_len": args.prompt_len, "tokens": tokens, "tok_s": tokens / statistics.median(times),
                          "seconds": statistics.median(times), "runs": times,
-                         "attn_implementation": model.config._attn_implementation})
+                         "attn_implementation": model.config._attn_implementation,
+                         "transformers": transformers.__version__, "digest": digests[-1],
+                         **({"digests": digests} if len(set(digests)) > 1 else {})})
+            if moe:
+                rows[-1].update(experts_implementation=getattr(model.config, "_experts_implementation", None),
+                                experts_class=type(experts).__name__ if experts is not None else None,
+                                experts_implementation_per_forward={k: dict(v) for k, v in seen.items()})
             print(json.dumps(rows[-1]), flush=True)
     del model
     gc.collect()
@@ -234,34 +405,87 @@ def bench_transformers(arch: GPTArchitecture, device: torch.device, args) -> lis
     return rows
 
 
-def weight_count(arch: GPTArchitecture) -> int:
-    """Parameters of the GPTModel ``arch`` builds (Llama-shaped: no linear biases besides an optional QKV bias)."""
-    H, F, V = arch.hidden_size, arch.ffn_hidden_size or 4 * arch.hidden_size, arch.padded_vocab_size(1)
+def param_counts(arch: GPTArchitecture) -> dict[str, int]:
+    """Parameters of the GPTModel ``arch`` builds (no linear biases besides an optional QKV bias), by what a decode
+    step reads of them: ``embedding``, ``output`` (an untied output layer), ``routed_experts`` (all of them) and
+    ``rest`` (attention, norms, dense MLPs, routers, shared experts)."""
+    H, V = arch.hidden_size, arch.padded_vocab_size(1)
     heads = arch.num_attention_heads
     groups, d = arch.num_query_groups or heads, arch.kv_channels or H // heads
     qkv = (heads + 2 * groups) * d
-    layer = H * qkv + (qkv if arch.add_qkv_bias else 0) + heads * d * H + H * F * (2 if arch.swiglu else 1) + F * H
-    layer += 2 * H * (2 if arch.normalization == "LayerNorm" else 1)  # the two norms (LayerNorm has a bias)
-    final_norm = H * (2 if arch.normalization == "LayerNorm" else 1)
-    return arch.num_layers * layer + V * H * (2 if arch.untie_embeddings_and_output_weights else 1) + final_norm
+    norm = 2 if arch.normalization == "LayerNorm" else 1  # LayerNorm has a bias
+    glu = 2 if arch.swiglu else 1
+    attention = H * qkv + (qkv if arch.add_qkv_bias else 0) + heads * d * H + (2 * d * norm if arch.qk_layernorm
+                                                                               else 0)
+    rest, experts = H * norm, 0  # the final norm
+    for is_moe in arch.moe_layer_pattern():
+        rest += attention + 2 * H * norm  # the two norms of the layer
+        if not is_moe:
+            F = arch.ffn_hidden_size or 4 * H
+            rest += (glu + 1) * H * F
+            continue
+        rest += arch.num_experts * H  # the router
+        experts += arch.num_experts * (glu + 1) * H * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size or 4 * H)
+        shared = arch.moe_shared_expert_intermediate_size
+        if shared is not None:
+            rest += (glu + 1) * H * shared + (H if arch.moe_shared_expert_gate else 0)
+    return {"embedding": V * H, "output": V * H if arch.untie_embeddings_and_output_weights else 0,
+            "routed_experts": experts, "rest": rest}
 
 
-def roofline_rows(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
-    model_bytes = weight_count(arch) * arch.dtype.itemsize
+def distinct_experts(E: int, k: int, B: int) -> float:
+    """Expected distinct experts of B tokens routed uniformly to k of E experts each."""
+    return E * (1 - (1 - k / E) ** B)
+
+
+def roofline_rows(arch: GPTArchitecture, device: torch.device, args, measured: list[dict]) -> list[dict]:
+    counts = param_counts(arch)
+    size = arch.dtype.itemsize
     heads = arch.num_query_groups or arch.num_attention_heads
     head_dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
-    kv_bytes = 2 * arch.num_layers * heads * head_dim * arch.dtype.itemsize  # per position of one sequence
+    kv_bytes = 2 * arch.num_layers * heads * head_dim * size  # per position of one sequence
     bandwidth = copy_bandwidth(device, args.bandwidth_bytes)
+    moe_layers_ = sum(arch.moe_layer_pattern())
+    expert_bytes = counts["routed_experts"] // max(1, moe_layers_ * (arch.num_experts or 1)) * size  # one expert
     rows = []
     for B in args.batch:
         for N in args.new_tokens:
             positions = args.prompt_len + N / 2
-            step = (model_bytes + positions * kv_bytes * B) / bandwidth
+            row: dict[str, Any] = {}
+            weight_bytes = (counts["embedding"] + counts["output"] + counts["rest"]) * size
+            if moe_layers_:
+                routed = [r["routed_experts"]["mean"] for r in measured if r["method"] == "ours"
+                          and r.get("routed_experts") and (r["batch"], r["new_tokens"]) == (B, N)]
+                distinct = routed[-1] if routed else distinct_experts(arch.num_experts, arch.moe_router_topk, B)
+                row.update(distinct_experts=distinct, distinct_experts_source="measured (ours, megatron's routing)"
+                           if routed else "uniform routing: E(1-(1-k/E)^B)",
+                           distinct_experts_uniform=distinct_experts(arch.num_experts, arch.moe_router_topk, B),
+                           expert_bytes=expert_bytes, non_expert_bytes=weight_bytes,
+                           embedding_bytes=counts["embedding"] * size)
+                weight_bytes += distinct * moe_layers_ * expert_bytes
+            step = (weight_bytes + positions * kv_bytes * B) / bandwidth
             rows.append({"method": "roofline", "variant": "greedy", "batch": B, "new_tokens": N,
-                         "prompt_len": args.prompt_len, "tok_s": B / step, "weight_bytes": model_bytes,
+                         "prompt_len": args.prompt_len, "tok_s": B / step, "weight_bytes": weight_bytes,
                          "kv_bytes_per_position": kv_bytes, "mean_positions": positions,
-                         "copy_bandwidth_bytes_s": bandwidth})
+                         "copy_bandwidth_bytes_s": bandwidth, **row})
     return rows
+
+
+def side_by_side(rows: list[dict], args) -> str:
+    """Greedy tok/s of each method per batch (the first N), and ours' ratios, as a text table."""
+    def tok_s(method: str, B: int) -> Optional[float]:
+        found = [r["tok_s"] for r in rows if (r["method"], r["variant"], r["batch"], r["new_tokens"])
+                 == (method, "greedy", B, args.new_tokens[0])]
+        return found[-1] if found else None
+
+    lines = [f"greedy, {args.prompt_len}-token prompts, {args.new_tokens[0]} new tokens (tok/s)",
+             "batch  ours  transformers  roofline  ours/transformers  ours/roofline"]
+    for B in args.batch:
+        ours, hf, roof = tok_s("ours", B), tok_s("transformers", B), tok_s("roofline", B)
+        cells = [f"{v:,.0f}" if v else "-" for v in (ours, hf, roof)]
+        cells += [f"{ours / v:.2f}" if ours and v else "-" for v in (hf, roof)]
+        lines.append(f"{B}  " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def targets(rows: list[dict], args) -> dict[str, float]:
@@ -269,7 +493,7 @@ def targets(rows: list[dict], args) -> dict[str, float]:
     def tok_s(method: str, variant: str, B: int, N: int) -> Optional[float]:
         found = [r["tok_s"] for r in rows if (r["method"], r["variant"], r["batch"], r["new_tokens"])
                  == (method, variant, B, N)]
-        return found[0] if found else None
+        return found[-1] if found else None
 
     out = {}
     n0 = args.new_tokens[0]
@@ -293,17 +517,28 @@ def targets(rows: list[dict], args) -> dict[str, float]:
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: gpu-1b (cpu-tiny with --smoke)")
+    ap.add_argument("--layers", type=int, default=None, help="the shape's depth cut (or grown) to this many layers")
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="decode slots (default 32 128)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128")
     ap.add_argument("--new-tokens", type=int, nargs="+", default=None, help="the first is the reference (128 512)")
     ap.add_argument("--methods", nargs="+", choices=["ours", "transformers", "roofline"],
                     default=["ours", "transformers", "roofline"])
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="ours' variants")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--transformers-runs", type=int, default=None, help="timed transformers calls (default --runs)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--weight-mode", choices=["aliased", "canonical"], default="aliased", help="ours' engine")
+    ap.add_argument("--bucket-size-mb", type=float, default=None, help="ours' engine (default: the engine's)")
+    ap.add_argument("--graph-pool-gib", type=float, default=None,
+                    help="GenerationConfig.graph_pool_gib of ours (default: GenerationConfig's)")
+    ap.add_argument("--routing-rows", type=int, default=16,
+                    help="sequences per forward when reading an MoE's routing over ours' greedy sequences")
     ap.add_argument("--bandwidth-bytes", type=int, default=2**31, help="size of the copy that measures bandwidth")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (gloo): checks the bench runs")
     ap.add_argument("--out", required=True, help="JSON list of rows")
-    ap.add_argument("--profile", nargs="*", default=[], choices=["greedy", "top_p", "mixed", "mixed_prompt_heavy"],
+    ap.add_argument("--append", action="store_true",
+                    help="add the rows to those in --out (if it exists); targets over all of them")
+    ap.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
                     help="print a torch.profiler table of one more call of these variants (GPU)")
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -313,8 +548,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.new_tokens = args.new_tokens or ([8, 16] if smoke else [128, 512])
     if smoke:
         args.runs, args.warmup, args.bandwidth_bytes = 1, 1, 2**26
+    args.transformers_runs = args.transformers_runs or args.runs
     device = torch.device("cpu") if smoke or not torch.cuda.is_available() else torch.device("cuda", 0)
     arch = SHAPES[args.shape]
+    if args.layers is not None:
+        if arch.num_experts is not None and not isinstance(arch.moe_layer_freq, int):
+            raise ValueError(f"--layers on {args.shape}: its moe_layer_freq lists every layer")
+        arch = dataclasses.replace(arch, num_layers=args.layers)
 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -331,6 +571,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         from megatron_hybrid.patches import cpu_gloo
 
         shim = cpu_gloo()
+    earlier = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
     rows: list[dict] = []
     with shim:
         ps.initialize_model_parallel(1, 1)
@@ -339,16 +580,25 @@ def main(argv: Optional[list[str]] = None) -> None:
         if "ours" in args.methods:
             rows += bench_ours(arch, device, args)
         if "roofline" in args.methods:
-            rows += roofline_rows(arch, device, args)
+            same = [r for r in earlier if (r.get("shape"), r.get("layers")) == (args.shape, arch.num_layers)]
+            rows += roofline_rows(arch, device, args, measured=same + rows)
     if "transformers" in args.methods:
         rows += bench_transformers(arch, device, args)
-    meta = {"shape": args.shape, "dtype": arch.params_dtype, "device": torch.cuda.get_device_name(device)
+    meta = {"shape": args.shape, "layers": arch.num_layers, "parameters": sum(param_counts(arch).values()),
+            "dtype": arch.params_dtype, "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__,
             "command": " ".join(["python3"] + sys.argv)}
-    rows = [dict(r, **meta) for r in rows]
+    rows = earlier + [dict(r, **meta) for r in rows]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    print(json.dumps({"targets": targets(rows, args), "out": args.out}, indent=1))
+    mine = [r for r in rows if (r.get("shape"), r.get("layers")) == (args.shape, arch.num_layers)]
+    ratios = targets(mine, args)
+    print(json.dumps({"targets": ratios, "out": args.out}, indent=1))
+    print(side_by_side(mine, args))
+    for name, least in TARGETS.get(args.shape, {}).items():
+        value = ratios.get(name)
+        verdict = "not measured" if value is None else f"{value:.3f}: {'met' if value >= least else 'MISSED'}"
+        print(f"target {name} >= {least}: {verdict}")
     dist.destroy_process_group()
 
 

@@ -20,4 +20,14 @@ SHAPES: dict[str, GPTArchitecture] = {
     "llama-7b": GPTArchitecture(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
                                 ffn_hidden_size=11008, vocab_size=32000, make_vocab_size_divisible_by=32,
                                 max_position_embeddings=4096, params_dtype="bfloat16"),
+    # Qwen3-30B-A3B's shape (30.5 B parameters at its 48 layers, 61 GB in bf16; benchmarks cut the depth, e.g. 8
+    # layers: 5.6 B): hidden 2048, 32 heads / 4 KV groups of head dim 128 with q/k RMSNorm, RoPE base 1e6, every
+    # layer an MoE of 128 experts (ffn 768, SwiGLU), top-8, no shared expert, untied embeddings, vocabulary 151,936.
+    # Its norm_topk_prob (the top-k probabilities renormalised) is megatron's default softmax over the top-k logits.
+    # ffn_hidden_size is its dense intermediate size (no dense layer uses it).
+    "qwen3-30b-a3b": GPTArchitecture(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                                     kv_channels=128, qk_layernorm=True, ffn_hidden_size=6144, vocab_size=151936,
+                                     make_vocab_size_divisible_by=128, max_position_embeddings=40960,
+                                     norm_epsilon=1e-6, rotary_base=1000000, params_dtype="bfloat16",
+                                     num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import runpy
 from typing import Any, Optional
 
@@ -30,8 +31,28 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN_DIR = os.path.join(HERE, "golden")
-GENERATION_FILE = os.path.join(GOLDEN_DIR, "generation.json")
-RECIPE_FILE = os.path.join(GOLDEN_DIR, "recipe.json")
+
+
+def cpu_signature() -> str:
+    """The kind of CPU the bits depend on: ATen's vector ISA (its vectorised exp, log and reductions round
+    differently per ISA) and the vendor (BLAS picks other kernels). The same code gave 1-ulp different log-probs on
+    an AVX512 AMD machine than on the machine the first goldens were written on, and the recipe's cancellation-level
+    metrics (a policy loss of 1e-8) and clip fractions then differ outright: goldens are per kind of CPU."""
+    vendor = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), vendor)
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()}-{vendor}"
+
+
+#: This kind of CPU's goldens (``tests/golden/<cpu_signature()>/``, written by ``make_golden.py --write`` on it), or
+#: the first ones (``tests/golden/``, written in session 8 on the machine of that session).
+CPU_GOLDEN_DIR = os.path.join(GOLDEN_DIR, cpu_signature())
+_FILES_DIR = CPU_GOLDEN_DIR if os.path.isdir(CPU_GOLDEN_DIR) else GOLDEN_DIR
+GENERATION_FILE = os.path.join(_FILES_DIR, "generation.json")
+RECIPE_FILE = os.path.join(_FILES_DIR, "recipe.json")
 RECIPE = os.path.join(os.path.dirname(HERE), "examples", "ppo", "train_ppo.py")
 
 VOCAB = 250  # tiny_llama's real vocabulary (256 padded rows at every TP size)
@@ -201,13 +222,11 @@ def recipe_inputs() -> dict:
 
 
 def environment() -> dict:
-    """The wheels the goldens were written with (not compared: a failure message shows them)."""
-    import platform
-
+    """The wheels and CPU the goldens were written with (not compared: a failure message shows them)."""
     import megatron.core
 
     return {"torch": torch.__version__, "megatron_core": megatron.core.__version__,
-            "python": platform.python_version(), "machine": platform.machine()}
+            "python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_signature()}
 
 
 # ---- canonical form and diff -----------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def truncated(reference: list[list[int]], stops: list[int]) -> list[list[int]]:
     return out
 
 
-def _generator(model, slots: int, mixed: int = 0, *, bucketed: bool = False):
+def _generator(model, slots: int, mixed: int = 0, *, bucketed: bool = False, record_routing: bool = False):
     """A ReplicaGenerator over ``model`` on the harness's groups. ``bucketed``: the CUDA-graph step path on the CPU
     (steps rounded to the graphs' buckets and keyed, run eagerly by a stand-in for the graphs, the host one step
     behind the launches), as tests/inference_cases.py's bucketed case runs it."""
@@ -189,7 +189,7 @@ def _generator(model, slots: int, mixed: int = 0, *, bucketed: bool = False):
 
     config = GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN, mixed_prefill_tokens=mixed,
                               compact_slots=bool(mixed) or bucketed, overlap_host=bucketed,
-                              prefill_graph_granule=8, graph_length_granule=16)
+                              prefill_graph_granule=8, graph_length_granule=16, record_routing=record_routing)
     generator = ReplicaGenerator(model, tp_group=ps.get_tensor_model_parallel_group(),
                                  pp_group=ps.get_pipeline_model_parallel_group(), config=config)
     if bucketed:

@@ -230,6 +230,7 @@ ATTENTION_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16:
     (torch.bfloat16, 2, 64, 1500, None),  # slots far longer than most rows: each row splits its own length
     (torch.bfloat16, 1, 64, 200, 1),
     (torch.bfloat16, 4, 32, 200, 4),
+    (torch.bfloat16, 8, 128, 300, None),  # Qwen3-30B-A3B's heads: 32 query heads on 4 key/value heads of 128
 ])
 @pytest.mark.parametrize("with_slots", [False, True], ids=["row_slots", "slots_B"])
 def test_triton_decode_attention_matches_reference(dtype: torch.dtype, R: int, D: int, max_length: int,

@@ -96,7 +96,7 @@ class Trainer:
             rl.load_value_model(a.reward_model_load, device=self.device)
 
         stage_kw = dict(device=self.device, sequence_parallel=a.sequence_parallel)  # every training-layout model
-        actor = rl.build_stage(self.arch, **stage_kw)
+        actor = rl.build_stage(self.arch, **stage_kw, moe_enable_routing_replay=a.moe_enable_routing_replay)
         if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights
             rl.load_pretrained(actor, a.pretrained_checkpoint)
         self.reference = rl.build_reference(actor, self.arch, **stage_kw)
@@ -148,7 +148,8 @@ class Trainer:
                       stop_token_ids=[] if self.tokenizer.eod is None else [self.tokenizer.eod])
         if self.engine is None:
             return rl.generate_in_training_layout(self.actor.model, prompts, params, **kwargs,
-                                                  rollout_layout=self.rollout_layout)
+                                                  rollout_layout=self.rollout_layout,
+                                                  record_routing=a.moe_enable_routing_replay)
         offload = not a.no_offload_optimizer
         return rl.generate_on_engine(self.engine, prompts, params, **kwargs, offload_grads=offload,
                                      offload_optimizer=self.actor.optimizer if offload else None,
@@ -208,14 +209,16 @@ class Trainer:
         timer.add("generation", rollout.generation_seconds, tokens=rollout.num_tokens)
         timer.add("switch", rollout.switch_seconds)
         batch = rl.make_batch(prompts, responses, max_new_tokens=a.max_new_tokens, rollout_log_probs=rollout.log_probs,
-                              seq_length=self.passes.config.seq_length, device=self.device)
+                              seq_length=self.passes.config.seq_length, device=self.device,
+                              routed_experts=rollout.routed_experts)  # replayed by the actor's passes
         batch.scores_B = scores = self.scores(prompts, responses, batch, examples)
         local: dict[str, Any] = {"reward_mean": float(scores.mean()),
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
         if self.prompts.has_answers:  # the exact-match accuracy, whatever the reward
             local["accuracy"] = rl.accuracy(self.tokenizer, responses, examples)
-        with timer.phase("actor_log_probs"):
+        with timer.phase("actor_log_probs"), self.passes.routing_metrics(self.actor.model, batch) as routing:
             old = self.passes.log_probs(self.actor.model, batch)
+        local.update(routing())  # moe/routing_mismatch_tokens, ... (a collective: every rank)
         with timer.phase("reference_log_probs"), self._reference_on_device() as reference:
             ref = self.passes.log_probs(reference, batch)
         with timer.phase("critic_values"):

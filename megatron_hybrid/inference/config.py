@@ -50,6 +50,13 @@ class GenerationConfig:
     it (0: a private CUDA-graph pool, which stays allocated while training)."""
     release_memory: bool = True
     """On a GPU, return the caching allocator's free blocks (prefill and sampling scratch) after each call."""
+    record_routing: bool = False
+    """MoE models: record the top-k experts every MoE layer chose for every token the model ran (prompt tokens
+    included) into a ``[slots, positions, k]`` buffer per layer (reserved with the KV cache, written at each token's
+    slot and position, so graph steps keep their addresses) and return them as ``GenerationResult.routed_experts``:
+    what routing replay (``--moe-enable-routing-replay``) feeds to the training routers. It takes M x slots x
+    positions x k x 2 bytes on a stage with M MoE layers (48 x 64 x 4096 x 8 x 2 B = 192 MiB), beside the cache
+    (``cache_gib`` does not count it)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "prefill_tokens", "graph_length_granule", "prefill_graph_granule"):

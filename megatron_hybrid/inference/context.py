@@ -49,6 +49,9 @@ class KVStep:
     moe_rows: int = 0
     """Rows per rank the MoE layers' expert-parallel collectives carry (the agreed maximum over the replicas of an
     expert-parallel group, at least T; 0: T itself)."""
+    routed_experts: Optional[list[torch.Tensor]] = None
+    """With ``GenerationConfig.record_routing``: per MoE layer of the stage, the record ``[N, L, k]`` its top-k
+    experts are written into at each token's ``(slots_T, positions_T)``; None: nothing is recorded."""
     prompts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     """Prefill: ``(length, token indices)`` per prompt length: the packed tokens of all prompts of that length,
     prompt after prompt (one attention call per length, so repeated prompts cost one call)."""

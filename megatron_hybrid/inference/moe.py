@@ -28,6 +28,13 @@ computes without token dropping, with every size fixed by the step's shape:
   ``MLP`` (its linear modules, aliased twins included), which reads the group sizes on the host;
 - the shared experts (and their gate) through the module itself, added last.
 
+With ``GenerationConfig.record_routing`` the step writes each token's top-k experts into the stage's record at the
+token's slot and position (:attr:`~.context.KVStep.routed_experts`, one fixed-address plane per MoE layer, layer
+``moe_index`` of the stage): the rollout's routing, which routing replay hands to the training routers. A router
+built with ``moe_enable_routing_replay`` routes here by its own logits as without it (generation never replays).
+MoE layers are named across pipeline stages by their ordinal among the model's MoE layers
+(:func:`moe_layer_ordinals`).
+
 Several rollout replicas in one expert-parallel group (an EP group wider than the replica's tensor-parallel group)
 must gather the same number of rows in every forward: each step carries the rows the group agreed on
 (:attr:`~.context.KVStep.moe_rows`, see :mod:`.replica`), to which a layer pads its tokens (padded rows route to
@@ -48,10 +55,26 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
 from ..communication import gather_rows, reduce_scatter_rows
-from .context import StepContext
+from .context import KVStep, StepContext
 
-__all__ = ["ExpertStack", "StepMoELayer", "grouped_experts", "grouped_mm_supported", "install_step_moe", "route",
-           "sequential_experts", "stacked_view"]
+__all__ = ["ExpertStack", "StepMoELayer", "grouped_experts", "grouped_mm_supported", "install_step_moe",
+           "moe_layer_ordinals", "route", "sequential_experts", "stacked_view"]
+
+
+def moe_layer_ordinals(num_layers: int, moe_layer_freq) -> list[Optional[int]]:
+    """Per layer of the model (0-based), its ordinal among the MoE layers, or None for a dense layer, from
+    megatron-core's ``moe_layer_freq`` as its layer specs read it (N: layers 0, N, 2N, ... are MoE; a list of 0/1
+    per layer)."""
+    if isinstance(moe_layer_freq, int):
+        pattern = [int(i % moe_layer_freq == 0) for i in range(num_layers)]
+    else:
+        pattern = list(moe_layer_freq)
+    assert len(pattern) == num_layers, (pattern, num_layers)
+    out, n = [], 0
+    for is_moe in pattern:
+        out.append(n if is_moe else None)
+        n += int(bool(is_moe))
+    return out
 
 
 def route(router, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,12 +244,13 @@ class StepMoELayer(MoELayer):
 
     step_context: Optional[StepContext] = None  # the stage's, given once by install_step_moe
     expert_stack: Optional[ExpertStack] = None
+    moe_index: int = 0  # index of this layer among the stage's MoE layers (its routing record)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         step = self.step_context.kv if self.step_context is not None else None
         if step is None or intermediate_tensors is not None:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        return self.step_forward(hidden_states, rows=step.moe_rows), None
+        return self.step_forward(hidden_states, rows=step.moe_rows, step=step), None
 
     @property
     def group(self):
@@ -237,12 +261,17 @@ class StepMoELayer(MoELayer):
         """:func:`grouped_experts` where the experts' weights allow, else :func:`sequential_experts`."""
         return grouped_experts if self.expert_stack.weights() is not None else sequential_experts
 
-    def step_forward(self, hidden_SBH: torch.Tensor, *, rows: int = 0) -> torch.Tensor:
+    def step_forward(self, hidden_SBH: torch.Tensor, *, rows: int = 0,
+                     step: Optional[KVStep] = None) -> torch.Tensor:
         """The layer on ``hidden_SBH`` (``[T, 1, H]`` packed tokens), its collectives over ``rows`` padded rows per
-        rank when ``rows`` (the rows its expert-parallel group agreed on for this step, at least T)."""
+        rank when ``rows`` (the rows its expert-parallel group agreed on for this step, at least T); the tokens'
+        experts recorded at their slots and positions when ``step`` carries a record."""
         x_TH = hidden_SBH.reshape(-1, hidden_SBH.shape[-1])
         shared = self.shared_experts(hidden_SBH) if self.shared_experts is not None else None
         probs_Tk, experts_Tk = route(self.router, x_TH)
+        if step is not None and step.routed_experts is not None:  # an index_put_ at device indices: capturable
+            record = step.routed_experts[self.moe_index]
+            record.index_put_((step.slots_T, step.positions_T), experts_Tk.to(record.dtype))
         out = self._routed(x_TH, probs_Tk, experts_Tk, max(rows, x_TH.shape[0])).view(hidden_SBH.shape)
         return out + shared if shared is not None else out
 
@@ -289,10 +318,16 @@ class StepMoELayer(MoELayer):
             x_PH = (probs_P.unsqueeze(-1) * x_PH).to(x_RH.dtype)
             probs_P = torch.ones_like(probs_P)
         y_PH = self.experts_path()(x_PH, probs_P, offs_L, self.expert_stack)
-        # megatron's unpermute: the pairs' outputs summed into their tokens in pair order; other ranks' pairs (and
-        # undefined rows past offs[-1]) go to row R, dropped.
-        dest_P = torch.where(key_P < L, token_P, R)
-        out_RH = y_PH.new_zeros(R + 1, H).index_add_(0, dest_P, y_PH)[:R]
+        # megatron's unpermute sums each token's pairs into it in pair order (by expert) with a scatter-add, which
+        # adds atomically on a GPU: the order, hence the bits, would vary from run to run (top-k > 2). Instead each
+        # token's k pairs are gathered, still by expert (a stable sort by token keeps the expert order), and added
+        # one after another: megatron's order and roundings on a CPU, the same bits on every run. Other ranks'
+        # pairs (and undefined rows past offs[-1]) add zeros.
+        y_PH = torch.where((key_P < L).unsqueeze(-1), y_PH, 0)
+        y_RkH = y_PH.index_select(0, torch.argsort(token_P, stable=True)).view(R, k, H)
+        out_RH = y_RkH[:, 0]
+        for j in range(1, k):
+            out_RH = out_RH + y_RkH[:, j]
         if size > 1:  # in the probabilities' dtype, as the all-gather dispatcher's token_combine
             out_RH = reduce_scatter_rows(out_RH.to(probs_Rk.dtype), group).to(y_PH.dtype)
         return out_RH[:T]
@@ -309,7 +344,6 @@ def _unsupported(layer: MoELayer) -> Optional[str]:
         (cfg.moe_router_load_balancing_type == "sinkhorn", "moe_router_load_balancing_type='sinkhorn'"),
         (cfg.moe_input_jitter_eps is not None, f"moe_input_jitter_eps={cfg.moe_input_jitter_eps}"),
         (getattr(cfg, "moe_router_force_load_balancing", False), "moe_router_force_load_balancing=True"),
-        (getattr(cfg, "moe_enable_routing_replay", False), "moe_enable_routing_replay=True"),
         (cfg.moe_shared_expert_overlap, "moe_shared_expert_overlap=True"),
         (getattr(cfg, "moe_latent_size", None), f"moe_latent_size={getattr(cfg, 'moe_latent_size', None)}"),
         (cfg.fp8 or getattr(cfg, "fp4", None), "fp8/fp4 experts"),
@@ -339,5 +373,6 @@ def install_step_moe(chunk: torch.nn.Module, context: StepContext) -> list[StepM
             mlp.__class__ = StepMoELayer
             mlp.expert_stack = ExpertStack(mlp.experts)
         mlp.step_context = context
+        mlp.moe_index = len(out)
         out.append(mlp)
     return out

@@ -59,6 +59,11 @@ class GenerationResult:
     generated_tempered_log_probs: list[float] = field(default_factory=list)
     """log p(token) under softmax(logits / temperature) over the real vocabulary, before top-k/top-p: what training
     passes at the sampling temperature compute (filled when generating with ``tempered_log_probs=True``)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """With ``GenerationConfig.record_routing`` (an MoE model): ``[P + n - 1, M, k]`` int16 on the host (int32 past
+    32,767 experts), the top-k experts each of the model's M MoE layers chose for every token the rollout ran
+    through the model: the P prompt tokens and the first n - 1 of the n generated ones (the last generated token is
+    never an input). Row i is token i of prompt + response; every rank of the replica gets all layers."""
 
 
 @dataclass
@@ -92,6 +97,9 @@ class _Call:
     """Per step, which sequence each sampled row belongs to (None: an idle slot or a dropped row)."""
     log_probs: list[Optional[torch.Tensor]] = field(default_factory=list)
     """Per step, the last stage's log-probs."""
+    routed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """With a routing record: per sequence, its slot's rows copied out when it closed (``[positions, M, k]``, this
+    stage's MoE layers; trimmed to the tokens it ran once its length is known)."""
 
 
 class ReplicaGenerator:
@@ -203,6 +211,8 @@ class ReplicaGenerator:
                     self._idle_until_done()
                 if call.rows:
                     self._collect_log_probs(call, tempered=tempered_log_probs)
+                if self.runner.records_routing and prompts:
+                    self._collect_routing(call)
         finally:
             self.chunk.train(was_training)
             self.runner.end()
@@ -257,7 +267,12 @@ class ReplicaGenerator:
 
     def _close(self, call: _Call, seq: int) -> None:
         call.closed[seq] = True
-        self.runner.release([call.schedule.finish(seq)])
+        slot = call.schedule.finish(seq)
+        if self.runner.records_routing:
+            # Every position its launched steps wrote (a stop token not yet seen may end it earlier: trimmed later).
+            positions = len(call.results[seq].prompt_tokens) + call.schedule.launched[seq] - 1
+            call.routed[seq] = self.runner.take_routing(slot, positions)
+        self.runner.release([slot])
 
     def _in_flight(self, picked: torch.Tensor, owners: list[Optional[int]]) -> _InFlight:
         if not self.overlap or self.device.type != "cuda":  # on a CPU the step has run already
@@ -305,6 +320,14 @@ class ReplicaGenerator:
                         call.results[seq].generated_tempered_log_probs.append(flat[i][1])
                 i += 1
 
+    def _collect_routing(self, call: _Call) -> None:
+        """Each result's routing record: the rows of the tokens it ran, every stage's MoE layers (one copy to the
+        host and one merge over the pipeline for the whole call)."""
+        lengths = [len(r.prompt_tokens) + len(r.generated_tokens) - 1 for r in call.results]
+        stage = torch.cat([call.routed[seq][:n] for seq, n in enumerate(lengths)])
+        for result, rows in zip(call.results, self.runner.merge_routing(stage).split(lengths)):
+            result.routed_experts = rows
+
     def report(self) -> dict[str, Any]:
         """Counters for the engine's communication report."""
         graphs, cache, noise = self.graphs, self.cache, self.noise
@@ -321,6 +344,8 @@ class ReplicaGenerator:
         out["kv_cache_mapped_bytes"] = cache.mapped_bytes if cache is not None else 0
         out["kv_cache_address"] = cache.data_ptr() if cache is not None else 0
         out["sampling_noise_mapped_bytes"] = noise.mapped_bytes if noise is not None else 0
+        routing = self.runner.routing
+        out["routing_record_mapped_bytes"] = routing.mapped_bytes if routing is not None else 0
         out["overlap_host"] = self.overlap
         out["attention_reads_lengths"] = self.runner.reads_lengths
         return out

@@ -23,6 +23,13 @@ group spans other rollout replicas, each step's plan carries the rows the group 
 agreed by :mod:`.replica`), which the MoE layers pad to, and an ``"idle"`` plan runs only the MoE layers' share of
 the group's collectives (:meth:`StageRunner._idle`).
 
+Routing record (``GenerationConfig.record_routing``, MoE stages): one more rollout-only reservation, ``[M, N, L, k]``
+(the stage's MoE layers, cache slots, positions, experts per token; int16, int32 past 32,767 experts), which every
+MoE layer writes its tokens' top-k experts into at their slots and positions, as attention writes the KV cache.
+A finished sequence's rows are copied out before its slot is released (:meth:`StageRunner.take_routing`), move with
+compacted slots, and the stages' layers are merged into the whole model's at the end of a call
+(:meth:`StageRunner.merge_routing`).
+
 Mixed steps: refills of a few prompts ride along a decode step, their tokens extra rows of it, each attending to its
 slot up to its own position; the logits are read at the decode rows and at each prompt's last token. One forward
 then reads the weights once for both, where a prefill of two prompts would cost about as much as the decode step.
@@ -50,7 +57,7 @@ from .config import GenerationConfig
 from .context import KVStep, stage_context
 from .graphs import StepGraphs
 from .kv_cache import CacheGeometry, KVCache
-from .moe import install_step_moe, sequential_experts
+from .moe import install_step_moe, moe_layer_ordinals, sequential_experts
 from .norms import install_step_norms
 from .planner import MIXED_PROMPTS, MIXED_TOKENS, PlannerSettings, SlotMoves, StepPlan, batch_sizes
 from .sampling import draw_noise, is_greedy, sample
@@ -109,6 +116,13 @@ class StageRunner:
         self.attention = install_kv_attention(chunk, self.context)
         self.norms = install_step_norms(chunk, self.device, self.context)
         self.moe = install_step_moe(chunk, self.context)
+        # The stage's MoE layers' ordinals among the model's (layer_number is global and 1-based).
+        ordinals = (moe_layer_ordinals(chunk.config.num_layers, chunk.config.moe_layer_freq)
+                    if chunk.config.num_moe_experts else [])
+        self.moe_ordinals = [ordinals[layer.layer_number - 1] for layer in self.moe]
+        self.num_moe_layers = sum(o is not None for o in ordinals)
+        # Every stage takes part in the merge of a recording MoE model, one without MoE layers too.
+        self.records_routing = bool(config.record_routing and self.num_moe_layers)
         groups_ = {id(layer.group): layer.group for layer in self.moe}
         assert len(groups_) <= 1, "the MoE layers of one stage share their expert-parallel group"
         self.expert_group = next(iter(groups_.values()), None)
@@ -141,6 +155,8 @@ class StageRunner:
         self.rotary = chunk.rotary_pos_emb if kind == "rope" else None
         self.cache: Optional[KVCache] = None
         self.noise: Optional[RolloutBuffer] = None
+        self.routing: Optional[RolloutBuffer] = None  # the routing record (record_routing), and its planes:
+        self.routing_planes: Optional[list[torch.Tensor]] = None
         self.graphs: Optional[StepGraphs] = None
         self.prefill_hidden: Optional[torch.Tensor] = None
         self.prefill_rows = self.prefill_tokens = 0  # a graph prefill's staging capacity (with graphs)
@@ -200,6 +216,14 @@ class StageRunner:
         self.hidden_in = (torch.zeros(g.num_slots, 1, self.hidden_size, dtype=self.hidden_dtype, device=dev)
                           if self.prev_rank is not None else None)
         self.inv_freq = self.rotary.inv_freq.to(dev).clone() if self.rotary is not None else None
+        if self.records_routing and self.moe:
+            cfg = self.chunk.config
+            dtype = torch.int16 if cfg.num_moe_experts <= torch.iinfo(torch.int16).max else torch.int32
+            plane = (n, g.slot_tokens, cfg.moe_router_topk)
+            size = plane[0] * plane[1] * plane[2]
+            self.routing = self.memory.reserve(len(self.moe) * size, dtype)
+            self.routing_planes = [self.routing.tensor[i * size: (i + 1) * size].view(plane)
+                                   for i in range(len(self.moe))]
         if self.use_graphs:
             self.graphs = self._new_graphs()
             # A graph prefill's inputs: rows x padded length tokens, their positions and slots, then per row the
@@ -243,6 +267,9 @@ class StageRunner:
         if self.noise is not None:
             self.noise.close()
             self.noise = None
+        if self.routing is not None:
+            self.routing.close()
+            self.routing = self.routing_planes = None
 
     # -- a call ------------------------------------------------------------------------------------------------
 
@@ -290,6 +317,8 @@ class StageRunner:
         sources, targets = self._to_device(list(moves.sources)), self._to_device(list(moves.targets))
         # Queued behind the steps in flight: they write the old slots first, then this copies them.
         self.cache.move_slots(sources, targets, moves.positions)
+        for plane in self.routing_planes or ():
+            plane[targets, : moves.positions] = plane[sources, : moves.positions]
         for state in (self.slot_tokens, self.slot_positions, self.slot_running):
             state.index_copy_(0, targets, state.index_select(0, sources))
         self.slot_running.index_fill_(0, sources, 0)  # no scalar through an index tensor: see _start
@@ -302,6 +331,27 @@ class StageRunner:
             # host memory, a stream sync per finished sequence that left the device idle until the next launch.
             self.slot_running.narrow(0, slot, 1).fill_(0)
             self.slot_positions.narrow(0, slot, 1).fill_(0)  # an idle slot keeps writing garbage at position 0
+
+    def take_routing(self, slot: int, positions: int) -> torch.Tensor:
+        """A copy of the first ``positions`` rows of ``slot``'s routing record, ``[positions, M, k]`` (the stage's
+        MoE layers): taken before the slot is released (queued behind the steps that wrote it)."""
+        if not self.routing_planes:  # a stage without MoE layers
+            return torch.zeros(positions, 0, self.chunk.config.moe_router_topk, dtype=torch.int16,
+                               device=self.device)
+        return torch.stack([plane[slot, :positions] for plane in self.routing_planes], dim=1)
+
+    def merge_routing(self, stage_TMk: torch.Tensor) -> torch.Tensor:
+        """The whole model's routing ``[T, M_all, k]`` int16 on the host, on every stage, from this stage's
+        ``[T, M, k]`` (its MoE layers; the same tokens on every stage): each stage fills its layers' ordinals, -1
+        elsewhere, and one all-reduce (maximum) over the pipeline group merges them."""
+        T, _, k = stage_TMk.shape
+        full = torch.full((T, self.num_moe_layers, k), -1, dtype=torch.int32, device=self.device)
+        full[:, self.moe_ordinals] = stage_TMk.to(torch.int32)
+        if self.pp_group.size() > 1:  # int32: the maximum over int16 is not in every backend
+            with self._errors("the pipeline stages' merge of the routing record"):
+                dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.pp_group)
+        experts = self.chunk.config.num_moe_experts
+        return full.to(device="cpu", dtype=torch.int16 if experts <= torch.iinfo(torch.int16).max else torch.int32)
 
     def share(self, tensor: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The last stage's ``tensor`` (``numel`` of ``dtype``) on every stage."""
@@ -337,6 +387,7 @@ class StageRunner:
         the gathered logits ``[n, V]`` at the tokens ``last_T`` (all tokens when None)."""
         chunk = self.chunk
         step.moe_rows = self._moe_rows
+        step.routed_experts = self.routing_planes
         with self.context.step(step):  # the one place a step reaches the attention and norm modules
             if chunk.pre_process:
                 hidden_T1H = chunk.embedding(input_ids=tokens_T.unsqueeze(0),

@@ -7,7 +7,8 @@ One module per piece, over megatron-core:
 - :mod:`.models`: actor, frozen reference, critic (the GPTModel trunk with a scalar :class:`ValueHead`) and
   reward-model I/O on Megatron's training layout;
 - :mod:`.passes`: rollout batches and the log-prob/entropy, value and score passes through Megatron's 1F1B
-  schedule;
+  schedule; :mod:`.routing`: MoE routing replay in those passes (``--moe-enable-routing-replay``) and the count of
+  tokens routed differently from the rollout;
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
   rollout's log-probs at the sampling temperature and its costs;

@@ -233,6 +233,9 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tis-imp-ratio-cap", type=float, default=None, help="truncated importance sampling "
                    "(verl's name): weight each token's policy loss by min(π_old / π_rollout, C), for the mismatch "
                    "between the generator's and the training layout's log-probs (default: off)")
+    g.add_argument("--moe-enable-routing-replay", action="store_true", help="MoE actors (Megatron-LM's flag): the "
+                   "rollout records every token's top-k experts per MoE layer and the actor's log-prob and update "
+                   "passes route each token to them (megatron-core's RouterReplay); logs moe/routing_mismatch_tokens")
     g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
                    "package)")
@@ -355,6 +358,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide "
                          f"--pipeline-model-parallel-size ({p})")
     _validate_experts(args, data_parallel_size=d)
+    if args.moe_enable_routing_replay and not getattr(args, "num_experts", None):
+        raise ValueError(f"--moe-enable-routing-replay needs an MoE model (--num-experts: "
+                         f"{getattr(args, 'num_experts', None)})")
     if args.tokenizer_type == "NullTokenizer":
         if args.tokenizer_model is not None:
             raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "

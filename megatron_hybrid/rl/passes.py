@@ -11,8 +11,9 @@ tensor-parallel shard of the (padded) vocabulary.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ..compat import megatron_groups
 from . import ppo
 from .phases import recorded
+from .routing import TrainingRouting, moe_routers, replays_routing, routed_experts_BSMk
 
 #: ``loss_fn(output, micro_batch) -> (loss, stats)``: Megatron's loss function of one micro-batch. ``output`` is
 #: the last stage's output (``[B, S, V_t]`` logits, or ``[B, S, 1]`` values); ``stats`` are detached tensors.
@@ -59,10 +61,13 @@ class Batch:
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_tokens: int, seq_length: int,
-               device: torch.device, rollout_log_probs: Optional[list[list[float]]] = None) -> Batch:
+               device: torch.device, rollout_log_probs: Optional[list[list[float]]] = None,
+               routed_experts: Optional[list[torch.Tensor]] = None) -> Batch:
     """The batch of ``prompts[b] + responses[b]``; scores are zero until the reward is known.
     ``rollout_log_probs``: the generator's log-probs of the response tokens, kept as ``data["rollout_logp"]``
-    (``[B, N]``, zero-padded)."""
+    (``[B, N]``, zero-padded). ``routed_experts``: the generator's routing records
+    (``GenerationResult.routed_experts``), kept on the host as ``data["routed_experts"]`` (``[B, S, M, k]``, -1
+    where nothing was recorded; :mod:`.routing`): the passes then replay or count them."""
     B, N = len(prompts), max_new_tokens
     tokens = torch.zeros(B, seq_length, dtype=torch.long)
     index = torch.zeros(B, N, dtype=torch.long)
@@ -81,6 +86,8 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_
         for b, row in enumerate(rollout_log_probs):
             logp[b, : len(row)] = torch.tensor(row)
         data["rollout_logp"] = logp.to(device)
+    if routed_experts is not None:
+        data["routed_experts"] = routed_experts_BSMk(routed_experts, seq_length)
     return Batch(tokens.to(device), index.to(device), mask.to(device), torch.zeros(B), data)
 
 
@@ -126,23 +133,61 @@ class TrainingPasses:
         self.config = config
         self.tp_group, self.pp_group, _, _ = megatron_groups()
         self.last_stage = self.pp_group.rank() == self.pp_group.size() - 1
+        self._measured: Optional[tuple[torch.nn.Module, TrainingRouting]] = None
+
+    def _routing(self, model: torch.nn.Module, batch: Batch) -> Optional[TrainingRouting]:
+        """The routing of a pass of ``model`` over ``batch``: replayed where the model's routers replay (built with
+        ``moe_enable_routing_replay``), counted where :meth:`routing_metrics` measures this model."""
+        if self._measured is not None and self._measured[0] is model:
+            return self._measured[1]
+        replay = replays_routing(model)
+        if replay and "routed_experts" not in batch.data:
+            raise ValueError("the model replays routing (moe_enable_routing_replay) but the batch has no routing "
+                             "record: generate with GenerationConfig(record_routing=True) and pass "
+                             "make_batch(routed_experts=)")
+        if not replay:
+            return None
+        return TrainingRouting(model, batch.data["routed_experts"], tp_group=self.tp_group, pp_group=self.pp_group,
+                               replay=True)
+
+    @contextmanager
+    def routing_metrics(self, model: torch.nn.Module, batch: Batch) -> Iterator[Callable[[], dict[str, float]]]:
+        """Count, in the passes of ``model`` over ``batch`` in the body, the tokens routed differently from the
+        rollout's record (:meth:`~.routing.TrainingRouting.metrics`). Yields a function that returns the counts
+        after the body, to be called on every rank of the model's tensor- and pipeline-parallel groups; ``{}``
+        for a batch without a record or a model without MoE layers."""
+        if "routed_experts" not in batch.data or not moe_routers(model):
+            yield lambda: {}
+            return
+        routing = TrainingRouting(model, batch.data["routed_experts"], tp_group=self.tp_group,
+                                  pp_group=self.pp_group, replay=replays_routing(model))
+        self._measured = (model, routing)
+        try:
+            yield routing.metrics
+        finally:
+            self._measured = None
 
     def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool) -> list[dict]:
         """Megatron's forward/backward schedule over ``batch``'s micro-batches; returns the per-micro-batch
         ``stats`` of ``loss_fn`` (last stage; ``[]`` elsewhere). Gradients, when not ``forward_only``, accumulate
-        in DDP's buffers: of the loss averaged over the micro-batches (the schedule) and the DP replicas (DDP)."""
+        in DDP's buffers: of the loss averaged over the micro-batches (the schedule) and the DP replicas (DDP).
+        A model built with ``moe_enable_routing_replay`` routes the batch's tokens as its routing record says."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        routing = self._routing(model, batch)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
+            with routing.micro_batch(mb["routed_experts"]) if routing is not None else nullcontext():
+                out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
             return out, lambda output: _fresh_loss(*loss_fn(output, mb))
 
         micro_batches = batch.micro_batches(self.config.micro_batch_size)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-            num_microbatches=len(micro_batches), seq_length=self.config.seq_length,
-            micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+        with routing if routing is not None else nullcontext():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+                num_microbatches=len(micro_batches), seq_length=self.config.seq_length,
+                micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
 
     def token_stats(self, logits_BSVt: torch.Tensor, micro_batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens, ``[b, N]`` (differentiable), from vocabulary-parallel

@@ -1,7 +1,7 @@
 """Write or check the golden outputs (tests/golden_cases.py says what they are).
 
     PYTHONPATH=. python tests/golden/make_golden.py            # compare with the files; exit 1 on a difference
-    PYTHONPATH=. python tests/golden/make_golden.py --write    # (re)write tests/golden/*.json
+    PYTHONPATH=. python tests/golden/make_golden.py --write    # (re)write tests/golden/<this CPU>/*.json
     PYTHONPATH=. python tests/golden/make_golden.py --out DIR  # write this run's outputs to DIR (to diff two runs)
     PYTHONPATH=. python tests/golden/make_golden.py --probe    # greedy continuations without stops (to pick them)
 
@@ -46,7 +46,8 @@ def main() -> int:
     failed = False
     for path, value in outputs.items():
         if args.write or args.out:
-            target = path if args.write else os.path.join(args.out, os.path.basename(path))
+            # --write: this kind of CPU's goldens (golden_cases.cpu_signature)
+            target = os.path.join(golden.CPU_GOLDEN_DIR if args.write else args.out, os.path.basename(path))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             golden.write_atomically(target, golden.dumps({"environment": golden.environment(), **value}))
             print(f"wrote {target}")
