@@ -1,7 +1,9 @@
 """Real models end to end (issue 15, acceptance 1): tiny random-weight Llama (tied embeddings) and Qwen2 (q/k/v
 biases, untied) saved with transformers → tools' converter → the recipe with ``--pretrained-checkpoint`` (GRPO on
 Llama, PPO on Qwen2; training TP=2, rollout TP=1, 3 steps) → ``--export-hf`` → transformers loads the export, its
-logits are the trained actor's and its weights moved; and the argument errors, before any collective."""
+logits are the trained actor's and its weights moved; and the argument errors, before any collective. Issue 24,
+acceptance 5: a tiny Qwen3-MoE through the same path with GRPO at EP=2 → rollout EP=1 (the reward rises), PPO with an
+MoE critic, and the MoE flags against the checkpoint."""
 
 from __future__ import annotations
 
@@ -218,12 +220,13 @@ def test_grpo_qwen3_moe_at_ep2_rollout_ep1_learns_and_exports_to_hf(moe_model, t
 
 
 def test_ppo_on_an_moe_actor_and_critic_trunk(moe_model, tmp_path):
-    """PPO with an MoE critic trunk (2 ranks: EP=2 over DP=2, rollout EP=1): finite losses, both models' load-
-    balancing losses logged."""
+    """PPO with an MoE critic trunk (2 ranks: EP=2 over DP=2, rollout EP=1) on a reward that varies: finite
+    losses, both models' load-balancing losses logged."""
     _, mg = moe_model
     argv = ["--pretrained-checkpoint", str(mg), "--tensor-model-parallel-size", "1",
             "--expert-model-parallel-size", "2", "--rollout-expert-model-parallel-size", "1",
-            "--moe-aux-loss-coeff", "1e-2", "--moe-router-load-balancing-type", "aux_loss", "--algorithm", "ppo", "--reward-type", "target-token",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-router-load-balancing-type", "aux_loss", "--algorithm", "ppo",
+            "--reward-fn", "tests.real_model_cases:parity_reward",
             "--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "4", "--prompt-length", "4",
             "--max-new-tokens", "4", "--ppo-epochs", "1", "--lr", "1e-2"]
     metrics = run_distributed(ppo_cases.run_main, 2, argv, str(tmp_path / "logs"), expert_model_parallel_size=2)[0]
@@ -231,6 +234,7 @@ def test_ppo_on_an_moe_actor_and_critic_trunk(moe_model, tmp_path):
     for key in ("pg_loss", "vf_loss", "load_balancing_loss", "critic_load_balancing_loss", "actor_grad_norm",
                 "critic_grad_norm"):
         assert all(math.isfinite(v) for m in metrics for v in m[key]), key
+    assert max(abs(v) for m in metrics for v in m["vf_loss"]) > 0  # a reward that varies: the critic learns
 
 
 def test_moe_flags_come_from_the_checkpoint(moe_model, models):
