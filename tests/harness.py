@@ -67,6 +67,7 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
                 finally:
                     ps.destroy_model_parallel()
                     _destroy_subgroups(dist)
+                    _reset_moe_loss_scale()
                     gc.collect()
             outbox.put((rank, True, result))
         except BaseException:  # report every failure, including assertion errors, to the parent
@@ -74,6 +75,17 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
         finally:
             faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
+
+
+def _reset_moe_loss_scale() -> None:
+    """megatron-core's MoE aux-loss scale is process-wide: a backward outside its schedules sets it to a 0-d tensor
+    (0.16.1), and a later schedule then copies its [1]-shaped scale into that and fails. One job must not leave it to
+    the next on the same rank."""
+    import sys
+
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def _destroy_subgroups(dist) -> None:
