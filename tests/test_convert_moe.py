@@ -40,17 +40,12 @@ FAMILIES = sorted(FAMILY_KWARGS)
 
 
 def make_hf(directory: Path, family: str, *, seed: int = 0, **overrides) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from megatron_hybrid.convert.tiny import save_random_hf_model
 
     config = AutoConfig.for_model(family, **{**BASE, **FAMILY_KWARGS[family], **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # transformers initialises biases and norms to constants; make them count
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return directory
+    return save_random_hf_model(directory, config, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ FAMILIES = {
 
 def save_tiny_hf_model(directory: str, family: str, *, seed: int = 0) -> str:
     """A random-weight ``family`` model and the tiny tokenizer, saved into ``directory`` as transformers does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if family not in FAMILIES:
         raise ValueError(f"family ({family!r}) must be one of {sorted(FAMILIES)}")
@@ -87,6 +87,13 @@ def save_tiny_hf_model(directory: str, family: str, *, seed: int = 0) -> str:
     tied, extra = FAMILIES[family]
     config = AutoConfig.for_model(family, vocab_size=vocab_size, tie_word_embeddings=tied, eos_token_id=2,
                                   bos_token_id=None, pad_token_id=1, **HF_BASE, **extra)
+    return save_random_hf_model(directory, config, seed=seed)
+
+
+def save_random_hf_model(directory, config, *, seed: int = 0):
+    """A transformers model made from ``config`` with seeded random weights, saved into ``directory``."""
+    from transformers import AutoModelForCausalLM
+
     with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
