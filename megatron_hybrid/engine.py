@@ -34,12 +34,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
 from .binding import BINDINGS, named_parameters
-from .executor import CollectiveRecord, PlaneSpec, PlanExecutor, held_buffers, make_group_plan
+from .exchange import keys_of
+from .executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers, make_exchange_plan,
+                       make_group_plan)
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
 from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
-from .placement import EngineRolloutMemory, Placement, Placements
+from .placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
 from .rollout_model import ModelProvider, build_rollout_chunks
 from .sharding import is_expert
 from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
@@ -150,6 +152,10 @@ class HybridEngine:
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.layout = lay = ParallelLayout.create(training=(tp_group.size(), pp_group.size(), dp_group.size()),
                                                   rollout=rollout)
+        if len(self.chunks) > 1 and not lay.exchange and self.modules[0].config.num_moe_experts is None:
+            # Virtual pipeline chunks: the rollout model is one chunk per rank (a rollout stage's layers in one model,
+            # which the generator runs), so its tensors come from several training chunks: an exchange layout.
+            self.layout = lay = dataclasses.replace(lay, exchange=True)
         check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
         check_model(self.modules, lay, weight_mode=weight_mode)
@@ -174,7 +180,11 @@ class HybridEngine:
         self.rollout_groups: RolloutGroups = create_rollout_groups(
             lay, tp_group, pp_group, dp_group, timeout=self.timeout, cp_group=cp_group,
             tied_embedding=self._tied is not None,
-            experts=(self.expert_layout, expert_groups) if self.expert_layout is not None else None)
+            experts=(self.expert_layout, expert_groups) if self.expert_layout is not None else None,
+            num_layers=self.config.num_layers, chunks=len(self.chunks))
+        self.layout = lay = self.rollout_groups.layout  # exchanged where new_group could not keep the groups' order
+        if lay.exchange:
+            self._tied = None
         self.rollout_chunks = build_rollout_chunks(self.modules, lay, pg_collection=self.pg_collection,
                                                    rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
                                                    guard=self._check_rollout_mode, model_provider=model_provider,
@@ -182,28 +192,13 @@ class HybridEngine:
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
         self._optimizers = [optimizer] if optimizer is not None else []  # close() may add one: read at the move
-        alignment = Placement.alignment(self.device) if align_slots else None
-        planes: dict[str, Placement] = {}
         self.plans: dict[str, tuple[Optional[Any], int]] = {}
-        self._executors: list[PlanExecutor] = []  # the switch's collectives, plane by plane
-        for spec in self._plane_specs(expert_groups):
-            dense = spec.name == "dense"
-            # DDP's parameter buffers (distributed optimizer): its expert-parallel ones are the experts plane's.
-            held, held_at = held_buffers(self.chunks, optimizers=self._optimizers,
-                                         experts=None if self.expert_layout is None else not dense)
-            plan, index = make_group_plan(
-                self.modules, self.rollout_chunks, spec, self.rollout_groups,
-                layers_per_stage=self.config.num_layers // lay.p, bucket_size_mb=self.bucket_size_mb,
-                held=held, held_at=held_at, alignment=alignment, tied=self._tied if dense else None,
-                strided=weight_mode == "canonical")
-            self.plans[spec.name] = (plan, index)
-            planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
-                                          device=self.device, held=held if plan is not None else ())
-            if plan is not None:  # none when the rollout layout widens TP: every rank holds its rollout shard
-                self._executors.append(PlanExecutor(plan, index, self.rollout_groups, plane=spec.name,
-                                                    training_params=self._train_params, device=self.device))
+        self._executors: list[Any] = []  # the switch's collectives, plane by plane
+        if lay.exchange:
+            self.placement = self._place_exchange(tied)
+        else:
+            self.placement = self._place_planes(expert_groups)
         self.plan, self.member_index = self.plans["dense"]
-        self.placement = Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
@@ -216,6 +211,45 @@ class HybridEngine:
         self.profiling = False
         for prm in params:
             _SERVED_BY[prm] = weakref.ref(self)
+
+    def _place_planes(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> Placements:
+        """The gather plans of an in-place layout, plane by plane, their placements and executors."""
+        lay = self.layout
+        alignment = Placement.alignment(self.device) if self.align_slots else None
+        planes: dict[str, Placement] = {}
+        for spec in self._plane_specs(expert_groups):
+            dense = spec.name == "dense"
+            # DDP's parameter buffers (distributed optimizer): its expert-parallel ones are the experts plane's.
+            held, held_at = held_buffers(self.chunks, optimizers=self._optimizers,
+                                         experts=None if self.expert_layout is None else not dense)
+            plan, index = make_group_plan(
+                self.modules, self.rollout_chunks, spec, self.rollout_groups,
+                layers_per_stage=self.config.num_layers // lay.p, bucket_size_mb=self.bucket_size_mb,
+                held=held, held_at=held_at, alignment=alignment, tied=self._tied if dense else None,
+                strided=self.weight_mode == "canonical")
+            self.plans[spec.name] = (plan, index)
+            planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
+                                          device=self.device, held=held if plan is not None else ())
+            if plan is not None:  # none when the rollout layout widens TP: every rank holds its rollout shard
+                self._executors.append(PlanExecutor(plan, index, self.rollout_groups, plane=spec.name,
+                                                    training_params=self._train_params, device=self.device))
+        return Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
+
+    def _place_exchange(self, tied: bool) -> Placements:
+        """The exchange plan of any other layout pair (:mod:`megatron_hybrid.exchange`), its placement (the
+        training tensors stay where they are; a receive buffer per dtype) and executor."""
+        rank = dist.get_rank()
+        plan = make_exchange_plan(self.modules, self.rollout_chunks, self.rollout_groups, tp_rank=self.tp_rank,
+                                  tied=tied)
+        names = list(self._train_params) + [n for n, _ in named_parameters(self.rollout_chunks)]
+        keys = keys_of(names, tied=tied)
+        self.exchange_plan = plan
+        self.plans["dense"] = (None, rank)
+        placement = ExchangePlacement(plan, rank, self._train_params, self.layout, keys=keys,
+                                      rollout_tp_rank=self.rollout_tp_rank, device=self.device)
+        self._executors.append(ExchangeExecutor(plan, rank, self.rollout_groups, training_params=self._train_params,
+                                                keys={n: keys[n] for n in self._train_params}, device=self.device))
+        return Placements({"dense": placement}, lambda name: "dense")
 
     def _plane_specs(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> list[PlaneSpec]:
         """The dense plane over the micro-DP groups, and an MoE model's routed experts over the micro-EP groups."""
@@ -320,7 +354,7 @@ class HybridEngine:
         records: list[CollectiveRecord] = []
         for executor in self._executors:
             placement = self.placement.planes[executor.plane]
-            buffers = {dtype: placement.buffers[dtype].tensor for dtype in executor.plan.regions}
+            buffers = {dtype: buf.tensor for dtype, buf in placement.buffers.items()}
             records += executor.run(buffers, profile=self.profiling)
         t_coll = time.perf_counter()
         self.binding.refill()

@@ -21,6 +21,7 @@ from . import compat
 from .binding import named_parameters, named_weights
 from .groups import RolloutGroups
 from .placement import DTYPE_NAMES, DTYPES, HeldBuffer
+from .exchange import ExchangePlan, RankTensors, build_exchange_plan, keys_of
 from .plan import GroupPlan, MemberInfo, ParamInfo, Region, RegionKind, build_group_plan
 from .sharding import TPSpec, is_expert
 
@@ -241,3 +242,97 @@ class PlanExecutor:
         lo = reg.slot_offset(self.member) - reg.offset
         compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
         return reg.slot_numel * (len(reg.members) - 1) * region.element_size()
+
+
+# ---- any layout pair: the exchange ------------------------------------------------------------------------
+def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence[torch.nn.Module],
+                       groups: RolloutGroups, *, tp_rank: int, tied: bool) -> ExchangePlan:
+    """Gather every rank's training tensors and rollout needs (one ``all_gather_object`` over the world) and plan
+    the exchange (the same plan on every rank). The rollout parameters get their tensor-parallel attributes here and
+    are checked against the training shapes, as in :func:`make_group_plan`."""
+    lay = groups.layout
+    held: dict[str, ParamInfo] = {}
+    for info in param_infos(modules, held_at={}):
+        key = keys_of([info.name], tied=tied)[info.name]
+        held.setdefault(key, dataclasses.replace(info, name=key))
+    rollout_params = dict(named_parameters(list(rollout_chunks)))
+    needs = keys_of(list(rollout_params), tied=tied)
+    mine = RankTensors(dist.get_rank(), tp_rank, groups.tp_rank, tuple(held.values()), tuple(needs.values()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    with groups.errors("HybridEngine()", "the world's gather of the parameter descriptions"):
+        dist.all_gather_object(everyone, mine, group=groups.world)
+    infos = {info.name: info for rt in everyone for info in rt.held}
+    for name, prm in rollout_params.items():
+        info = infos.get(needs[name])
+        if info is None:
+            raise ValueError(f"no training rank holds {name}: the rollout model does not correspond to the training "
+                             "model")
+        shape = list(info.shape)
+        if info.sharded:
+            prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
+            shape[info.dim] = shape[info.dim] * lay.t // lay.t_g
+        if tuple(shape) != tuple(prm.shape):
+            raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
+                             "from the training model")
+    return build_exchange_plan(everyone, t=lay.t, t_g=lay.t_g)
+
+
+class ExchangeExecutor:
+    """Runs this rank's part of an :class:`~megatron_hybrid.exchange.ExchangePlan` at each switch: per dtype, the
+    pieces it sends packed into one transient buffer (in destination order), and one ``all_to_all_single`` over the
+    world that lands every piece it misses in its receive buffer (in source order), where the rollout tensors view
+    them. A dtype no rank misses anything of runs no collective.
+
+    Args:
+        plan: the exchange plan (the same on every rank).
+        rank: this rank.
+        groups: the rollout groups (the world group, and the error context of a collective).
+        training_params: this rank's training parameters by global name (read at every switch).
+        keys: global name -> plan key of this rank's training parameters (a tied output layer is the embedding).
+        device: where the buffers live; with profiling, a CUDA device is synchronised after every collective.
+    """
+
+    plane = "dense"
+
+    def __init__(self, plan: ExchangePlan, rank: int, groups: RolloutGroups, *,
+                 training_params: Mapping[str, torch.nn.Parameter], keys: Mapping[str, str],
+                 device: torch.device) -> None:
+        self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+        self.training_params = training_params
+        self._own = {key: name for name, key in keys.items()}  # plan key -> the training parameter holding it
+        self._sends = {dtype: plan.sends(rank, dtype) for dtype in plan.dtypes()}
+
+    def source_view(self, key: str, part: int, lo: int, hi: int) -> torch.Tensor:
+        """Units [lo, hi) of ``part`` of this rank's training tensor ``key`` (a view, strided for dim 1)."""
+        prm = self.training_params[self._own[key]].data
+        info = self.plan.tensors[key]
+        if not info.sharded:
+            return prm
+        start, length = self.plan.local_range(key, self.plan.tp_of[self.rank], part, lo, hi)
+        return prm.narrow(info.dim, start, length)
+
+    def run(self, buffers: Mapping[str, torch.Tensor], *, profile: bool = False) -> list[CollectiveRecord]:
+        """One ``all_to_all_single`` per dtype that moves anything; ``buffers``: this rank's receive buffers."""
+        records = []
+        world = list(range(self.plan.world))
+        for dtype in self.plan.dtypes():
+            sends = self._sends[dtype]
+            send = torch.empty(sum(pc.numel for _, pc in sends), dtype=DTYPES[dtype], device=self.device)
+            off = 0
+            with torch.no_grad():
+                for _, pc in sends:
+                    send[off: off + pc.numel].view(pc.shape).copy_(self.source_view(pc.key, pc.part, pc.lo, pc.hi))
+                    off += pc.numel
+            out_splits = self.plan.splits(self.rank, dtype, sending=False)
+            recv = buffers[dtype][: sum(out_splits)] if dtype in buffers else send.new_empty(0)
+            t0, wall0 = time.perf_counter(), time.time()
+            with self.groups.errors("switch_to_rollout", f"the all_to_all_single of {dtype} pieces over the world"):
+                dist.all_to_all_single(recv, send, out_splits, self.plan.splits(self.rank, dtype, sending=True),
+                                       group=self.groups.world)
+            if profile and self.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            del send
+            records.append(CollectiveRecord("all_to_all_single", world, recv.numel() * recv.element_size(), seconds,
+                                            wall0, wall0 + seconds, self.rank, self.plane))
+        return records

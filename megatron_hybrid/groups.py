@@ -12,11 +12,14 @@ Group ranks are in the order of the coordinate they stand for (rollout TP rank, 
 rank order: with t_g > t the rollout TP shard a rank can serve without communication is fixed by its training
 shard, and megatron-core assumes that group rank j holds vocabulary shard j (``ColumnParallelLinear`` with
 ``parallel_output=False``, its inference engines). torch ≥ 2.13's ``new_group(sort_ranks=False)`` keeps that
-order; on an older torch such a layout is refused (see :func:`megatron_hybrid.compat.new_group`).
+order. On an older torch, an in-place layout whose groups are not in global order (t_g > t with t > 1) is served
+as an exchange layout instead (:mod:`megatron_hybrid.exchange`), whose arrangement keeps every group in order.
+Exchange layouts take their rollout groups from their :class:`~megatron_hybrid.exchange.Arrangement`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from . import compat
+from .exchange import Arrangement, arrange
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout
 
 #: Group kinds, in creation order (every rank creates every group in the same order). The expert kinds (an MoE
@@ -59,6 +63,10 @@ class RolloutGroups:
     """Every rank, in rank order, with ``timeout``: for what needs the whole world."""
     expert_grid: Optional[ExpertGrid] = None
     """Where every expert coordinate lives (MoE models only)."""
+    layout: Optional[ParallelLayout] = None
+    """The layout the groups serve (an exchange one where the in-place groups could not keep their order)."""
+    arrangement: Optional[Arrangement] = None
+    """Every rank's rollout coordinate (exchange layouts only)."""
 
     def group_of(self, ranks: list[int]) -> Any:
         return self.by_ranks[tuple(ranks)]
@@ -112,28 +120,49 @@ def training_grid(tp_group, pp_group, dp_group, *, world,
     return grid, ExpertGrid.from_coords({r: (c[3], c[4], c[5], c[1]) for r, c in enumerate(coords)})
 
 
-def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, *, timeout: datetime.timedelta,
-                          cp_group: Optional[Any] = None, tied_embedding: bool = False,
-                          experts: Optional[tuple[ExpertLayout, tuple[Any, Any, Any]]] = None) -> RolloutGroups:
-    """Create every rollout group on every rank (torch needs all ranks in every ``new_group`` call), from where
-    the training groups ``tp_group``, ``pp_group``, ``dp_group`` place each rank. ``experts``: an MoE model's
-    expert layout and training expert groups (expert tp, ep, expert dp)."""
-    me = dist.get_rank()
-    everyone = list(range(dist.get_world_size()))
-    world = compat.new_group(everyone, timeout=timeout)
-    with collective_errors("HybridEngine()", "the gather of every rank's training coordinates", timeout=timeout):
-        grid, expert_grid = training_grid(tp_group, pp_group, dp_group, world=world,
-                                          expert_groups=experts[1] if experts is not None else None)
-    lists = {
+def _in_place_lists(layout: ParallelLayout, grid: Grid, *, tied_embedding: bool) -> dict[str, list[list[int]]]:
+    return {
         "tp": layout.rollout_tp_groups(grid),
         "pp": layout.rollout_pp_groups(grid),
         "dp": layout.rollout_dp_groups(grid),
         "micro_dp": layout.micro_dp_groups(grid),
         "cross_stage": layout.cross_stage_groups(grid),
         "tied_embedding": layout.tied_embedding_groups(grid) if tied_embedding else [],
-        # The rollout model's context-parallel group when Megatron has none: one rank each.
-        "single": [[r] for r in range(dist.get_world_size())] if cp_group is None else [],
     }
+
+
+def _exchange_lists(arrangement: Arrangement) -> dict[str, list[list[int]]]:
+    singles = [[r] for r in sorted(arrangement.coords)]
+    return {"tp": arrangement.tp_groups(), "pp": arrangement.pp_groups(), "dp": arrangement.dp_groups(),
+            "micro_dp": singles, "cross_stage": singles, "tied_embedding": []}
+
+
+def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, *, timeout: datetime.timedelta,
+                          cp_group: Optional[Any] = None, tied_embedding: bool = False,
+                          experts: Optional[tuple[ExpertLayout, tuple[Any, Any, Any]]] = None,
+                          num_layers: int = 0, chunks: int = 1) -> RolloutGroups:
+    """Create every rollout group on every rank (torch needs all ranks in every ``new_group`` call), from where
+    the training groups ``tp_group``, ``pp_group``, ``dp_group`` place each rank. ``experts``: an MoE model's
+    expert layout and training expert groups (expert tp, ep, expert dp). ``num_layers``, ``chunks``: the model's
+    layers and virtual pipeline chunks per stage (where an exchange layout's arrangement finds the layers)."""
+    me = dist.get_rank()
+    everyone = list(range(dist.get_world_size()))
+    world = compat.new_group(everyone, timeout=timeout)
+    with collective_errors("HybridEngine()", "the gather of every rank's training coordinates", timeout=timeout):
+        grid, expert_grid = training_grid(tp_group, pp_group, dp_group, world=world,
+                                          expert_groups=experts[1] if experts is not None else None)
+    arrangement = None
+    if not layout.exchange:
+        lists = _in_place_lists(layout, grid, tied_embedding=tied_embedding)
+        if not compat.NEW_GROUP_KEEPS_ORDER and any(g != sorted(g) for kind in lists.values() for g in kind) \
+                and experts is None:
+            layout = dataclasses.replace(layout, exchange=True)  # the exchange's arrangement keeps groups in order
+    if layout.exchange:
+        arrangement = arrange(layout, grid, num_layers=num_layers, chunks=chunks,
+                              keeps_order=compat.NEW_GROUP_KEEPS_ORDER)
+        lists = _exchange_lists(arrangement)
+    # The rollout model's context-parallel group when Megatron has none: one rank each.
+    lists["single"] = [[r] for r in range(dist.get_world_size())] if cp_group is None else []
     if experts is not None:
         ex = experts[0]
         lists.update(stage=layout.rollout_stage_groups(grid), ep=ex.rollout_ep_groups(expert_grid),
@@ -174,7 +203,10 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
         pgc.ep, pgc.expt_tp, pgc.tp_ep, pgc.expt_dp = (groups[k] for k in ("ep", "expt_tp", "tp_ep", "expt_dp"))
         pgc.tp_dp_cp = groups["stage"]
     coord = dict(grid.coords())[me]
-    tp_rank, pp_rank, replica = layout.rollout_coords(coord)
+    if arrangement is not None:
+        tp_rank, pp_rank, replica = arrangement.coords[me]
+    else:
+        tp_rank, pp_rank, replica = layout.rollout_coords(coord)
     assert ranks["tp"].index(me) == tp_rank and ranks["pp"].index(me) == pp_rank, (ranks, coord)
     return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout, world,
-                         expert_grid)
+                         expert_grid, layout, arrangement)

@@ -14,6 +14,10 @@ training shard is a sub-block. No ``torch.distributed`` here: everything is test
 t_g > t (rollout TP wider than training TP) is valid when m = t_g / t divides d and p_g = p: m training DP
 replicas form one rollout TP group, and each rank's rollout shard is a sub-block of the training shard it
 already holds, so the switch moves nothing.
+
+Every other pair (p_g > p, t_g > t with p_g ≠ p, TP and PP moving in opposite directions, ...) is an *exchange*
+layout (``ParallelLayout.exchange``): its rollout coordinates and the bytes each rank misses come from
+:mod:`megatron_hybrid.exchange`, not from the micro-DP arithmetic here.
 """
 
 from __future__ import annotations
@@ -105,32 +109,33 @@ class ParallelLayout:
     t_g: int
     p_g: int
 
+    exchange: bool = False
+    """Served by the exchange plan (:mod:`megatron_hybrid.exchange`) rather than micro-DP gathers: set for every pair
+    outside the gather contract (see the module docstring), and by the engine for pairs inside it that it still
+    exchanges (virtual pipeline chunks with p_g < p; t_g > t where ``new_group`` sorts ranks)."""
+
     def __post_init__(self) -> None:
         for name, v in (("tensor_model_parallel_size", self.t), ("pipeline_model_parallel_size", self.p),
                         ("data_parallel_size", self.d), ("rollout tensor_model_parallel_size", self.t_g),
                         ("rollout pipeline_model_parallel_size", self.p_g)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
+        world = self.t * self.p * self.d
+        if world % (self.t_g * self.p_g):
+            raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) × pipeline_model_parallel_size "
+                             f"({self.p_g}) = {self.t_g * self.p_g} must divide the world "
+                             f"({self.t} × {self.p} × {self.d} = {world} ranks)")
+        if not self.gathers_in_place():
+            object.__setattr__(self, "exchange", True)
+
+    def gathers_in_place(self) -> bool:
+        """Whether the pair is inside the micro-DP gather contract: every rollout shard a union of training
+        shards (t_g | t, p_g | p) or a sub-block of the own (t_g = m · t, m | d, p_g = p)."""
         if self.p % self.p_g:
-            raise ValueError(f"rollout pipeline_model_parallel_size ({self.p_g}) must divide "
-                             f"pipeline_model_parallel_size ({self.p})")
+            return False
         if self.t_g <= self.t:
-            if self.t % self.t_g:
-                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) must divide "
-                                 f"tensor_model_parallel_size ({self.t})")
-        else:
-            if self.t_g % self.t:
-                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) must divide or be a multiple "
-                                 f"of tensor_model_parallel_size ({self.t})")
-            m = self.t_g // self.t
-            if self.d % m:
-                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) = {m} × "
-                                 f"tensor_model_parallel_size ({self.t}) needs {m} to divide data_parallel_size "
-                                 f"({self.d}): the rollout shard must be held by every rank of the group")
-            if self.p_g != self.p:
-                raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) > tensor_model_parallel_size "
-                                 f"({self.t}) needs rollout pipeline_model_parallel_size ({self.p_g}) == "
-                                 f"pipeline_model_parallel_size ({self.p})")
+            return self.t % self.t_g == 0
+        return self.t_g % self.t == 0 and self.d % (self.t_g // self.t) == 0 and self.p_g == self.p
 
     @classmethod
     def create(cls, *, training: tuple[int, int, int], rollout: RolloutLayout) -> "ParallelLayout":
@@ -140,8 +145,8 @@ class ParallelLayout:
     # Derived sizes -------------------------------------------------------------------------------------------
     @property
     def widens(self) -> bool:
-        """Rollout TP wider than training TP: a no-communication switch."""
-        return self.t_g > self.t
+        """Rollout TP wider than training TP, served in place: a no-communication switch."""
+        return self.t_g > self.t and not self.exchange
 
     @property
     def k(self) -> int:

@@ -25,13 +25,14 @@ import torch
 from .aliased import Blocks
 from .layout import ParallelLayout
 from .memory import allocation_granularity, merge_ranges
+from .exchange import ExchangePlan
 from .plan import GroupPlan
 from .rollout_memory import RolloutBuffer
 from .sharding import TPSpec
 
 # RolloutBuffer and merge_ranges lived here: importable from here still.
-__all__ = ["DTYPES", "DTYPE_NAMES", "EngineRolloutMemory", "HeldBuffer", "Placement", "Placements", "RolloutBuffer",
-           "merge_ranges"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "EngineRolloutMemory", "ExchangePlacement", "HeldBuffer", "Placement", "Placements",
+           "RolloutBuffer", "merge_ranges"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -278,6 +279,63 @@ class Placement:
                                                if b.peers_mapped and id(b) not in self._canonical_ids),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
         }
+
+
+class ExchangePlacement(Placement):
+    """The placement of an exchange layout (:mod:`megatron_hybrid.exchange`): the training tensors stay where they
+    are (views of them are the rollout pieces the rank holds), and one receive buffer per dtype, backed only while
+    rolling out, holds the pieces it misses, each a contiguous tensor, in the order the all-to-all delivers them.
+
+    Args:
+        plan: the exchange plan (the same on every rank); ``rank``: this rank.
+        train_params: this rank's training parameters by global name.
+        keys: global name -> plan key, for this rank's training and rollout parameters (a tied output layer is
+            the embedding).
+    """
+
+    def __init__(self, plan: ExchangePlan, rank: int, train_params: dict[str, torch.nn.Parameter],
+                 layout: ParallelLayout, *, keys: dict[str, str], rollout_tp_rank: int,
+                 device: torch.device) -> None:
+        super().__init__(None, rank, train_params, layout, rollout_tp_rank=rollout_tp_rank, device=device)
+        self.exchange, self.rank, self.keys = plan, rank, keys
+        self._own = {keys[name]: name for name in train_params}
+        self._offsets = plan.receive_offsets(rank)
+        for dtype, numel in plan.received_numel(rank).items():
+            if numel:
+                self.buffers[dtype] = RolloutBuffer(numel, DTYPES[dtype], device, own=[], used=[(0, numel)])
+
+    def _piece_view(self, index: int) -> torch.Tensor:
+        dtype, off = self._offsets[index]
+        piece = self.exchange.pieces[index]
+        return self.buffers[dtype].tensor[off: off + piece.numel].view(piece.shape)
+
+    def blocks(self, name: str) -> Blocks:
+        """The rollout parameter ``name`` as views: of the own training tensor, and of received pieces."""
+        key = self.keys[name]
+        info = self.exchange.tensors[key]
+        views = []
+        for run in self.exchange.runs[self.rank][key]:
+            if run.piece is not None:
+                views.append(self._piece_view(run.piece))
+                continue
+            own = self.train_params[self._own[key]].data
+            if info.sharded:
+                start, length = self.exchange.local_range(key, self.exchange.tp_of[self.rank], run.part, run.lo,
+                                                          run.hi)
+                own = own.narrow(info.dim, start, length)
+            views.append(own)
+        if len(views) > 1:
+            merged = self._stacked(views, info.dim, 1)
+            if merged is not None:
+                return Blocks([merged], 0, 1)
+        return Blocks(views, info.dim if info.sharded else 0, 1)
+
+    def peer_ranges(self, name: str) -> list[tuple[str, int, int]]:
+        runs = self.exchange.runs[self.rank][self.keys[name]]
+        if len(runs) != 1 or runs[0].piece is None:
+            return []  # the own tensor, or computed from several views
+        dtype, off = self._offsets[runs[0].piece]
+        return [(dtype, off, off + self.exchange.pieces[runs[0].piece].numel)]
 
 
 class EngineRolloutMemory:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -32,26 +33,41 @@ _OTHER_COLOUR = "#8a8a8a"
 
 def missing_bytes(engine: Any) -> int:
     """The least a switch can move to this rank: its rollout shard's bytes less those of its own training tensors
-    (a tied output layer counts as its share of the embedding, which Megatron keeps equal to it); 0 with t_g > t,
-    where the rollout shard is part of the training shard. From the modules' shapes alone, not from the plan."""
-    if engine.layout.widens:
-        return 0
+    that are part of it (a tied output layer counts as its share of the embedding, which Megatron keeps equal to
+    it). A sharded tensor it holds contributes the overlap of its training TP range [i/t, (i+1)/t) with its
+    rollout range [j/t_g, (j+1)/t_g); a replicated one all of it. From the modules' shapes and the layout alone,
+    not from the plan."""
+    lay = engine.layout
+    i, j = engine.tp_rank, engine.rollout_tp_rank
+    own = Fraction(i, lay.t), Fraction(i + 1, lay.t)
+    need = Fraction(j, lay.t_g), Fraction(j + 1, lay.t_g)
+    held_share = max(Fraction(0), min(own[1], need[1]) - max(own[0], need[0])) * lay.t_g
+    tied = bool(getattr(engine.modules[-1], "share_embeddings_and_output_weights", False))
+
+    def key(name: str) -> str:
+        return "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+
     rollout = {}
     for chunk in engine.rollout_chunks:
         off = layer_offset(chunk)
         for name, p in chunk.named_parameters():
-            rollout[global_name(name, off)] = p.numel() * p.element_size()
-    held: set[str] = set()
+            rollout[key(global_name(name, off))] = (p.numel() * p.element_size(),
+                                                    bool(getattr(p, "tensor_model_parallel", False)))
+    if lay.widens:
+        return 0
+    held: dict[str, int] = {}
     for chunk in engine.modules:
-        off = layer_offset(chunk)
         for name, p in chunk.named_parameters():
-            key = global_name(name, off)
-            if key == "output_layer.weight" and key not in rollout and getattr(p, "shared_embedding", False):
-                key = "embedding.word_embeddings.weight"
-            if key in rollout and key not in held:
-                held.add(key)
-                rollout[key] -= p.numel() * p.element_size()
-    return sum(rollout.values())
+            held.setdefault(key(global_name(name, layer_offset(chunk))), p.numel() * p.element_size())
+    total = Fraction(0)
+    for name, (nbytes, sharded) in rollout.items():
+        if name not in held:
+            total += nbytes
+        elif not lay.exchange:  # in place: the own shard is part of the rollout shard (routed experts included)
+            total += nbytes - held[name]
+        elif sharded:
+            total += nbytes * (1 - held_share)
+    return int(total)
 
 
 def local_trace(engine: Any) -> list[dict[str, Any]]:

@@ -60,6 +60,8 @@ def rollout_config(config, layout: ParallelLayout, experts: Optional[ExpertLayou
     config = copy.copy(config)
     config.tensor_model_parallel_size = layout.t_g
     config.pipeline_model_parallel_size = layout.p_g
+    if layout.exchange:  # one rollout chunk per rank (see build_rollout_chunks)
+        config.virtual_pipeline_model_parallel_size = None
     if experts is not None:
         config.expert_model_parallel_size = experts.e_g
         config.expert_tensor_parallel_size = experts.et_g
@@ -72,19 +74,21 @@ def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelL
                          rollout_pp_rank: int, weight_mode: str, guard: Callable[[], None],
                          model_provider: Optional[ModelProvider] = None,
                          experts: Optional[ExpertLayout] = None) -> list[torch.nn.Module]:
-    """One rollout chunk per training chunk of this rank (virtual pipeline chunks stay chunks).
+    """One rollout chunk per training chunk of this rank (virtual pipeline chunks stay chunks), or with an
+    exchange layout one chunk: the rollout stage's layers in one model (the generator runs one chunk).
 
     ``guard()`` runs before every forward and ``state_dict`` of the rollout model (the engine refuses them while
     training, when the weights are not there).
     """
     config = rollout_config(train_modules[0].config, layout, experts)
     chunks = []
-    for vp, train in enumerate(train_modules):
-        vp_stage = vp if len(train_modules) > 1 else None
+    trains = train_modules[:1] if layout.exchange else train_modules
+    for vp, train in enumerate(trains):
+        vp_stage = vp if len(trains) > 1 else None
         # With virtual pipeline chunks, only the first chunk of the first stage embeds and only the last chunk of
         # the last stage has the output layer.
         pre = rollout_pp_rank == 0 and vp == 0
-        post = rollout_pp_rank == layout.p_g - 1 and vp == len(train_modules) - 1
+        post = rollout_pp_rank == layout.p_g - 1 and vp == len(trains) - 1
         with weightless_parameters():
             if model_provider is not None:
                 chunk = model_provider(config=config, pg_collection=pg_collection, pre_process=pre,

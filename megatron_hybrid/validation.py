@@ -64,9 +64,6 @@ def check_layout(layout: ParallelLayout, *, world_size: int, num_chunks: int) ->
     if layout.t * layout.p * layout.d != world_size:
         raise ValueError(f"tensor ({layout.t}) × pipeline ({layout.p}) × data ({layout.d}) parallel sizes must cover "
                          f"the world ({world_size} ranks); context/expert parallelism is not supported yet")
-    if layout.q > 1 and num_chunks > 1:
-        raise ValueError(f"rollout pipeline_model_parallel_size ({layout.p_g}) < pipeline_model_parallel_size "
-                         f"({layout.p}) is not supported with virtual pipeline chunks")
 
 
 def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -84,7 +81,7 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
     if config.ffn_hidden_size % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide ffn_hidden_size "
                          f"({config.ffn_hidden_size})")
-    if lay.widens and groups % lay.t_g:
+    if lay.t_g > lay.t and groups % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_query_groups "
                          f"({groups}) when it is larger than tensor_model_parallel_size ({lay.t})")
     if config.num_layers % lay.p_g:
@@ -97,7 +94,7 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
     if vocab is not None and vocab % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
                          f"({vocab})")
-    if weight_mode == "aliased" and (lay.k > 1 or lay.widens):
+    if weight_mode == "aliased" and (lay.exchange or lay.k > 1 or lay.widens):
         for mod in modules:
             owners = _owner_modules(mod)
             for name, prm in mod.named_parameters():
@@ -125,9 +122,13 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     if et * e * edp * layout.p != world_size:
         raise ValueError(f"expert tensor ({et}) × expert ({e}) × expert data ({edp}) × pipeline ({layout.p}) "
                          f"parallel sizes must cover the world ({world_size} ranks)")
-    if layout.widens:
+    if layout.t_g > layout.t:
         raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
                          f"({layout.t}) is not supported for MoE models")
+    if layout.exchange:
+        raise ValueError(f"the layout pair (TP, PP) ({layout.t}, {layout.p}) → ({layout.t_g}, {layout.p_g}) is not "
+                         "supported for MoE models: their switch gathers over micro-DP and micro-EP groups, which "
+                         "needs rollout_tp | tp and rollout_pp | pp (and no virtual pipeline chunks)")
     lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
     if config.num_moe_experts % lay.e_g:
         raise ValueError(f"rollout expert_model_parallel_size ({lay.e_g}) must divide num_moe_experts "

@@ -129,6 +129,8 @@ class RolloutGenerator:
         # The one place a generate call switches to rollout: the engine's provider switches when entered (on every
         # rank, also one whose replica gets no prompts: the switch's collectives need every rank).
         with self.memory.backed():
+            if lay.exchange:
+                return self._generate_exchanged(prompts, params, kwargs)
             if lay.widens:
                 # This rollout replica spans m training replicas: generate for all of their prompts at once.
                 tp = groups.groups["tp"]
@@ -149,6 +151,31 @@ class RolloutGenerator:
         with groups.errors("generate", "the micro-DP gather of the results"):
             dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
         return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+
+    def _generate_exchanged(self, prompts: list, params, kwargs: dict) -> list[GenerationResult]:
+        """An exchange layout's data flow: its rollout replicas need not lie inside training replicas, so every
+        training replica's prompts are gathered, rollout replica r takes the r-th of
+        ``num_replicas`` even parts of them all in training-replica order, and the results come back the same way
+        (from each rollout replica's first rank)."""
+        groups = self.groups
+        sent: list[Any] = [None] * dist.get_world_size()
+        with groups.errors("generate", "the world's gather of the prompts"):
+            dist.all_gather_object(sent, (self.dp_rank, prompts), group=groups.world)
+        by_dp: dict[int, list] = {}
+        for dp, part in sent:  # every rank of a training replica holds its prompts: the first one stands for it
+            by_dp.setdefault(dp, part)
+        by_dp = dict(sorted(by_dp.items()))
+        batch = [p for dp in by_dp for p in by_dp[dp]]
+        replicas = groups.arrangement.num_replicas
+        lo, hi = split_evenly(len(batch), replicas)[groups.replica]
+        results = self.replica.generate(batch[lo:hi], params, **kwargs)
+        first_of_replica = groups.tp_rank == 0 and groups.pp_rank == 0
+        back: list[Any] = [None] * dist.get_world_size()
+        with groups.errors("generate", "the world's gather of the results"):
+            dist.all_gather_object(back, (groups.replica, results) if first_of_replica else None, group=groups.world)
+        everything = [r for _, part in sorted((x for x in back if x is not None), key=lambda x: x[0]) for r in part]
+        start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
+        return everything[start: start + len(prompts)]
 
     def report(self) -> dict[str, Any]:
         """Counters (CUDA graph captures and replays, decode steps, idle slot steps, KV-cache size and address)."""
