@@ -273,8 +273,9 @@ def resident_bytes_in(spans: list[tuple[int, int]]) -> int:
     return total
 
 
-def memory_case(mode: str):
-    """Resident memory while rolling out and after switching back, against the bytes the switch moved."""
+def memory_case(mode: str, rollout: tuple[int, int] = (1, 1)):
+    """Resident memory while rolling out and after switching back, against the bytes the switch moved. ``rollout``:
+    (t_g, p_g)."""
     import ctypes
     import gc
 
@@ -285,7 +286,7 @@ def memory_case(mode: str):
 
     a = arch(hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
     model = a.build(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=mode, bucket_size_mb=1)
+    engine = HybridEngine(model, RolloutLayout(*rollout), weight_mode=mode, bucket_size_mb=1)
     proc = psutil.Process()
     libc = ctypes.CDLL("libc.so.6")
 

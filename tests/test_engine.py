@@ -191,6 +191,28 @@ def test_extra_memory_is_the_peers_slots_only(mode):
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
+def test_memory_exchange_layout(mode):
+    """An exchange layout (t = 2 → t_g = 1 with p_g = 2: TP down, PP up): the training tensors never move, the
+    received pieces are the only rollout memory in aliased mode (views of them and of the own shards, no second copy
+    of an own byte), and everything is given back after the switch back (smaps of the engine's ranges)."""
+    mib = 2**20
+    for r in run_distributed(cases.memory_case, 2, mode, (1, 2), tensor_model_parallel_size=2):
+        assert r["moved"] > 4 * mib
+        if mode == "aliased":
+            assert r["canonical"] < 2**16 and r["released"] == 0, r  # 1-D sharded tensors only (none here)
+            assert r["moved"] <= r["mapped"] <= r["moved"] + 4096, r  # the receive buffer, to a page
+            # Every rollout weight is a view of an own training tensor or of the receive buffer.
+        else:
+            assert r["released"] >= r["moved"] - 4096 * 64, r  # pieces read once into canonical tensors
+        med = {k: sorted(v)[1] for k, v in r.items() if isinstance(v, list)}
+        grown = med["buf_during"] - med["buf_base"]
+        assert r["mapped"] + r["canonical"] - 4 * mib <= grown <= r["mapped"] + r["canonical"] + 4 * mib, r
+        assert med["buf_base"] == 0 and med["buf_after"] <= 4 * mib, r
+        assert med["during"] - med["base"] <= r["mapped"] + r["canonical"] + 4 * mib, r
+        assert med["after"] - med["base"] <= 0.25 * r["moved"], r
+
+
+@pytest.mark.parametrize("mode", ["aliased", "canonical"])
 def test_virtual_pipeline_chunks(mode):
     state = _reference(())[0]
     runs = run_distributed(cases.chunks_case, 4, state, mode, tensor_model_parallel_size=2,
