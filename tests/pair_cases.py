@@ -90,6 +90,38 @@ def missing_by_ids(engine, full_shapes: dict[str, tuple[int, ...]], tied: bool) 
     return total
 
 
+def present_bytes_in(spans: list[tuple[int, int]]) -> int:
+    """Bytes of the pages inside ``spans`` that are backed now, page by page from ``/proc/self/pagemap`` (bit 63:
+    present, bit 62: swapped): exact, where smaps' per-mapping counts also take in neighbours that the kernel merged
+    into the same mapping."""
+    import os
+    import struct
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for lo, hi in spans:
+            first, last = lo // page, -(-hi // page)
+            f.seek(first * 8)
+            data = f.read((last - first) * 8)
+            for (entry,) in struct.iter_unpack("<Q", data):
+                total += page if entry >> 62 & 0b11 else 0
+    return total
+
+
+def _aliased_memory(engine) -> dict:
+    """Where an aliased rollout model's weights live while rolling out: every view is inside a training tensor of
+    this rank or inside the engine's reserved ranges, and how much of those ranges is backed."""
+    train = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in engine._train_params.values()]
+    spans = engine.placement.spans()
+    outside = []
+    for name, ptrs in engine.binding.addresses().items():
+        for ptr in ptrs:
+            if not any(lo <= ptr < hi for lo, hi in train + spans):
+                outside.append(name)
+    return {"outside": outside, "resident": present_bytes_in(spans)}
+
+
 def _build(arch_kw: dict, vpp: Optional[int]):
     from megatron.core import parallel_state as ps
 
@@ -156,18 +188,26 @@ def pair_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, ref: dict, *, vpp
                     _sgd_step(chunks, full_grads(ref["state"]))
                 engine.switch_to_rollout()
                 report = engine.communication_report()
+                if mode == "aliased":
+                    mem = _aliased_memory(engine)
                 with torch.no_grad():
                     logits = pipeline_forward(engine.rollout_chunks[0], engine.groups["pp"], tokens(),
                                               torch.arange(SEQ).expand(BATCH, -1))
                 runs[phase] = {"weights": rollout_full_weights(engine), "bytes": report["total_bytes"],
                                "collectives": report["num_collectives"],
                                "logits": None if logits is None else gather_vocab(logits, engine.groups["tp"]).float(),
-                               "peer_bytes_mapped": report["peer_bytes_mapped"]}
+                               "peer_bytes_mapped": report["peer_bytes_mapped"],
+                               "canonical_bytes_mapped": report["canonical_bytes_mapped"],
+                               "rollout_memory_bytes_mapped": report["rollout_memory_bytes_mapped"]}
+                if mode == "aliased":
+                    runs[phase]["memory"] = mem
                 if (mode, phase) in (("aliased", "state"), ("canonical", "stepped")):
                     results = engine.generate(prompts, greedy, config=GenerationConfig(
                         max_batch_size=4, max_sequence_length=16, cuda_graphs=False))
                     runs[phase]["generated"] = {tuple(p): r.generated_tokens for p, r in zip(prompts, results)}
                 engine.switch_to_training()
+                if mode == "aliased":
+                    runs[phase]["resident_after"] = present_bytes_in(engine.placement.spans())
             runs["expected_bytes"] = missing_by_ids(engine, full_shapes, tied=True)
             runs["exchange"] = engine.layout.exchange
             runs["arrangement"] = (engine.rollout_tp_rank, engine.rollout_pp_rank, engine.rollout_replica)

@@ -57,9 +57,20 @@ def _check(runs: list, ref: dict, *, expect_exchange=None):
                 if "generated" in obs:
                     for prompt, tokens in obs["generated"].items():
                         assert tokens == ref[f"{phase}_greedy"][prompt], (rank, mode, phase, prompt)
-        if m["exchange"] and mode == "aliased":
-            # Aliased: no second copy of an owned byte; what is mapped while rolling out is what was received.
-            assert m["state"]["peer_bytes_mapped"] <= m["state"]["bytes"] + 4096 * 8, (rank, m["state"])
+        aliased = r["modes"].get("aliased")
+        if aliased is not None and aliased["exchange"]:
+            for phase in ("state", "stepped"):
+                obs = aliased[phase]
+                # Aliased: no second copy of an owned byte. Every rollout weight views a training tensor or the
+                # engine's ranges, and what of those is backed while rolling out (pagemap) is the received pieces
+                # and the rebuilt 1-D sharded tensors (biases, as in every layout), plus the generator's own rollout
+                # memory (its KV cache, once it exists), each range to a page; nothing after the switch back.
+                assert obs["memory"]["outside"] == [], (rank, obs["memory"]["outside"][:3])
+                extra = obs["canonical_bytes_mapped"] + obs["rollout_memory_bytes_mapped"]
+                assert obs["memory"]["resident"] <= obs["bytes"] + extra + 8 * 4096, \
+                    (rank, phase, obs["memory"], obs["bytes"], extra)
+                assert obs["peer_bytes_mapped"] <= obs["bytes"] + 4096, (rank, phase)
+                assert obs["resident_after"] == 0, (rank, phase)
 
 
 @pytest.mark.parametrize("train,rollout", MEGATRON_PAIRS, ids=lambda x: ",".join(map(str, x)))

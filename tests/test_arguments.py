@@ -124,6 +124,10 @@ MOE = ("--num-experts", "4", "--sequence-parallel")
      "experts are those of whole training EP ranks"),
     ([*MOE, "--expert-tensor-parallel-size", "1", "--rollout-expert-tensor-parallel-size", "2"],
      "--rollout-expert-tensor-parallel-size (2) must divide --expert-tensor-parallel-size (1)"),
+    ([*MOE, "--rollout-tensor-model-parallel-size", "1", "--rollout-pipeline-model-parallel-size", "2"],
+     "--rollout-tensor-model-parallel-size (1) and --rollout-pipeline-model-parallel-size (2) must divide "
+     "--tensor-model-parallel-size (2) and --pipeline-model-parallel-size (1) for a mixture of experts "
+     "(--num-experts 4)"),
     (["--num-experts", "4"], "a mixture of experts (--num-experts 4) at --tensor-model-parallel-size (2) > 1 needs "
      "--sequence-parallel (as in Megatron-LM)"),
 ])
@@ -131,6 +135,24 @@ def test_bad_expert_flags_are_named_before_any_process_group(argv, message):
     with pytest.raises(ValueError) as e:
         _validate(*argv)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("argv", [
+    ("--rollout-tensor-model-parallel-size", "1", "--rollout-pipeline-model-parallel-size", "2"),  # TP down, PP up
+    ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+     "--rollout-tensor-model-parallel-size", "2", "--rollout-pipeline-model-parallel-size", "1"),  # TP up, PP down
+    ("--rollout-tensor-model-parallel-size", "4", "--rollout-pipeline-model-parallel-size", "1"),  # TP up, d = 2
+])
+def test_any_rollout_layout_pair_is_accepted(argv):
+    """The engine serves any pair (exchange layouts); only a rollout model that cannot be built is refused."""
+    _validate(*argv)
+
+
+def test_rollout_layout_that_does_not_fit_the_world_is_refused():
+    with pytest.raises(ValueError, match=r"--rollout-tensor-model-parallel-size \(4\) × "
+                                         r"--rollout-pipeline-model-parallel-size \(2\) = 8 must divide the world "
+                                         r"size \(4\)"):
+        _validate("--rollout-tensor-model-parallel-size", "4", "--rollout-pipeline-model-parallel-size", "2")
 
 
 def test_expert_flags_take_megatron_lm_defaults_and_spellings():

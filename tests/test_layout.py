@@ -50,15 +50,29 @@ def test_widening_groups_span_dp_replicas():
 
 
 @pytest.mark.parametrize("t,p,d,t_g,p_g,message", [
-    (4, 1, 1, 3, 1, r"rollout tensor_model_parallel_size \(3\) must divide tensor_model_parallel_size \(4\)"),
-    (2, 2, 1, 1, 3, r"rollout pipeline_model_parallel_size \(3\) must divide pipeline_model_parallel_size \(2\)"),
-    (2, 1, 1, 4, 1, r"needs 2 to divide data_parallel_size \(1\)"),
-    (2, 2, 2, 4, 1, r"needs rollout pipeline_model_parallel_size \(1\) == pipeline_model_parallel_size \(2\)"),
+    (4, 1, 1, 3, 1, r"rollout tensor_model_parallel_size \(3\) × pipeline_model_parallel_size \(1\) = 3 must divide "
+                    r"the world \(4 × 1 × 1 = 4 ranks\)"),
+    (2, 2, 1, 1, 3, r"= 3 must divide the world \(2 × 2 × 1 = 4 ranks\)"),
+    (2, 1, 1, 4, 1, r"= 4 must divide the world \(2 × 1 × 1 = 2 ranks\)"),
     (2, 1, 1, 0, 1, r"rollout tensor_model_parallel_size \(0\) must be a positive integer"),
 ])
 def test_bad_layouts(t, p, d, t_g, p_g, message):
     with pytest.raises(ValueError, match=message):
         ParallelLayout.create(training=(t, p, d), rollout=RolloutLayout(t_g, p_g))
+
+
+@pytest.mark.parametrize("t,p,d,t_g,p_g,exchange", [
+    (2, 2, 2, 4, 1, True),  # TP up, PP down
+    (2, 1, 4, 1, 2, True),  # TP down, PP up
+    (1, 1, 8, 1, 2, True),  # more rollout stages than training ones
+    (2, 1, 2, 4, 1, False),  # t_g = 2t, 2 | d, p_g = p: in place
+    (4, 2, 1, 2, 1, False),
+    (2, 2, 2, 1, 1, False),
+])
+def test_exchange_layouts(t, p, d, t_g, p_g, exchange):
+    """Pairs outside the micro-DP gather contract are exchange layouts (megatron_hybrid/exchange.py)."""
+    lay = ParallelLayout.create(training=(t, p, d), rollout=RolloutLayout(t_g, p_g))
+    assert lay.exchange == exchange and lay.gathers_in_place() == (not exchange)
 
 
 def _members(t: int, p: int, t_g: int, p_g: int, layers: int = 4, hidden: int = 8, output: bool = False):

@@ -98,6 +98,9 @@ _BAD = [
     (dict(expert_model_parallel_size=3), "rollout expert_model_parallel_size (3) must divide"),
     (dict(expert_tensor_parallel_size=2), "rollout expert_tensor_parallel_size (2) must divide "
                                           "expert_tensor_parallel_size (1)"),
+    # More rollout stages than training ones: an exchange layout, whose plan does not place routed experts.
+    (dict(pipeline_model_parallel_size=2), "the layout pair (TP, PP) (1, 1) → (1, 2) is not supported for MoE "
+                                           "models"),
     (dict(expert_model_parallel_size=0), "rollout expert_model_parallel_size (0) must be a positive integer"),
 ]
 

@@ -350,13 +350,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"({args.num_attention_heads})")
     if args.num_layers % p:
         raise ValueError(f"--pipeline-model-parallel-size ({p}) must divide --num-layers ({args.num_layers})")
-    if t_g <= t and t % t_g or t_g > t and (t_g % t or d % (t_g // t) or p_g != p):
-        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --tensor-model-parallel-size "
-                         f"({t}), or be m × {t} with m dividing the data-parallel size ({d}) and the same pipeline "
-                         "size")
-    if p % p_g:
-        raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide "
-                         f"--pipeline-model-parallel-size ({p})")
+    # Any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP gathers cannot serve).
+    if world_size % (t_g * p_g):
+        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) × --rollout-pipeline-model-parallel-size "
+                         f"({p_g}) = {t_g * p_g} must divide the world size ({world_size})")
+    if args.num_layers % p_g:
+        raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide --num-layers "
+                         f"({args.num_layers})")
+    if args.num_attention_heads % t_g:
+        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --num-attention-heads "
+                         f"({args.num_attention_heads})")
+    if getattr(args, "num_experts", None) and (t_g > t or t % t_g or p % p_g):
+        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) and --rollout-pipeline-model-parallel-size "
+                         f"({p_g}) must divide --tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size "
+                         f"({p}) for a mixture of experts (--num-experts {args.num_experts})")
     _validate_experts(args, data_parallel_size=d)
     if args.moe_enable_routing_replay and not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-enable-routing-replay needs an MoE model (--num-experts: "

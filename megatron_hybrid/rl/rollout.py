@@ -97,7 +97,8 @@ def generate_in_training_layout(model: torch.nn.Module, prompts: list[list[int]]
     ddp_finish_param_sync(model)  # the stage is called unwrapped: DDP's hooks would not gather the last step's
     tp, pp, dp, _ = megatron_groups()
     lay = ParallelLayout.create(training=(tp.size(), pp.size(), dp.size()), rollout=rollout_layout)
-    parts = 1 if lay.widens else lay.d_g
+    # An exchange layout's replicas need not lie in training replicas: one part per training replica then.
+    parts = 1 if lay.widens or lay.exchange else lay.d_g
     results = []
     with sequence_parallel_off(model):
         for j, (lo, hi) in enumerate(split_evenly(len(prompts), parts)):
