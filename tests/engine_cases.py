@@ -234,8 +234,9 @@ def bad_inputs_case():
         for n in saved:
             setattr(dist, n, no_collective)
         cases = [
-            (dict(rollout=RolloutLayout(3, 1)), "rollout tensor_model_parallel_size (3) must divide"),
-            (dict(rollout=RolloutLayout(1, 2)), "rollout pipeline_model_parallel_size (2) must divide"),
+            (dict(rollout=RolloutLayout(3, 1)), "rollout tensor_model_parallel_size (3) × "
+                                                "pipeline_model_parallel_size (1) = 3 must divide the world"),
+            (dict(rollout=RolloutLayout(4, 2)), "= 8 must divide the world (2 × 1 × 2 = 4 ranks)"),
             (dict(rollout=RolloutLayout(1, 1), weight_mode="fast"), "weight_mode ('fast')"),
             (dict(rollout=RolloutLayout(1, 1), bucket_size_mb=0), "bucket_size_mb (0)"),
             (dict(rollout=(1, 1)), "must be a RolloutLayout"),
@@ -249,6 +250,10 @@ def bad_inputs_case():
         wrong = arch().transformer_config(tensor_model_parallel_size=1)
         with pytest.raises(ValueError, match="built for tensor/pipeline sizes"):
             HybridEngine(arch().build(wrong), rollout=RolloutLayout(1, 1))
+        # Layers that the rollout stages cannot split (3 layers over p_g = 2: an exchange layout otherwise).
+        with pytest.raises(ValueError, match=r"rollout pipeline_model_parallel_size \(2\) must divide num_layers "
+                                             r"\(3\)"):
+            HybridEngine(arch(num_layers=3).build(tensor_model_parallel_size=tp), rollout=RolloutLayout(1, 2))
         # Heads that the rollout TP size cannot split (6 heads, 2 query groups; t=2 -> t_g=4 over DP).
         with pytest.raises(ValueError):
             odd = arch(num_attention_heads=6, num_query_groups=2)
