@@ -105,6 +105,25 @@ class PlaneSpec:
         return is_expert(name) == (self.name == "experts")
 
 
+def adopt_training_attributes(rollout_params: Mapping[str, torch.nn.Parameter], infos: Mapping[str, ParamInfo], *,
+                              tp: int, rollout_tp: int, holders: str) -> None:
+    """The rollout model was built without initialisation, so Megatron never set its tensor-parallel attributes:
+    they are layout-invariant, so take them from the training tensor of the same name (``infos``), and check each
+    rollout shape against it (a TP-sharded one has tp / rollout_tp times its rows along ``partition_dim``)."""
+    for name, prm in rollout_params.items():
+        info = infos.get(name)
+        if info is None:
+            raise ValueError(f"no {holders} holds {name}: the rollout model does not correspond to the training "
+                             "model")
+        shape = list(info.shape)
+        if info.sharded:
+            prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
+            shape[info.dim] = shape[info.dim] * tp // rollout_tp
+        if tuple(shape) != tuple(prm.shape):
+            raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
+                             "from the training model")
+
+
 def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence[torch.nn.Module],
                     plane: PlaneSpec, groups: RolloutGroups, *, layers_per_stage: int, bucket_size_mb: float,
                     held: Sequence[HeldBuffer] = (), held_at: Mapping[int, tuple[int, int]] = {},
@@ -133,21 +152,9 @@ def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence
                                              "descriptions"):
             dist.all_gather_object(members, member, group=groups.groups[plane.group])
     members.sort(key=lambda m: m.rank)
-    # The rollout model was built without initialisation, so Megatron never set its tensor-parallel
-    # attributes: they are layout-invariant, so take them from the training tensor of the same name.
     info_by_name = {p.name: p for m in members for p in m.params}
-    for name, prm in rollout_params.items():
-        if name not in info_by_name:
-            raise ValueError(f"no training rank of this {plane.group.replace('_', '-')} group holds {name}: the "
-                             "rollout model does not correspond to the training model")
-        info = info_by_name[name]
-        shape = list(info.shape)
-        if info.sharded:
-            prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
-            shape[info.dim] = shape[info.dim] * plane.tp_size // plane.rollout_tp_size
-        if tuple(shape) != tuple(prm.shape):
-            raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
-                             "from the training model")
+    adopt_training_attributes(rollout_params, info_by_name, tp=plane.tp_size, rollout_tp=plane.rollout_tp_size,
+                              holders=f"training rank of this {plane.group.replace('_', '-')} group")
     index = [m.rank for m in members].index(dist.get_rank())
     if not plane.gathers:
         return None, index
@@ -262,18 +269,8 @@ def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Seque
     with groups.errors("HybridEngine()", "the world's gather of the parameter descriptions"):
         dist.all_gather_object(everyone, mine, group=groups.world)
     infos = {info.name: info for rt in everyone for info in rt.held}
-    for name, prm in rollout_params.items():
-        info = infos.get(needs[name])
-        if info is None:
-            raise ValueError(f"no training rank holds {name}: the rollout model does not correspond to the training "
-                             "model")
-        shape = list(info.shape)
-        if info.sharded:
-            prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, info.dim, info.stride
-            shape[info.dim] = shape[info.dim] * lay.t // lay.t_g
-        if tuple(shape) != tuple(prm.shape):
-            raise ValueError(f"rollout parameter {name} has shape {tuple(prm.shape)}, expected {tuple(shape)} "
-                             "from the training model")
+    adopt_training_attributes(rollout_params, {n: infos[k] for n, k in needs.items() if k in infos}, tp=lay.t,
+                              rollout_tp=lay.t_g, holders="training rank")
     return build_exchange_plan(everyone, t=lay.t, t_g=lay.t_g)
 
 
