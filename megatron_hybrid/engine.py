@@ -9,7 +9,8 @@ A facade that sequences the pieces, each in a module of its own:
   :mod:`megatron_hybrid.executor` (the gather of the members' parameter descriptions; one in-place collective
   per region at each switch);
 - where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.placement`;
-- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding`;
+- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding` (FP8 rollout weights:
+  :mod:`megatron_hybrid.fp8`);
 - host offload of optimizer states and gradients: :mod:`megatron_hybrid.memory`.
 
 Where the bytes move: :class:`megatron_hybrid.executor.PlanExecutor`, which :meth:`HybridEngine.switch_to_rollout`

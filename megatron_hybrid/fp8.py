@@ -25,7 +25,7 @@ Legend: N output features (rows of a weight), K input features, M tokens.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,12 +60,22 @@ def row_scales(amax_N: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def _quantize_into(w_NK: torch.Tensor, scale_N: torch.Tensor, out_NK: torch.Tensor) -> None:
-    """``out = (w.float() / scale[:, None]).to(fp8)``, a few rows at a time (elementwise: the same bits)."""
+def _row_steps(w_NK: torch.Tensor) -> Iterator[slice]:
+    """``w``'s rows, a few at a time: the temporaries of one step stay within :data:`_STEP_NUMEL` elements."""
     rows = max(1, _STEP_NUMEL // max(1, w_NK.shape[1]))
     for lo in range(0, w_NK.shape[0], rows):
-        hi = min(lo + rows, w_NK.shape[0])
-        out_NK[lo:hi].copy_((w_NK[lo:hi].float() / scale_N[lo:hi, None]).to(FP8_DTYPE))
+        yield slice(lo, min(lo + rows, w_NK.shape[0]))
+
+
+def _row_amax(w_NK: torch.Tensor) -> torch.Tensor:
+    """amax(|w_r|) of every row (exact in any dtype: no rounding in abs and max)."""
+    return torch.cat([w_NK[rows].abs().amax(dim=1) for rows in _row_steps(w_NK)])
+
+
+def _quantize_into(w_NK: torch.Tensor, scale_N: torch.Tensor, out_NK: torch.Tensor) -> None:
+    """``out = (w.float() / scale[:, None]).to(fp8)``, a few rows at a time (elementwise: the same bits)."""
+    for rows in _row_steps(w_NK):
+        out_NK[rows].copy_((w_NK[rows].float() / scale_N[rows, None]).to(FP8_DTYPE))
 
 
 def _parts(blocks: Blocks) -> list[torch.Tensor]:
@@ -91,7 +101,7 @@ def quantize_rows(blocks: Blocks, out_fp8_NK: torch.Tensor, out_scale_N: torch.T
         for part in parts:
             n = part.shape[0]
             if n:
-                out_scale_N[row: row + n].copy_(row_scales(part.abs().amax(dim=1)))
+                out_scale_N[row: row + n].copy_(row_scales(_row_amax(part)))
                 _quantize_into(part, out_scale_N[row: row + n], out_fp8_NK[row: row + n])
             row += n
         return
@@ -99,7 +109,7 @@ def quantize_rows(blocks: Blocks, out_fp8_NK: torch.Tensor, out_scale_N: torch.T
     amax = None
     for part in parts:
         if part.shape[1]:
-            a = part.abs().amax(dim=1)
+            a = _row_amax(part)
             amax = a if amax is None else torch.maximum(amax, a)
     out_scale_N.copy_(row_scales(amax))
     col = 0

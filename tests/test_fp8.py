@@ -69,15 +69,19 @@ def test_quantize_rows_equals_reference_bit_for_bit(shape, k, dim, stride, dtype
     assert ((deq - full.float()).abs() <= full.float().abs() / 16 + scale.unsqueeze(1) * 2.0 ** -9).all()
 
 
-def test_quantize_rows_writes_strided_outputs():
+@pytest.mark.parametrize("step_numel", [1 << 24, 17], ids=["one-step", "rows-per-step"])
+def test_quantize_rows_writes_strided_outputs(step_numel, monkeypatch):
     """A dim-1 split written into column slices of the output (the binding's FP8 tensor is contiguous; the pieces'
-    columns are not)."""
-    full = torch.randn(6, 20, generator=torch.Generator().manual_seed(3))
-    blocks = Blocks([full[:, :7], full[:, 7:12], full[:, 12:]], 1, 1)
-    q, scale = torch.empty(6, 20, dtype=FP8_DTYPE), torch.empty(6)
-    quantize_rows(blocks, q, scale)
-    want_q, want_scale = quantize_reference(full)
-    assert _same_bits(q, want_q) and torch.equal(scale, want_scale)
+    columns are not); also a few rows per step, as a large weight is quantized (bounded temporaries)."""
+    from megatron_hybrid import fp8
+
+    monkeypatch.setattr(fp8, "_STEP_NUMEL", step_numel)
+    full = torch.randn(11, 20, generator=torch.Generator().manual_seed(3))
+    for blocks in (Blocks([full[:, :7], full[:, 7:12], full[:, 12:]], 1, 1), Blocks([full[:4], full[4:]], 0, 1)):
+        q, scale = torch.empty(11, 20, dtype=FP8_DTYPE), torch.empty(11)
+        quantize_rows(blocks, q, scale)
+        want_q, want_scale = quantize_reference(full)
+        assert _same_bits(q, want_q) and torch.equal(scale, want_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
