@@ -8,7 +8,11 @@ fills them. Three kinds of binding, one class per weight mode deciding between t
   :mod:`megatron_hybrid.aliased`;
 - a canonical tensor (:class:`CanonicalBinding`, and 1-D sharded tensors such as biases in either mode):
   storage in a per-dtype range backed only while rolling out, refilled at every switch by one fused
-  ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces).
+  ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces);
+- FP8 (``rollout_weights="fp8"``, canonical mode; the dense layers' linear weights, :func:`megatron_hybrid.fp8.is_target`):
+  an FP8 tensor and its per-row scales in a range backed only while rolling out, refilled at every switch by
+  :func:`megatron_hybrid.fp8.quantize_rows` from the gathered blocks; the parameter stays a placeholder, and the
+  binding's :class:`~megatron_hybrid.fp8.Fp8Table` says which tensors the FP8 linears compute with.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from . import ops
 from .aliased import Blocks, BlockTable, placeholder
+from .fp8 import FP8_DTYPE, Fp8Table, is_target, quantize_rows
 from .placement import DTYPE_NAMES, Placement, Placements
 from .sharding import expert_indices, global_name, layer_offset
 
@@ -60,23 +65,34 @@ def _replace(chunk: torch.nn.Module, old: torch.Tensor, new: torch.nn.Parameter)
 
 class Binding:
     """Binds a rank's rollout chunks to its :class:`Placements` (a :class:`Placement` per plane: the dense tensors,
-    an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors."""
+    an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors (and the FP8 ones).
+
+    ``rollout_weights``: ``"fp8"`` gives the :func:`~megatron_hybrid.fp8.is_target` weights FP8 tensors (the
+    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`).
+    """
 
     mode = ""
 
-    def __init__(self, chunks: list[torch.nn.Module], placements: Placements) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], placements: Placements, *,
+                 rollout_weights: str = "model") -> None:
         self.chunks, self.placement = chunks, placements
         self.table = BlockTable()
+        self.fp8 = Fp8Table()
         self._refills: list[Callable[[], None]] = []
-        # Per plane: the canonical tensors to rebuild by dtype, and the peers' ranges rollout parameters view.
+        # Per plane: the canonical tensors to rebuild by dtype, the FP8 ones, and the peers' ranges rollout
+        # parameters view.
         pending: dict[int, dict[torch.dtype, list[tuple[str, torch.nn.Parameter, Blocks]]]] = {}
+        quantized: dict[int, list[tuple[torch.nn.Parameter, Blocks]]] = {}
         viewed: dict[int, dict[str, list[tuple[int, int]]]] = {id(p): {} for p in placements.planes.values()}
         for chunk in chunks:
             for name, prm in list(named_parameters([chunk])):
                 placement = placements.of(name)
                 blocks = placement.blocks(name)
                 new = placeholder(prm)
-                if len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
+                if rollout_weights == "fp8" and is_target(name):
+                    # Only the quantization reads the blocks: the peers' slots among them are not kept.
+                    quantized.setdefault(id(placement), []).append((new, blocks))
+                elif len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
                     new.data = blocks.views[0]
                     for dtype, lo, hi in placement.peer_ranges(name):
                         viewed[id(placement)].setdefault(dtype, []).append((lo, hi))
@@ -89,10 +105,14 @@ class Binding:
             for module in chunk.modules():
                 if hasattr(module, "block_table"):
                     module.block_table = self.table
+                if hasattr(module, "fp8_table"):
+                    module.fp8_table = self.fp8
         for placement in placements.planes.values():
             self._after_views(placement, viewed[id(placement)])
             for dtype, items in pending.get(id(placement), {}).items():
                 self._refills.append(self._canonical(placement, dtype, items))
+            if id(placement) in quantized:
+                self._refills.append(self._quantized(placement, quantized[id(placement)]))
 
     def computes_on_blocks(self, prm: torch.nn.Parameter) -> bool:
         """Whether a multi-block rollout parameter stays blocks (else it gets a canonical tensor)."""
@@ -135,17 +155,48 @@ class Binding:
         table = torch.cat(tables)
         return lambda: ops.scatter_blocks(source, dsts, table)
 
+    def _quantized(self, placement: Placement,
+                   items: list[tuple[torch.nn.Parameter, Blocks]]) -> Callable[[], None]:
+        """Give ``items`` (2-D weights of ``placement``'s plane) an FP8 tensor and fp32 row scales in one rollout-only
+        range of bytes; return what requantizes them from the gathered buffers."""
+        # Each tensor starts on 16 bytes: the scales' fp32 view needs 4, vector loads like 16.
+        offsets, total = [], 0
+        for new, _ in items:
+            rows, cols = new.shape
+            w_off = total
+            s_off = w_off + -(-rows * cols // 16) * 16
+            total = s_off + -(-rows * 4 // 16) * 16
+            offsets.append((w_off, s_off))
+        flat = placement.reserve_rollout(total, torch.uint8, fp8=True).tensor
+        targets = []
+        for (new, blocks), (w_off, s_off) in zip(items, offsets):
+            rows, cols = new.shape
+            weight = flat[w_off: w_off + rows * cols].view(FP8_DTYPE).view(rows, cols)
+            scale = flat[s_off: s_off + rows * 4].view(torch.float32)
+            self.fp8.set(new, weight, scale)
+            targets.append((blocks, weight, scale))
+
+        def refill() -> None:
+            for blocks, weight, scale in targets:
+                quantize_rows(blocks, weight, scale)
+
+        return refill
+
     def refill(self) -> None:
-        """Rebuild the canonical tensors from the freshly gathered buffers."""
+        """Rebuild the canonical tensors (and the FP8 ones) from the freshly gathered buffers."""
         for refill in self._refills:
             refill()
 
     def addresses(self) -> dict[str, list[int]]:
-        """Where every rollout parameter's memory is: its storage address, or its blocks' addresses."""
+        """Where every rollout parameter's memory is: its storage address, its blocks' addresses, or its FP8 tensor's
+        and its scales' addresses."""
         out = {}
         for name, p in named_parameters(self.chunks):
-            blocks = self.table.get(p)
-            out[name] = [v.data_ptr() for v in blocks.views] if blocks is not None else [p.data_ptr()]
+            blocks, fp8 = self.table.get(p), self.fp8.get(p)
+            if fp8 is not None:
+                out[name] = [t.data_ptr() for t in fp8]
+            else:
+                out[name] = [v.data_ptr() for v in blocks.views] if blocks is not None else [p.data_ptr()]
         return out
 
     def unbind(self) -> None:
@@ -154,6 +205,7 @@ class Binding:
             for _, _, prm in list(named_weights([chunk])):
                 _replace(chunk, prm, placeholder(prm))
         self.table.clear()
+        self.fp8.clear()
         self._refills = []
 
 

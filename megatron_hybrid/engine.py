@@ -9,7 +9,8 @@ A facade that sequences the pieces, each in a module of its own:
   :mod:`megatron_hybrid.executor` (the gather of the members' parameter descriptions; one in-place collective
   per region at each switch);
 - where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.placement`;
-- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding`;
+- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding` (FP8 rollout weights:
+  :mod:`megatron_hybrid.fp8`);
 - host offload of optimizer states and gradients: :mod:`megatron_hybrid.memory`.
 
 Where the bytes move: :class:`megatron_hybrid.executor.PlanExecutor`, which :meth:`HybridEngine.switch_to_rollout`
@@ -130,15 +131,22 @@ class HybridEngine:
             ``ChainedOptimizer`` of them): its shards view DDP's parameter buffer, and they move with it. Not needed
             when the optimizer is built after the engine, or without the distributed optimizer; a view left behind
             is a ``ValueError``.
+        rollout_weights: ``"model"`` (default: the rollout model computes in the training dtype) or ``"fp8"``: every
+            switch writes the dense layers' linear weights (QKV, attention output, fc1, fc2) as float8 e4m3 with one
+            fp32 scale per output row, straight from the gathered shards into memory backed only while rolling out,
+            and the rollout model multiplies in FP8 (activations quantized per token; :mod:`megatron_hybrid.fp8`).
+            The embedding, the output layer, norms, biases and MoE experts stay in the training dtype. Needs
+            ``weight_mode="canonical"`` and, on a GPU, FP8 tensor cores (compute capability ≥ 8.9).
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
                  weight_mode: str = "aliased", bucket_size_mb: Optional[float] = None, align_slots: bool = False,
                  tp_group=None, pp_group=None, dp_group=None, timeout: Any = None,
-                 model_provider: Optional[ModelProvider] = None, optimizer: Any = None) -> None:
+                 model_provider: Optional[ModelProvider] = None, optimizer: Any = None,
+                 rollout_weights: str = "model") -> None:
         # ---- validation: everything below this block may run collectives ----
         check_arguments(model, rollout, weight_mode=weight_mode, bucket_size_mb=bucket_size_mb,
-                        align_slots=align_slots, timeout=timeout)
+                        align_slots=align_slots, timeout=timeout, rollout_weights=rollout_weights)
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.modules = [compat.unwrap_model(c) for c in self.chunks]
         self.created_at = _creation_site()
@@ -158,7 +166,7 @@ class HybridEngine:
             self.layout = lay = dataclasses.replace(lay, exchange=True)
         check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
-        check_model(self.modules, lay, weight_mode=weight_mode)
+        check_model(self.modules, lay, weight_mode=weight_mode, rollout_weights=rollout_weights)
         # An MoE model's routed experts: their own grid (expert tp, ep, expert dp) and rollout sizes.
         expert_groups = compat.megatron_expert_groups() if self.config.num_moe_experts is not None else None
         self.expert_layout: Optional[ExpertLayout] = check_experts(
@@ -167,6 +175,7 @@ class HybridEngine:
             timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
         self.timeout = as_timeout(timeout)
         self.weight_mode = weight_mode
+        self.rollout_weights = rollout_weights
         self.bucket_size_mb = bucket_size_mb if bucket_size_mb is not None else (
             DEFAULT_BUCKET_MB_GPU if next(self.modules[0].parameters()).is_cuda else DEFAULT_BUCKET_MB_CPU)
         self.align_slots = align_slots
@@ -188,7 +197,7 @@ class HybridEngine:
         self.rollout_chunks = build_rollout_chunks(self.modules, lay, pg_collection=self.pg_collection,
                                                    rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
                                                    guard=self._check_rollout_mode, model_provider=model_provider,
-                                                   experts=self.expert_layout)
+                                                   experts=self.expert_layout, rollout_weights=rollout_weights)
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
         self._optimizers = [optimizer] if optimizer is not None else []  # close() may add one: read at the move
@@ -199,7 +208,7 @@ class HybridEngine:
         else:
             self.placement = self._place_planes(expert_groups)
         self.plan, self.member_index = self.plans["dense"]
-        self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement)
+        self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement, rollout_weights=rollout_weights)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offload: Optional[HostOffload] = None
@@ -362,6 +371,7 @@ class HybridEngine:
         self._offload = HostOffload(to_offload)
         t_off = time.perf_counter()
         self._synchronize()
+        peak = self.placement.rollout_bytes_mapped()  # before the ranges only the rebuild read are given back
         self.placement.release_transient()
         end = time.perf_counter()
         self.mode = "rollout"
@@ -370,7 +380,7 @@ class HybridEngine:
         phases = {"map_seconds": t_map - start, "collectives_seconds": t_coll - t_map,
                   "canonical_seconds": t_canon - t_coll, "offload_seconds": t_off - t_canon,
                   "sync_seconds": end - t_off}
-        self._last_report = self._report(records, end - start, phases)
+        self._last_report = self._report(records, end - start, phases) | {"switch_peak_bytes_mapped": peak}
 
     def _check_storage(self) -> None:
         """The training parameters are where the rollout model was bound (in place updates only)."""
@@ -486,14 +496,23 @@ class HybridEngine:
             "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
             **self.placement.report(),
             "weight_mode": self.weight_mode,
+            "rollout_weights": self.rollout_weights,
             "layout": dataclasses.asdict(self.layout),
             **({"expert_layout": dataclasses.asdict(self.expert_layout)} if self.expert_layout is not None else {}),
         }
 
     def communication_report(self) -> dict[str, Any]:
         """What the last switch to rollout moved: ``total_bytes`` is what this rank received; ``generation``:
-        the generator's counters (CUDA graph captures and replays, decode steps, KV-cache bytes), once it exists."""
+        the generator's counters (CUDA graph captures and replays, decode steps, KV-cache bytes), once it exists.
+
+        The memory keys describe now (all ``*_bytes_mapped`` are 0 while training): ``peer_bytes_mapped`` (peers'
+        slots the rollout model views), ``canonical_bytes_mapped`` (rebuilt training-dtype tensors),
+        ``fp8_bytes_mapped`` (FP8 rollout weights and their scales), ``rollout_memory_bytes_mapped`` (KV cache and
+        other reservations of the generator); ``switch_peak_bytes_mapped``: the most of all those the last switch
+        had backed at once (after the rebuild, before the peers' slots only it read were given back)."""
         report = dict(self._last_report)
+        if self.mode != "closed":
+            report.update(self.placement.report())
         if self._generator is not None:
             report["generation"] = self._generator.report()
         return report

@@ -79,6 +79,8 @@ class Placement:
         self.closed = False
         self.placed: list[str] = []  # the training tensors that live in this rank's buffers
         self._canonical_ids: set[int] = set()
+        self._fp8_ids: set[int] = set()
+        self._kept: Optional[dict[str, list[tuple[int, int]]]] = None  # see keep_only
         self.sources = plan.sources(member) if plan is not None else {}
         if plan is not None:
             self._place_training_tensors()
@@ -199,6 +201,7 @@ class Placement:
 
     def keep_only(self, viewed: dict[str, list[tuple[int, int]]]) -> None:
         """Only the ``viewed`` peers' ranges are needed after the switch; the rest is released once read."""
+        self._kept = viewed
         for dtype, buf in self.buffers.items():
             buf.set_kept(viewed.get(dtype, []))
 
@@ -208,16 +211,19 @@ class Placement:
         self._rollout_only = [b for b in self._rollout_only if not b.closed]
         return self._rollout_only
 
-    def reserve_rollout(self, numel: int, dtype: torch.dtype, *, canonical: bool = False, grows: bool = False,
-                        backend: str = "auto") -> RolloutBuffer:
+    def reserve_rollout(self, numel: int, dtype: torch.dtype, *, canonical: bool = False, fp8: bool = False,
+                        grows: bool = False, backend: str = "auto") -> RolloutBuffer:
         """A range of its own, backed only while rolling out (by :meth:`map_rollout`; at once if rolling out now).
-        ``canonical``: it holds canonical rollout tensors (reported apart from other rollout memory). ``grows``:
-        nothing is backed until :meth:`RolloutBuffer.extend` hands it out."""
-        assert not self.closed
+        ``canonical``: it holds canonical rollout tensors; ``fp8``: FP8 rollout weights and their scales (each
+        reported apart from other rollout memory). ``grows``: nothing is backed until :meth:`RolloutBuffer.extend`
+        hands it out."""
+        assert not self.closed and not (canonical and fp8)
         buf = RolloutBuffer(numel, dtype, self.device, own=[], used=[] if grows else [(0, numel)], backend=backend)
         self._rollout_only.append(buf)
         if canonical:
             self._canonical_ids.add(id(buf))
+        if fp8:
+            self._fp8_ids.add(id(buf))
         if self.rolling_out:
             buf.map_peers()
         return buf
@@ -253,7 +259,7 @@ class Placement:
     def close(self) -> None:
         for buf in list(self.buffers.values()) + self.rollout_only:
             buf.close()
-        self.buffers, self._rollout_only, self._canonical_ids = {}, [], set()
+        self.buffers, self._rollout_only, self._canonical_ids, self._fp8_ids = {}, [], set(), set()
         self.rolling_out, self.closed = False, True
 
     # -- accounting ----------------------------------------------------------------------------------------
@@ -262,21 +268,33 @@ class Placement:
         return [b.span() for b in list(self.buffers.values()) + self.rollout_only]
 
     def _strided_bytes_mapped(self) -> int:
-        """Bytes of the strided regions (canonical rollout tensors inside the gather buffers) backed now."""
+        """Bytes of the strided regions (canonical rollout tensors inside the gather buffers) backed now: those
+        that a rollout parameter views (with FP8 rollout weights an fc1 region is only read by the quantization,
+        and given back with the other transient ranges)."""
         if self.plan is None:
             return 0
         return sum(reg.numel * self.buffers[dtype].memory.element_size for dtype, reg in self.plan.strided.values()
-                   if self.buffers[dtype].mapped_peer_bytes)
+                   if self.buffers[dtype].mapped_peer_bytes and (
+                       self._kept is None or (reg.offset, reg.offset + reg.numel) in self._kept.get(dtype, [])))
+
+    def rollout_bytes_mapped(self) -> int:
+        """Every byte backed now beyond what stays while training: the peers' slots, canonical and FP8 tensors,
+        the rollout memory reservations."""
+        return sum(b.mapped_peer_bytes for b in self.buffers.values()) + sum(
+            b.peer_bytes for b in self.rollout_only if b.peers_mapped)
 
     def report(self) -> dict[str, int]:
         strided = self._strided_bytes_mapped()
+        special = self._canonical_ids | self._fp8_ids
         return {
             "peer_bytes_mapped": sum(b.mapped_peer_bytes for b in self.buffers.values()) - strided,
             "transient_bytes_released": sum(b.transient_bytes for b in self.buffers.values()),
             "canonical_bytes_mapped": strided + sum(b.peer_bytes for b in self.rollout_only
                                                     if b.peers_mapped and id(b) in self._canonical_ids),
+            "fp8_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only
+                                    if b.peers_mapped and id(b) in self._fp8_ids),
             "rollout_memory_bytes_mapped": sum(b.peer_bytes for b in self.rollout_only
-                                               if b.peers_mapped and id(b) not in self._canonical_ids),
+                                               if b.peers_mapped and id(b) not in special),
             "resident_peer_bytes": sum(b.resident_peer_bytes for b in self.buffers.values()),
         }
 
@@ -441,6 +459,9 @@ class Placements:
 
     def spans(self) -> list[tuple[int, int]]:
         return [span for placement in self.planes.values() for span in placement.spans()]
+
+    def rollout_bytes_mapped(self) -> int:
+        return sum(placement.rollout_bytes_mapped() for placement in self.planes.values())
 
     def report(self) -> dict[str, int]:
         reports = [placement.report() for placement in self.planes.values()]

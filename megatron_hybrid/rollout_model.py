@@ -17,6 +17,7 @@ import torch
 
 from . import compat
 from .aliased import make_aliased, placeholder, supports_blocks
+from .fp8 import is_target, make_fp8
 from .layout import ExpertLayout, ParallelLayout
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -73,9 +74,11 @@ def rollout_config(config, layout: ParallelLayout, experts: Optional[ExpertLayou
 def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelLayout, *, pg_collection,
                          rollout_pp_rank: int, weight_mode: str, guard: Callable[[], None],
                          model_provider: Optional[ModelProvider] = None,
-                         experts: Optional[ExpertLayout] = None) -> list[torch.nn.Module]:
+                         experts: Optional[ExpertLayout] = None,
+                         rollout_weights: str = "model") -> list[torch.nn.Module]:
     """One rollout chunk per training chunk of this rank (virtual pipeline chunks stay chunks), or with an
     exchange layout one chunk: the rollout stage's layers in one model (the generator runs one chunk).
+    ``rollout_weights="fp8"``: the linears of :func:`megatron_hybrid.fp8.is_target` weights become FP8 twins.
 
     ``guard()`` runs before every forward and ``state_dict`` of the rollout model (the engine refuses them while
     training, when the weights are not there).
@@ -100,6 +103,10 @@ def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelL
             for mod in chunk.modules():
                 if supports_blocks(mod):
                     make_aliased(mod)
+        if rollout_weights == "fp8":
+            for name, mod in chunk.named_modules():
+                if is_target(f"{name}.weight"):
+                    make_fp8(mod)
         _share_non_parameter_state(train, chunk)
         chunk.register_forward_pre_hook(lambda module, args: guard())
         chunk.register_state_dict_pre_hook(lambda module, prefix, keep_vars: guard())

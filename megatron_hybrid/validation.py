@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from . import compat
 from .aliased import supports_blocks
 from .binding import BINDINGS
+from .fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
 from .layout import ExpertLayout, ParallelLayout, RolloutLayout
 from .sharding import TPSpec
 
@@ -34,11 +35,31 @@ def as_timeout(timeout: Any) -> datetime.timedelta:
     return value
 
 
+def cuda_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """The compute capability of a CUDA ``device``; ``None`` for any other device."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def check_fp8_device(device: torch.device, capability: Optional[tuple[int, int]]) -> None:
+    """FP8 rollout weights need FP8 tensor cores on a CUDA device (``capability``: its compute capability); a CPU
+    runs them with torch's CPU ``_scaled_mm``."""
+    if capability is not None and tuple(capability) < MIN_CUDA_CAPABILITY:
+        need = ".".join(map(str, MIN_CUDA_CAPABILITY))
+        raise ValueError(f"rollout_weights='fp8' needs FP8 tensor cores (compute capability ≥ {need}), but the "
+                         f"model's device {device} has compute capability {'.'.join(map(str, capability))}; use "
+                         "rollout_weights='model'")
+
+
 def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: Any, *, weight_mode: Any,
-                    bucket_size_mb: Any, align_slots: Any, timeout: Any) -> None:
+                    bucket_size_mb: Any, align_slots: Any, timeout: Any, rollout_weights: Any = "model") -> None:
     """The engine's arguments as passed (see :class:`~megatron_hybrid.engine.HybridEngine`)."""
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
+    if not isinstance(rollout_weights, str) or rollout_weights not in ROLLOUT_WEIGHTS:
+        raise ValueError(f"rollout_weights ({rollout_weights!r}) must be one of {ROLLOUT_WEIGHTS}")
+    if rollout_weights == "fp8" and weight_mode == "aliased":
+        raise ValueError("rollout_weights='fp8' needs weight_mode='canonical' (FP8 rollout weights are tensors "
+                         "rebuilt at every switch; weight_mode='aliased' computes on the training shards)")
     if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (
             int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0):
         raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a positive number of MiB")
@@ -57,6 +78,10 @@ def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], ro
                                                                      TransformerConfig):
             raise ValueError(f"model ({type(c).__name__}) must be a megatron-core model (a GPTModel, a list of "
                              "its chunks, or Megatron DDP around one) with a TransformerConfig as .config")
+    if rollout_weights == "fp8":
+        first = next((p for c in chunks for p in compat.unwrap_model(c).parameters()), None)
+        if first is not None:
+            check_fp8_device(first.device, cuda_capability(first.device))
 
 
 def check_layout(layout: ParallelLayout, *, world_size: int, num_chunks: int) -> None:
@@ -71,8 +96,10 @@ def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None}
 
 
-def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str) -> None:
-    """The model (its unwrapped chunks; the first one's ``config``) against the layout and the weight mode."""
+def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str,
+                rollout_weights: str = "model") -> None:
+    """The model (its unwrapped chunks; the first one's ``config``) against the layout, the weight mode and the
+    rollout weights."""
     lay, config = layout, modules[0].config
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if heads % lay.t_g:
@@ -101,6 +128,14 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
                 if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
                     raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
                                      ") on blocks; use weight_mode='canonical' for this model")
+    if rollout_weights == "fp8":
+        for mod in modules:
+            owners = _owner_modules(mod)
+            for name, prm in mod.named_parameters():
+                if is_target(name) and not supports_fp8(owners[id(prm)]):
+                    raise ValueError(f"rollout_weights='fp8' cannot run {name} ({type(owners[id(prm)]).__name__}) "
+                                     "in FP8: only megatron-core's local-spec ColumnParallelLinear / "
+                                     "RowParallelLinear have FP8 twins; use rollout_weights='model'")
 
 
 def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,

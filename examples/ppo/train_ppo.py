@@ -110,7 +110,8 @@ class Trainer:
                                             expert_tensor_parallel_size=a.rollout_expert_tensor_parallel_size)
         self.engine = None if a.no_hybrid_rollout else HybridEngine(
             self.actor.model, self.rollout_layout, weight_mode=a.hybrid_weight_mode,
-            bucket_size_mb=a.reshard_bucket_size_mb, optimizer=self.actor.optimizer)  # its views of DDP's buffer
+            bucket_size_mb=a.reshard_bucket_size_mb, optimizer=self.actor.optimizer,  # its views of DDP's buffer
+            rollout_weights="fp8" if a.rollout_fp8 else "model")
         if a.offload_reference:
             self.reference.to("cpu")
         self.step = 0

@@ -169,6 +169,11 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "tensor parallelism: a divisor of --expert-tensor-parallel-size (MoE models; default: "
                    "--rollout-tensor-model-parallel-size)")
     g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
+    g.add_argument("--rollout-fp8", action="store_true",
+                   help="generate with FP8 rollout weights (HybridEngine(rollout_weights='fp8')): the dense layers' "
+                   "linear weights quantized to float8 e4m3 at every switch, FP8 matmuls; needs --hybrid-weight-mode "
+                   "canonical. The rollout log-probs then come from the FP8 model: rollout_mismatch/* measures the "
+                   "gap, --tis-imp-ratio-cap corrects for it")
     g.add_argument("--reshard-bucket-size-mb", type=float, default=None,
                    help="HybridEngine gather bucket, MiB per dtype (default: the engine's, 1024 on a GPU, 32 on a "
                         "CPU)")
@@ -350,6 +355,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"({args.num_attention_heads})")
     if args.num_layers % p:
         raise ValueError(f"--pipeline-model-parallel-size ({p}) must divide --num-layers ({args.num_layers})")
+    if args.rollout_fp8 and args.no_hybrid_rollout:
+        raise ValueError("--rollout-fp8 needs the HybridEngine's rollout (it is off with --no-hybrid-rollout)")
+    if args.rollout_fp8 and args.hybrid_weight_mode != "canonical":
+        raise ValueError(f"--rollout-fp8 needs --hybrid-weight-mode canonical (got --hybrid-weight-mode "
+                         f"{args.hybrid_weight_mode}): FP8 rollout weights are tensors rebuilt at every switch")
     # Any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP gathers cannot serve).
     if world_size % (t_g * p_g):
         raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) × --rollout-pipeline-model-parallel-size "

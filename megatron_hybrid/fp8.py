@@ -1,0 +1,228 @@
+"""FP8 rollout weights (``HybridEngine(..., rollout_weights="fp8")``): the switch writes the rollout model's dense
+linear weights as float8 e4m3 with one fp32 scale per output row, and the rollout model computes with them.
+
+Which weights: every decoder layer's ``linear_qkv``, ``linear_proj`` and, in a dense MLP, ``linear_fc1`` and
+``linear_fc2`` (:func:`is_target`). The embedding, the output layer, norms, biases, the router and the MoE experts
+(routed and shared) stay in the training dtype.
+
+The format, the same for weights and activations: a row r of ``w`` (an output row of a weight, a token of the
+activations) becomes ``q_r = (w_r.float() / s_r).to(float8_e4m3fn)`` with ``s_r = amax(|w_r|) / 448`` in fp32 (448:
+e4m3's largest finite value) and ``s_r = 1`` for a zero row, so ``w_r ≈ q_r.float() * s_r``. A product is then
+``torch._scaled_mm(x_q, w_q.t(), scale_a=s_x [M, 1], scale_b=s_w [1, N])``, row-wise scaled: on CPU (torch 2.13)
+and on GPUs with FP8 tensor cores (compute capability ≥ 8.9) alike, so a CPU run quantizes and multiplies with the
+same ops as the GPU.
+
+Legend: N output features (rows of a weight), K input features, M tokens.
+
+- :func:`quantize_rows`: the rollout tensor, given as the binding's :class:`~megatron_hybrid.aliased.Blocks`
+  (views of gathered training shards), straight into FP8 and its scales, without materialising the
+  training-dtype tensor; :func:`quantize_reference`: the same format from a whole tensor, in plain torch, for tests.
+- :func:`fp8_linear` (activations quantized per token, one ``_scaled_mm``) and :func:`fp8_linear_reference`.
+- :class:`Fp8Table`, owned by the binding: which rollout parameter computes with which FP8 tensor and scales;
+  :class:`Fp8ColumnParallelLinear`, :class:`Fp8RowParallelLinear`: megatron-core's local-spec linears that read it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import layers as tpl
+
+from . import compat
+from .aliased import Blocks
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+#: ``rollout_weights`` values: the training dtype, or FP8 for the :func:`is_target` weights.
+ROLLOUT_WEIGHTS = ("model", "fp8")
+#: The first CUDA compute capability with FP8 tensor cores (Ada, sm_89; Hopper is 9.0).
+MIN_CUDA_CAPABILITY = (8, 9)
+#: Elements quantized per step of :func:`quantize_rows` (bounds its fp32 temporaries to 64 MiB per step).
+_STEP_NUMEL = 1 << 24
+
+# A dense layer's linear weights: decoder.layers.<i>.self_attention.linear_{qkv,proj}.weight and
+# decoder.layers.<i>.mlp.linear_fc{1,2}.weight (an MoE layer's experts are ``mlp.experts...``, its shared experts
+# ``mlp.shared_experts...``: not matched).
+_TARGET = re.compile(r"(^|\.)layers\.\d+\.(self_attention\.linear_(qkv|proj)|mlp\.linear_fc[12])\.weight$")
+
+
+def is_target(name: str) -> bool:
+    """Whether parameter ``name`` (global or chunk-local) is a weight that FP8 rollout weights quantize."""
+    return _TARGET.search(name) is not None
+
+
+def row_scales(amax_N: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale of every row from its amax: ``amax / 448``, 1 where that is 0 (a zero row)."""
+    scale = amax_N.float() / FP8_MAX
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _row_steps(w_NK: torch.Tensor) -> Iterator[slice]:
+    """``w``'s rows, a few at a time: the temporaries of one step stay within :data:`_STEP_NUMEL` elements."""
+    rows = max(1, _STEP_NUMEL // max(1, w_NK.shape[1]))
+    for lo in range(0, w_NK.shape[0], rows):
+        yield slice(lo, min(lo + rows, w_NK.shape[0]))
+
+
+def _row_amax(w_NK: torch.Tensor) -> torch.Tensor:
+    """amax(|w_r|) of every row (exact in any dtype: no rounding in abs and max)."""
+    return torch.cat([w_NK[rows].abs().amax(dim=1) for rows in _row_steps(w_NK)])
+
+
+def _quantize_into(w_NK: torch.Tensor, scale_N: torch.Tensor, out_NK: torch.Tensor) -> None:
+    """``out = (w.float() / scale[:, None]).to(fp8)``, a few rows at a time (elementwise: the same bits)."""
+    for rows in _row_steps(w_NK):
+        out_NK[rows].copy_((w_NK[rows].float() / scale_N[rows, None]).to(FP8_DTYPE))
+
+
+def _parts(blocks: Blocks) -> list[torch.Tensor]:
+    """The blocks' pieces in canonical order along ``blocks.dim`` (as :meth:`Blocks.materialize` concatenates)."""
+    if blocks.stride == 1:
+        return list(blocks.views)
+    chunks = [v.chunk(blocks.stride, dim=blocks.dim) for v in blocks.views]
+    return [c[j] for j in range(blocks.stride) for c in chunks]
+
+
+@torch.no_grad()
+def quantize_rows(blocks: Blocks, out_fp8_NK: torch.Tensor, out_scale_N: torch.Tensor) -> None:
+    """Write the rollout tensor that ``blocks`` stand for into ``out_fp8_NK`` (``float8_e4m3fn``) and its per-row
+    scales into ``out_scale_N`` (fp32), without materialising it: pieces split along dim 0 hold whole rows and are
+    quantized one by one; pieces split along dim 1 (row-parallel weights) share rows, so their row amaxes are
+    combined first, then each piece is quantized into its columns. Bit for bit :func:`quantize_reference` of
+    ``blocks.materialize()``."""
+    parts = _parts(blocks)
+    assert out_fp8_NK.dtype == FP8_DTYPE and out_scale_N.dtype == torch.float32
+    assert sum(p.shape[blocks.dim] for p in parts) == out_fp8_NK.shape[blocks.dim], (blocks.dim, out_fp8_NK.shape)
+    if blocks.dim == 0:
+        row = 0
+        for part in parts:
+            n = part.shape[0]
+            if n:
+                out_scale_N[row: row + n].copy_(row_scales(_row_amax(part)))
+                _quantize_into(part, out_scale_N[row: row + n], out_fp8_NK[row: row + n])
+            row += n
+        return
+    assert blocks.dim == 1, blocks.dim
+    amax = None
+    for part in parts:
+        if part.shape[1]:
+            a = _row_amax(part)
+            amax = a if amax is None else torch.maximum(amax, a)
+    out_scale_N.copy_(row_scales(amax))
+    col = 0
+    for part in parts:
+        _quantize_into(part, out_scale_N, out_fp8_NK[:, col: col + part.shape[1]])
+        col += part.shape[1]
+
+
+def quantize_reference(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 tensor, fp32 scale per row) of a whole 2-D tensor, in plain torch: the reference of
+    :func:`quantize_rows` (an independent write-up of the format)."""
+    w = w_NK.float()
+    scale = w.abs().amax(dim=1) / 448.0
+    scale[scale == 0] = 1.0
+    return (w / scale.unsqueeze(1)).to(torch.float8_e4m3fn), scale
+
+
+def quantize_activations(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token (row) of ``x_MK`` as FP8 with its fp32 scale ``[M, 1]`` (the format of the weights)."""
+    scale_M1 = row_scales(x_MK.abs().amax(dim=1, keepdim=True))
+    return (x_MK.float() / scale_M1).to(FP8_DTYPE), scale_M1
+
+
+def fp8_linear(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ W.t() (+ bias)`` in FP8: ``x`` (``[..., K]``, the training dtype) quantized per token, one row-wise
+    scaled ``torch._scaled_mm`` with the FP8 weight and its scales, the output and the bias in ``x``'s dtype.
+
+    On a GPU, ``_scaled_mm`` wants K and N multiples of 16 and (row-wise scaling) a bfloat16 output, which an fp32
+    model then casts back; on CPU there is no such constraint."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_scale = quantize_activations(x.reshape(-1, k))
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    y = torch._scaled_mm(x_q, weight_fp8_NK.t(), scale_a=x_scale, scale_b=scale_N.view(1, -1), out_dtype=out_dtype)
+    y = y.to(x.dtype).view(*lead, weight_fp8_NK.shape[0])
+    return y if bias is None else y + bias
+
+
+def fp8_linear_reference(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`fp8_linear` in plain torch: both operands quantized and dequantized in fp32, one fp32 matmul."""
+    x32 = x.float()
+    x_scale = x32.abs().amax(dim=-1, keepdim=True) / 448.0
+    x_scale[x_scale == 0] = 1.0
+    x_deq = (x32 / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+    w_deq = weight_fp8_NK.float() * scale_N.unsqueeze(1)
+    y = F.linear(x_deq, w_deq).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+class Fp8Table:
+    """Which rollout parameters compute in FP8, and with which tensors (fp8 ``[N, K]``, fp32 scales ``[N]``): owned
+    by the binding, read by the FP8 linears. Keyed by the parameter object (its placeholder)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def set(self, param: torch.Tensor, weight_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+        self._by_id[id(param)] = (param, weight_fp8, scale)  # holding the parameter keeps its id unique
+
+    def get(self, param: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        entry = self._by_id.get(id(param)) if param is not None else None
+        return entry[1:] if entry is not None else None
+
+    def clear(self) -> None:
+        self._by_id.clear()
+
+
+class _Fp8:
+    """What the FP8 twins share: the binding's table (``None`` until the rollout model is bound)."""
+
+    fp8_table: Optional[Fp8Table] = None
+
+
+def _forward_impl(base):
+    """The per-matmul hook of ``base``'s FP8 twin: FP8 for a weight in the table, megatron-core's own otherwise."""
+    own = compat.linear_forward_impl(base)
+
+    def impl(self, input, weight, *args, **kwargs):
+        entry = self.fp8_table.get(weight) if self.fp8_table is not None else None
+        if entry is None:
+            return own(self, input, weight, *args, **kwargs)
+        return fp8_linear(input, *entry, bias=kwargs.get("bias", args[0] if args else None))
+
+    return impl
+
+
+class Fp8ColumnParallelLinear(_Fp8, tpl.ColumnParallelLinear):
+    pass
+
+
+class Fp8RowParallelLinear(_Fp8, tpl.RowParallelLinear):
+    pass
+
+
+# megatron-core's linears call a private per-matmul hook from forward(): override exactly that, behind compat (the
+# versions it is checked for). The row-parallel one adds its bias after the all-reduce, in the training dtype.
+compat.override_linear_forward_impl(Fp8ColumnParallelLinear, _forward_impl(tpl.ColumnParallelLinear))
+compat.override_linear_forward_impl(Fp8RowParallelLinear, _forward_impl(tpl.RowParallelLinear))
+
+FP8_CLASSES = {tpl.ColumnParallelLinear: Fp8ColumnParallelLinear, tpl.RowParallelLinear: Fp8RowParallelLinear}
+
+
+def supports_fp8(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has an FP8 twin (megatron-core's local-spec parallel linears)."""
+    return type(module) in FP8_CLASSES or type(module) in FP8_CLASSES.values()
+
+
+def make_fp8(module: torch.nn.Module) -> None:
+    """Swap ``module``'s class for its FP8 twin (same state, same attributes)."""
+    cls = FP8_CLASSES.get(type(module))
+    if cls is None and type(module) not in FP8_CLASSES.values():
+        raise ValueError(f"{type(module).__name__} has no FP8 twin; rollout_weights='fp8' needs megatron-core's "
+                         "local-spec ColumnParallelLinear / RowParallelLinear")
+    if cls is not None:
+        module.__class__ = cls
