@@ -5,7 +5,10 @@ Methods (same model, same layout, same job):
 
 - ``ours-aliased``, ``ours-canonical``: ``HybridEngine(weight_mode=...).switch_to_rollout()`` (map the peers'
   slots and the canonical ranges, one in-place collective per bucket/region, refill the canonical tensors by one
-  fused scatter per dtype; the rollout model is bound once, at construction), with ``set_profiling(False)``.
+  fused scatter per dtype; the rollout model is bound once, at construction), with ``set_profiling(False)``. On an
+  exchange layout (``engine.layout.exchange``: a pair outside the micro-DP gather contract, e.g. p_g > p or TP and
+  PP moving in opposite directions; ``EXCHANGE_PAIRS_8``) the switch packs what the rank sends and runs one
+  ``all_to_all_single`` per dtype over the world into receive buffers mapped for the rollout.
   Per switch, the engine's own phase timings (``communication_report()["phases"]``: map, collectives,
   canonical, offload, sync) are kept; the rows hold their medians (``phases_median_s``). On a GPU without
   profiling the phases before ``sync`` are host (launch) times: the device is synchronised once, in ``sync``.
@@ -15,14 +18,30 @@ Methods (same model, same layout, same job):
   contributing 1/world of it (DeepSpeed-Chat's ZeRO-3 hybrid engine): (tpd-1)/(tpd)·M bytes per rank.
 - ``bound``: one ``all_gather_into_tensor`` of exactly the bytes ``ours`` receives (the most any rank receives),
   in the model's dtype, over our micro-DP groups, into a resident preallocated buffer: the floor of a switch.
-- ``bound-fresh``: the same all-gather into an output the call allocates (``torch.empty``), as a plain all-gather
-  does: the floor of a switch that, like ours, must obtain memory that was not resident before it (on CPU, large
-  allocations are fresh pages that fault in during the gather; on a GPU the caching allocator reuses a block).
+  An exchange layout has no micro-DP groups (they are singletons, ``d_g`` means nothing: the rows say
+  ``exchange: true`` and ``d_g: null``): there ``bound`` is one ``all_to_all_single`` per dtype over the engine's
+  world group with exactly ours' splits (the plan's, rank by rank), from a resident send buffer into a resident
+  receive buffer; none where nothing moves (p_g > p at t = t_g).
+- ``bound-fresh``: the same all-gather (all-to-all) into an output the call allocates (``torch.empty``), as a plain
+  all-gather does: the floor of a switch that, like ours, must obtain memory that was not resident before it (on
+  CPU, large allocations are fresh pages that fault in during the gather; on a GPU the caching allocator reuses a
+  block).
+- ``base-aliased``, ``base-canonical`` (with ``--baseline-commit REV``): ours' methods run by the engine of commit
+  REV, whose ``megatron_hybrid/`` is extracted and imported as ``megatron_hybrid_base`` (see :func:`load_baseline`).
+  Two engines cannot serve one model (each moves the parameters into its own buffers), so the base engine serves a
+  second copy of the training model, built and filled alike; both engines live side by side and their runs
+  alternate run by run (base-aliased with ours-aliased in phase 1, base-canonical with ours-canonical in phase 2):
+  the same layout, shape, groups' sizes, machine load and allocator state within each pair of runs, which closing
+  one engine to build the other between blocks of runs would not give. Their rows hold, for ours, whether every
+  rank received the same bytes in the same number of collectives as under the base engine, ``over_base`` (ratio of
+  the medians) and ``over_base_paired_median`` (median over runs i of ours_i / base_i); canonical also checks that
+  both rollout models hold the same bytes (``matches_base``).
 
 Timing: before every run, garbage collection, ``malloc_trim(0)`` (CUDA: ``torch.cuda.empty_cache()``) and a
 barrier; a run's time is the largest per-rank time of the call (CUDA: up to a ``torch.cuda.synchronize()``);
 reported: the median over ``--runs`` runs after ``--warmup`` warm-up runs. The runs of ours-aliased, bound, swap
-and naive-gather are interleaved (run i of each method, then run i + 1), so that a change of machine load hits
+and naive-gather are interleaved (run i of each method, then run i + 1; in the listed order on even i, in reverse
+on odd i, so that no method always runs right after the same other one), so that a change of machine load hits
 all of them alike; ours-canonical needs its own engine and runs right after, interleaved with swap again
 (``swap-beside-canonical``, the times canonical's `swap / this` compares against). On CPU the timed calls run with
 cpu_gloo()'s TorchFunctionMode suspended (a per-torch-call test shim absent on a GPU; ``--keep-cpu-shim`` keeps
@@ -57,6 +76,14 @@ Shapes: ``many-small`` and ``few-large`` (fp32, CPU-sized), ``gpu-1b`` (0.89 B p
 Examples:
     # CPU, gloo, 8 ranks, the default layouts of both CPU shapes (bench/results/reshard_cpu.*):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 8 bench/reshard.py --output-dir bench/results
+    # the exchange pairs against swap_model_weights, both modes (bench/results/reshard_pairs_cpu.*):
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 8 bench/reshard.py --shapes many-small \
+        --layouts 1,2,4,2,1 2,1,4,1,2 4,2,1,2,4 8,1,1,2,2 1,1,8,1,2 1,2,4,2,4 \
+        --methods ours-aliased ours-canonical swap bound --no-report --output-dir bench/results --name reshard_pairs_cpu
+    # the default in-place layouts against the engine of commit 5dd0705, interleaved (bench/results/reshard_base_cpu.*):
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 8 bench/reshard.py --shapes many-small \
+        --baseline-commit 5dd0705 --methods ours-aliased ours-canonical base-aliased base-canonical --runs 10 \
+        --no-report --output-dir bench/results --name reshard_base_cpu
     # one shape, two layouts (t,p,d,t_g,p_g), more runs, smaller buckets:
     torchrun --standalone --nproc_per_node 8 bench/reshard.py --shapes many-small \\
         --layouts 4,1,2,2,1 2,2,2,1,1 --runs 9 --reshard-bucket-size-mb 64 --output-dir /tmp/reshard
@@ -73,20 +100,28 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import copy
 import ctypes
 import dataclasses
 import gc
+import importlib
+import io
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import warnings
 import zlib
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 import torch
@@ -95,14 +130,18 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_hybrid.models import GPTArchitecture  # noqa: E402
+from megatron_hybrid.placement import DTYPES  # noqa: E402
 from megatron_hybrid.report import missing_bytes as expected_missing_bytes  # noqa: E402
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound", "bound-fresh")
+# The engine of another commit (--baseline-commit), interleaved with ours on the same layout and model shape.
+BASE_METHODS = ("base-aliased", "base-canonical")
+BASE_PACKAGE = "megatron_hybrid_base"
 # swap_model_weights timed again in phase 2, interleaved with ours-canonical (which needs an engine of its own):
 # its times are what canonical's `swap / this` compares against, so that both see the same machine load.
 SWAP_BESIDE_CANONICAL = "swap-beside-canonical"
-ROW_METHODS = METHODS + (SWAP_BESIDE_CANONICAL,)
+ROW_METHODS = METHODS + (SWAP_BESIDE_CANONICAL,) + BASE_METHODS
 Layout = tuple[int, int, int, int, int]  # (t, p, d, t_g, p_g)
 
 from shapes import SHAPES  # noqa: E402  (one definition for every benchmark)
@@ -118,6 +157,11 @@ DEFAULT_LAYOUTS_8: dict[str, list[Layout]] = {
     "few-large": [(4, 1, 2, 2, 1), (2, 2, 2, 1, 2), (2, 2, 2, 2, 1)],
     "llama-7b": [(8, 1, 1, 4, 1), (8, 1, 1, 2, 1), (8, 1, 1, 1, 1), (4, 2, 1, 2, 1), (4, 2, 1, 2, 2)],
 }
+# Exchange layouts (pairs outside the micro-DP gather contract, issue 25) for 8 ranks, both CPU shapes allow them
+# but (8,1,1,2,2) on few-large (4 query groups, t = 8): TP up with PP down, TP down with PP up, PP up at either TP,
+# p_g > p with t = t_g = 1 (nothing moves) and TP and PP both up.
+EXCHANGE_PAIRS_8: list[Layout] = [(1, 2, 4, 2, 1), (2, 1, 4, 1, 2), (4, 2, 1, 2, 4), (8, 1, 1, 2, 2), (1, 1, 8, 1, 2),
+                                  (1, 2, 4, 2, 4)]
 # Per shape and world size other than 8: layouts of the shapes meant for one GPU shared by a few ranks.
 DEFAULT_LAYOUTS: dict[str, dict[int, list[Layout]]] = {
     "gpu-1b": {2: [(2, 1, 1, 1, 1)], 4: [(2, 1, 2, 1, 1), (4, 1, 1, 2, 1), (2, 2, 1, 1, 1)]},
@@ -148,6 +192,50 @@ def parse_layout(text: str) -> Layout:
     if len(parts) != 5 or not all(s.strip().isdigit() for s in parts):
         raise argparse.ArgumentTypeError(f"layout {text!r} must be five integers t,p,d,t_g,p_g")
     return tuple(int(s) for s in parts)  # type: ignore[return-value]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# The engine of another commit
+
+
+def load_baseline(commit: str, repo: Path) -> tuple[ModuleType, str]:
+    """``megatron_hybrid/`` of ``commit`` imported as the package ``megatron_hybrid_base``; returns it and the full
+    commit id.
+
+    The package is extracted (``git archive``) into a temporary folder of this process. Its modules import each other
+    relatively, so they run as that commit's code, beside the current package. Two modules are shared with the
+    current package instead: ``patches`` (a top-level folder installed as ``megatron_hybrid.patches``, not part of
+    ``megatron_hybrid/``) and ``ops``: the native extension registers its operators and their fake kernels once per
+    process (``megatron_hybrid::*``; a second registration fails), and the commit's ``ops.py`` imports
+    ``megatron_hybrid._C`` by its absolute name anyway. The built extension is therefore not copied. A commit whose
+    ``ops.py`` differs from the current one is refused.
+    """
+    def git(*argv: str) -> bytes:
+        return subprocess.run(["git", "-C", str(repo), *argv], check=True, capture_output=True).stdout
+
+    sha = git("rev-parse", "--verify", f"{commit}^{{commit}}").decode().strip()
+    import megatron_hybrid
+    from megatron_hybrid import ops, patches
+
+    if git("show", f"{sha}:megatron_hybrid/ops.py").decode() != Path(ops.__file__).read_text():
+        raise ValueError(f"--baseline-commit {commit}: its megatron_hybrid/ops.py differs from this tree's, and the "
+                         "native operators can be registered only once per process")
+    folder = Path(tempfile.mkdtemp(prefix="reshard_base_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(git("archive", "--format=tar", sha, "megatron_hybrid"))) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "megatron_hybrid").rename(folder / BASE_PACKAGE)
+    assert BASE_PACKAGE not in sys.modules and megatron_hybrid.__name__ == "megatron_hybrid"
+    sys.modules[f"{BASE_PACKAGE}.patches"] = patches
+    sys.modules[f"{BASE_PACKAGE}.ops"] = ops
+    sys.path.insert(0, str(folder))
+    try:
+        base = importlib.import_module(BASE_PACKAGE)
+        for name in ("engine", "layout", "report"):
+            importlib.import_module(f"{BASE_PACKAGE}.{name}")
+    finally:
+        sys.path.remove(str(folder))
+    return base, sha
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -314,7 +402,8 @@ def run_interleaved(methods: list[Method], mem: Memory, device: torch.device, *,
     gc.freeze()
     try:
         for i in range(warmup + runs):
-            for m in methods:
+            # Forward on even runs, backward on odd ones: no method always runs right after the same other one.
+            for m in methods if i % 2 == 0 else methods[::-1]:
                 run_once(m, mem, device, record=i >= warmup, keep_shim=keep_shim)
     finally:
         gc.unfreeze()
@@ -401,9 +490,9 @@ def tensor_crcs(module: torch.nn.Module) -> dict[str, int]:
 # Methods
 
 
-def ours(engine, name: str, backend: str) -> Method:
+def ours(engine, name: str, backend: str, *, expected: Callable[[Any], int] = expected_missing_bytes) -> Method:
     """HybridEngine.switch_to_rollout(); ``after`` keeps the engine's phase timings, checks the bytes and switches
-    back."""
+    back. ``expected``: the engine's package's ``report.missing_bytes`` (the base commit's for its engine)."""
     engine.set_profiling(False)
     m = Method(name, lambda: m.state["engine"].switch_to_rollout(), state={"engine": engine})
 
@@ -412,11 +501,12 @@ def ours(engine, name: str, backend: str) -> Method:
         rep = eng.communication_report()
         if not m.info:
             m.info.update(_ours_accounting(eng, backend), bytes=rep["total_bytes"],
-                          collectives=rep["num_collectives"], expected_bytes=expected_missing_bytes(eng),
+                          collectives=rep["num_collectives"], expected_bytes=expected(eng),
                           canonical_bytes_mapped=rep["canonical_bytes_mapped"])
         elif rep["total_bytes"] != m.info["bytes"]:
             raise AssertionError(f"{name}: received {rep['total_bytes']} bytes, before {m.info['bytes']}")
-        m.phases.append(dict(rep["phases"]))
+        # Inside collectives_seconds, the time in the collective calls themselves (the rest: packing, slicing).
+        m.phases.append(dict(rep["phases"], calls_seconds=sum(c["seconds"] for c in rep["collectives"])))
         eng.switch_to_training()
 
     m.after = after
@@ -424,7 +514,8 @@ def ours(engine, name: str, backend: str) -> Method:
 
 
 def _ours_accounting(engine, backend: str) -> dict[str, int]:
-    """While rolling out: the peers' slots, the canonical ranges, gloo's staging."""
+    """While rolling out: the peers' slots (an exchange layout: the receive buffers), the canonical ranges, gloo's
+    staging (an exchange layout: the packed send buffer of the all-to-all)."""
     peers = sum(b.peer_bytes for b in engine.placement.buffers.values())
     # Canonical tensors (canonical mode; 1-D sharded tensors such as biases in either mode) live in one reserved
     # range per dtype, mapped only while rolling out.
@@ -437,8 +528,53 @@ def _ours_accounting(engine, backend: str) -> dict[str, int]:
     if engine.plan is not None and backend == "gloo" and device.type == "cpu":
         largest = max((r.numel * engine.placement.buffers[dt].tensor.element_size()
                        for dt, regs in engine.plan.regions.items() for r in regs), default=0)
+    if _is_exchange(engine):
+        # ExchangeExecutor packs what this rank sends into one transient buffer per dtype (gloo's all-to-all of CPU
+        # tensors then works on the given tensors); the dtypes run one after the other.
+        plan = engine.exchange_plan
+        largest = max((n * torch.empty((), dtype=DTYPES[dt]).element_size()
+                       for dt, n in plan.sent_numel(dist.get_rank()).items()), default=0)
     return {"peer_bytes": peers, "canonical_bytes": canonical, "staging_bytes": largest,
             "accounted": peers + canonical + largest}
+
+
+def _is_exchange(engine) -> bool:
+    """Whether the engine serves an exchange layout (an engine of a commit before the exchange never does)."""
+    return bool(getattr(engine.layout, "exchange", False))
+
+
+def bound_exchange(engine, mem: Memory, *, fresh: bool) -> Method:
+    """Exchange layouts (no micro-DP gather to bound): one ``all_to_all_single`` per dtype over the engine's world
+    group with exactly ours' splits (the plan's), from a resident send buffer into a resident receive buffer
+    (``bound``) or into one the call allocates (``bound-fresh``): ours' exchange without packing the send buffer,
+    mapping the receive buffer or binding."""
+    plan, rank, device = engine.exchange_plan, dist.get_rank(), engine.device
+    group = engine.rollout_groups.world
+    mem.trim()
+    before = mem.current()
+    legs = []
+    for dtype in plan.dtypes():
+        recv_splits = plan.splits(rank, dtype, sending=False)
+        send_splits = plan.splits(rank, dtype, sending=True)
+        send = torch.zeros(sum(send_splits), dtype=DTYPES[dtype], device=device)
+        recv = None if fresh else torch.zeros(sum(recv_splits), dtype=DTYPES[dtype], device=device)
+        legs.append((send, recv, recv_splits, send_splits))
+    mem.trim()
+
+    def op():
+        for send, recv, recv_splits, send_splits in m.state["legs"]:
+            if recv is None:
+                recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=device)
+                m.state["held"].append(recv)
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+
+    m = Method("bound-fresh" if fresh else "bound", op, state={"legs": legs, "held": []},
+               setup_extra=0 if fresh else mem.current() - before)
+    m.after = lambda: m.state["held"].clear()
+    received = sum(sum(r) * s.element_size() for s, _, r, _ in legs)
+    sent = sum(sum(x) * s.element_size() for s, _, _, x in legs)
+    m.info.update(bytes=received, collectives=len(legs), accounted=received + sent)
+    return m
 
 
 def bound(engine, missing_max: int, mem: Memory, dtype: torch.dtype) -> Method:
@@ -595,7 +731,33 @@ def _destroy_subgroups() -> None:
     gc.collect()
 
 
-def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend: str, mem: Memory) -> list[dict]:
+def build_training_model(arch: GPTArchitecture, config, device: torch.device) -> torch.nn.Module:
+    """This rank's stage of the training model (after ``initialize_model_parallel``), with :func:`fill_weights`'
+    values: the same on every call."""
+    from megatron.core import parallel_state as ps
+
+    model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    model.to(device)
+    fill_weights(model, ps.get_tensor_model_parallel_rank())
+    return model
+
+
+def same_rollout_weights(a, b) -> bool:
+    """Whether two engines' rollout models hold the same bytes on every rank (a collective: both switch to rollout
+    and back)."""
+    crcs = []
+    for engine in (a, b):
+        engine.switch_to_rollout()
+        crcs.append(tensor_crcs(engine.rollout_model))
+        engine.switch_to_training()
+    bad = sorted(n for n in crcs[0].keys() | crcs[1].keys() if crcs[0].get(n) != crcs[1].get(n))
+    return all(not b for b in _all_objects(bad))
+
+
+def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend: str, mem: Memory,
+                 base: Optional[ModuleType] = None) -> list[dict]:
+    """Every method of ``args.methods`` on one layout of one shape; the rows on rank 0 (``[]`` elsewhere). ``base``:
+    the package of ``--baseline-commit`` (its engine serves a second copy of the training model)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -613,9 +775,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                          use_cpu_initialization=False, init_method=_no_init,
                                          output_layer_init_method=_no_init, embedding_init_method=_no_init)
-        model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-        model.to(device)
-        fill_weights(model, ps.get_tensor_model_parallel_rank())
+        model = build_training_model(arch, config, device)
         sizes = full_sizes(model, t)
         model_bytes = sum(n * torch.empty((), dtype=dt).element_size() for n, dt in sizes.values())
         shard_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
@@ -625,12 +785,24 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             step = step_seconds(model, arch, seq=args.seq_length, runs=args.step_runs, device=device)
         methods = {m for m in args.methods}
         results: dict[str, Method] = {}
+        base_matches: dict[str, Optional[bool]] = {}
 
         # ---- phase 1: ours-aliased, bound, swap, naive-gather, interleaved (one engine) ----
         engine = HybridEngine(model, RolloutLayout(t_g, p_g), weight_mode="aliased",
                               bucket_size_mb=args.reshard_bucket_size_mb)
         missing_max = int(max(_max_over_ranks([float(expected_missing_bytes(engine))])))
         bucket_mb = engine.bucket_size_mb  # the engine's default when --reshard-bucket-size-mb is not given
+        exchange = _is_exchange(engine)
+        d_g = None if exchange else engine.layout.d_g  # an exchange layout has no micro-DP groups
+        base_methods = methods & set(BASE_METHODS)
+        if base_methods and exchange:
+            warnings.warn(f"{shape} {layout}: an exchange layout, which an engine before the exchange does not "
+                          f"serve: {', '.join(sorted(base_methods))} skipped")
+            base_methods = set()
+        # The base commit's engine serves a copy of the model: two engines on one model would each move its
+        # parameters into their own buffers (ours refuses a second engine; the base commit's engine does not), and
+        # closing one engine to build the other between runs would time them minutes apart, not run by run.
+        model_b = build_training_model(arch, config, device) if base_methods else None
         report_summary = None
         if not args.no_report:
             # One profiled switch (a collective at a time, timed each) for the communication report.
@@ -651,7 +823,8 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
                     records, report_dir / f"{stem}_trace.jsonl", report_dir / f"{stem}_report.html",
                     step_seconds=step, switch_seconds=switch,
                     title=f"Switch to rollout: {shape}, (t,p,d)=({t},{p},{d}) -> (t_g,p_g)=({t_g},{p_g}), "
-                          f"d_g={lay.d_g}, aliased, {arch.params_dtype}, {backend}",
+                          f"{'exchange' if exchange else f'd_g={lay.d_g}'}, aliased, {arch.params_dtype}, "
+                          f"{backend}",
                     notes=[f"{dist.get_world_size()} ranks on {device.type} ({os.cpu_count()} cores), bucket "
                            f"{bucket_mb} MB, profiled switch (per-collective timing)",
                            f"step time: one training forward+backward of 1x{args.seq_length} tokens"
@@ -659,10 +832,21 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         phase1: list[Method] = []
         if "ours-aliased" in methods:
             phase1.append(ours(engine, "ours-aliased", backend))
-        if "bound" in methods and engine.layout.d_g > 1:
-            phase1.append(bound(engine, missing_max, mem, arch.dtype))
-        if "bound-fresh" in methods and engine.layout.d_g > 1:
-            phase1.append(bound_fresh(engine, missing_max, arch.dtype))
+        base_engine = None
+        if "base-aliased" in base_methods:
+            base_engine = base.HybridEngine(model_b, base.RolloutLayout(t_g, p_g), weight_mode="aliased",
+                                            bucket_size_mb=args.reshard_bucket_size_mb)
+            phase1.append(ours(base_engine, "base-aliased", backend, expected=base.report.missing_bytes))
+        if exchange:  # nothing to bound where nothing moves (p_g > p at t = t_g: every rank holds its stage)
+            if "bound" in methods and missing_max:
+                phase1.append(bound_exchange(engine, mem, fresh=False))
+            if "bound-fresh" in methods and missing_max:
+                phase1.append(bound_exchange(engine, mem, fresh=True))
+        else:
+            if "bound" in methods and engine.layout.d_g > 1:
+                phase1.append(bound(engine, missing_max, mem, arch.dtype))
+            if "bound-fresh" in methods and engine.layout.d_g > 1:
+                phase1.append(bound_fresh(engine, missing_max, arch.dtype))
         if "swap" in methods:
             mem.trim()
             before = mem.current()
@@ -689,14 +873,22 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
         # The engine's buffers hold the training weights (the parameters are views of them): close() gives the
         # parameters ordinary memory again and releases the buffers, so that a second engine can take the model.
         engine.close()
-        del engine, phase1
+        if base_engine is not None:
+            base_engine.close()
+        del engine, base_engine, phase1
         mem.trim()
 
         # ---- phase 2: ours-canonical (its own engine on the same training model) ----
         swap_matches = None
-        if "ours-canonical" in methods or swap_crcs is not None:
+        if "ours-canonical" in methods or "base-canonical" in base_methods or swap_crcs is not None:
             engine = HybridEngine(model, RolloutLayout(t_g, p_g), weight_mode="canonical",
                                   bucket_size_mb=args.reshard_bucket_size_mb)
+            base_engine = None
+            if "base-canonical" in base_methods:
+                base_engine = base.HybridEngine(model_b, base.RolloutLayout(t_g, p_g), weight_mode="canonical",
+                                                bucket_size_mb=args.reshard_bucket_size_mb)
+                # Both rollout models must hold the same bytes (ours' and the base commit's canonical layout).
+                base_matches["canonical"] = same_rollout_weights(engine, base_engine)
             if swap_crcs is not None:
                 # megatron-core's swap and our canonical rollout model must hold the same bytes.
                 engine.switch_to_rollout()
@@ -707,35 +899,39 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
                 if bad:
                     print(f"WARNING rank {rank}: swap_model_weights and ours-canonical differ on {bad[:5]}",
                           flush=True)
-            if "ours-canonical" in methods:
-                canonical = ours(engine, "ours-canonical", backend)
-                phase2 = [canonical] + ([swap_again] if swap_again is not None else [])
+            phase2 = [ours(engine, "ours-canonical", backend)] if "ours-canonical" in methods else []
+            if base_engine is not None:
+                phase2.append(ours(base_engine, "base-canonical", backend, expected=base.report.missing_bytes))
+            if swap_again is not None and "ours-canonical" in methods:
+                phase2.append(swap_again)
+            if phase2:
                 run_interleaved(phase2, mem, device, warmup=args.warmup, runs=args.runs,
                                 keep_shim=args.keep_cpu_shim)
-                for m in phase2:
-                    m.release()
-                    results[m.name] = m
+            for m in phase2:
+                m.release()
+                results[m.name] = m
             engine.close()
-            del engine
+            if base_engine is not None:
+                base_engine.close()
+            del engine, base_engine, phase2
 
         # ---- rows (rank 0) ----
         local = {name: {"times": m.times, "extras": [e + m.setup_extra for e in m.extras],
                         "extras_after": m.extras_after, "info": m.info, "phases": m.phases}
                  for name, m in results.items()}
         everyone = _all_objects(local)
-        del results, model
+        del results, model, model_b
     finally:
         ps.destroy_model_parallel()
         _destroy_subgroups()
     if rank != 0:
         return []
-    lay_d_g = (t // t_g if t_g <= t else 1) * (p // p_g)
     rows = []
     for name in [n for n in ROW_METHODS if n in everyone[0]]:
         per_rank = [e[name] for e in everyone]
         runs = [max(r["times"][i] for r in per_rank) for i in range(len(per_rank[0]["times"]))]
         row = {
-            "method": name, "shape": shape, "layout": list(layout), "d_g": lay_d_g,
+            "method": name, "shape": shape, "layout": list(layout), "exchange": exchange, "d_g": d_g,
             "num_tensors": num_tensors, "num_tensors_model": len(sizes), "backend": backend,
             "world_size": dist.get_world_size(), "device": device.type, "cpu_count": os.cpu_count(),
             "switch_s_median": statistics.median(runs), "switch_s_runs": runs,
@@ -747,12 +943,12 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             "mem_measure": mem.kind, "ranks_per_device": mem.ranks_per_device, "params_dtype": arch.params_dtype,
             "extra_mem_accounted_bytes": max(r["info"]["accounted"] for r in per_rank),
             "training_shard_bytes": shard_bytes, "model_bytes": model_bytes,
-            "bytes_formula": (lay_d_g - 1) * model_bytes / (t * p),
+            "bytes_formula": None if exchange else (d_g - 1) * model_bytes / (t * p),
             "bucket_size_mb": bucket_mb, "runs": args.runs, "warmup": args.warmup,
             "step_s": step, "cpu_shim_while_timing": bool(args.keep_cpu_shim), "torch": torch.__version__,
             "megatron_core": str(compat.MCORE_VERSION),
         }
-        if name.startswith("ours"):
+        if name.startswith(("ours", "base")):
             row["bytes_expected_per_rank"] = max(r["info"]["expected_bytes"] for r in per_rank)
             row["bytes_equal_expected"] = all(r["info"]["bytes"] == r["info"]["expected_bytes"] for r in per_rank)
             row["peer_bytes"] = max(r["info"]["peer_bytes"] for r in per_rank)
@@ -772,6 +968,19 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             row["report_switch_share"] = report_summary["switch_share"]
         rows.append(row)
     by = {r["method"]: r for r in rows}
+    for mode in ("aliased", "canonical"):
+        o, b = by.get(f"ours-{mode}"), by.get(f"base-{mode}")
+        if o is None or b is None:
+            continue
+        # Per rank: the same bytes and the same number of collectives as the base commit's engine.
+        o["base_bytes_equal"] = all(e[f"ours-{mode}"]["info"]["bytes"] == e[f"base-{mode}"]["info"]["bytes"]
+                                    for e in everyone)
+        o["base_collectives_equal"] = all(e[f"ours-{mode}"]["info"]["collectives"]
+                                          == e[f"base-{mode}"]["info"]["collectives"] for e in everyone)
+        o["over_base"] = o["switch_s_median"] / b["switch_s_median"]
+        # Run i of both ran back to back: the median of the per-run ratios cancels slow drifts of the machine's load.
+        o["over_base_paired_median"] = statistics.median(x / y for x, y in zip(o["switch_s_runs"], b["switch_s_runs"]))
+        o["matches_base"] = base_matches.get(mode)
     for r in rows:
         if "bound" in by:
             r["vs_bound"] = r["switch_s_median"] / by["bound"]["switch_s_median"]
@@ -800,6 +1009,72 @@ def _phase_ms(r: Optional[dict], key: str) -> str:
     return _ms(r["phases_median_s"].get(key)) if r and "phases_median_s" in r else "-"
 
 
+def _rows_of(rows: list[dict], shape: str, layout: tuple) -> dict[str, dict]:
+    return {r["method"]: r for r in rows if r["shape"] == shape and tuple(r["layout"]) == layout}
+
+
+def _pairs_section(rows: list[dict], keys: list[tuple]) -> list[str]:
+    """Exchange layouts: ours against swap_model_weights, per weight mode."""
+    pairs = [k for k in keys if any(r.get("exchange") for r in _rows_of(rows, *k).values())]
+    if not pairs:
+        return []
+    lines = ["", "## New pairs (exchange layouts): ours against swap_model_weights", "",
+             "Ours: one `all_to_all_single` per dtype over the world (`ExchangeExecutor`). swap: megatron-core's "
+             "`swap_model_weights` into a second rollout model built on the engine's `pg_collection`; aliased is "
+             "compared with the swap runs interleaved with it (phase 1), canonical with the swap runs interleaved "
+             "with it (phase 2, `swap-beside-canonical`). `swap / ours` ≥ 1: ours is no slower. bound: one "
+             "`all_to_all_single` with exactly ours' splits between resident buffers (none where nothing moves). "
+             "`same bytes`: swap's rollout model and ours-canonical's hold the same bytes on every rank.", "",
+             "| shape | pair t,p,d→t_g,p_g | mode | MB recv/rank (ours = expected) | collectives ours / swap | "
+             "ours ms | swap ms | swap / ours | bound ms | same bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, lay in pairs:
+        by = _rows_of(rows, shape, lay)
+        for mode, swap_name in (("aliased", "swap"), ("canonical", SWAP_BESIDE_CANONICAL)):
+            o, w, b = by.get(f"ours-{mode}"), by.get(swap_name), by.get("bound")
+            if o is None:
+                continue
+            lines.append("| " + " | ".join([
+                shape, "{},{},{}→{},{}".format(*lay), mode,
+                f"{_mb(o['bytes_per_rank'])} ({'yes' if o['bytes_equal_expected'] else 'NO'})",
+                f"{o['num_collectives']} / {w['num_collectives'] if w else '-'}",
+                _ms(o["switch_s_median"]), _ms(w["switch_s_median"]) if w else "-",
+                f"{w['switch_s_median'] / o['switch_s_median']:.2f}" if w else "-",
+                _ms(b["switch_s_median"]) if b else "-",
+                {True: "yes", False: "NO", None: "-"}[by["swap"].get("matches_ours_canonical") if "swap" in by
+                                                      else None]]) + " |")
+    return lines
+
+
+def _base_section(rows: list[dict], keys: list[tuple], meta: dict) -> list[str]:
+    """Ours against the engine of --baseline-commit, interleaved run by run."""
+    if not any(r["method"] in BASE_METHODS for r in rows):
+        return []
+    lines = ["", f"## Against the base commit {meta.get('baseline_commit')}", "",
+             "The base commit's engine (its `megatron_hybrid/` imported as `megatron_hybrid_base`) serves a second "
+             "copy of the same training model; its runs alternate with ours run by run (forward, then backward order). "
+             "Bytes and collectives: what each rank received and the collectives it ran in one switch, compared rank "
+             "by rank. `ours / base`: ratio of the medians; `paired`: median over runs of ours' run i / base's run i. "
+             "`same bytes` (canonical): both rollout models hold the same bytes on every rank.", "",
+             "| shape | layout t,p,d→t_g,p_g | mode | MB recv/rank ours / base | bytes equal | "
+             "collectives ours / base | collectives equal | ours ms | base ms | ours / base | paired | same bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "NO", None: "-"}
+    for shape, lay in keys:
+        by = _rows_of(rows, shape, lay)
+        for mode in ("aliased", "canonical"):
+            o, b = by.get(f"ours-{mode}"), by.get(f"base-{mode}")
+            if o is None or b is None:
+                continue
+            lines.append("| " + " | ".join([
+                shape, "{},{},{}→{},{}".format(*lay), mode,
+                f"{_mb(o['bytes_per_rank'])} / {_mb(b['bytes_per_rank'])}",
+                yes[o["base_bytes_equal"]], f"{o['num_collectives']} / {b['num_collectives']}",
+                yes[o["base_collectives_equal"]], _ms(o["switch_s_median"]), _ms(b["switch_s_median"]),
+                f"{o['over_base']:.3f}", f"{o['over_base_paired_median']:.3f}", yes[o.get("matches_base")]]) + " |")
+    return lines
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     if meta["mem_measure"].startswith("cuda"):
         measured = ("device memory in use (`torch.cuda.mem_get_info`, sampled between barriers, the device's "
@@ -816,6 +1091,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "timings (`communication_report()['phases']`), slowest rank, median over runs"
              + (" (on a GPU, host times: launches; the device is synchronised once, in the sync phase)"
                 if meta["device"] == "cuda" else "") + ".",
+             "", f"Command (with `PYTHONPATH` at the repository root): `{meta['command']}`; wall time "
+             f"{meta['wall_s']:.0f} s; load average (1, 5, 15 min) at the start "
+             f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}, at the end "
+             f"{', '.join(f'{x:.1f}' for x in meta['loadavg_end'])} on {meta['cpu_count']} cores.",
              "", "## Summary", "",
              "| shape | layout t,p,d→t_g,p_g | d_g | MB recv/rank (ours = expected) | bound ms | bound-fresh ms "
              "(aliased x bound-fresh) | ours-aliased ms (x bound) | aliased map / coll / canon ms | ours-canonical ms (x bound) | canonical map / coll / "
@@ -827,7 +1106,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for shape, lay in keys:
         by = {r["method"]: r for r in rows if r["shape"] == shape and tuple(r["layout"]) == lay}
         a, c, s, n, b = (by.get(k) for k in ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound"))
-        cells = [shape, "{},{},{}→{},{}".format(*lay), str(next(iter(by.values()))["d_g"])]
+        first = next(iter(by.values()))
+        cells = [shape, "{},{},{}→{},{}".format(*lay), "exchange" if first.get("exchange") else str(first["d_g"])]
         ref = a or c
         cells.append(f"{_mb(ref['bytes_per_rank'])} ({'yes' if ref['bytes_equal_expected'] else 'NO'})"
                      if ref else "-")
@@ -853,20 +1133,25 @@ def markdown(rows: list[dict], meta: dict) -> str:
             cells.append("-")
         cells.append(f"{_mb(s['extra_mem_bytes'])} ({_mb(s['second_copy_bytes'])})" if s else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _pairs_section(rows, keys) + _base_section(rows, keys, meta)
     lines += ["", "## All rows", "",
-              "Phases (ours): the engine's own per-switch timings, the slowest rank's, median over runs (on an "
+              "Phases (ours): the engine's own per-switch timings, the slowest rank's, median over runs; in brackets "
+              "the time inside the collective calls of the collectives phase (the rest: packing, slicing) (on an "
               "oversubscribed CPU a rank's collective also waits for peers that are still busy mapping). `after "
               "back`: memory growth still held after switching back to training.", "",
               "| shape | layout | method | ms | x bound | MB recv/rank | collectives/rank | extra MB measured | "
-              "extra MB after back | extra MB accounted | map ms | collectives ms | canonical ms | offload ms | sync ms |",
+              "extra MB after back | extra MB accounted | map ms | collectives ms (in the calls) | canonical ms | "
+              "offload ms | sync ms |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (order_shapes.index(r["shape"]), r["layout"], ROW_METHODS.index(r["method"]))):
         lines.append(f"| {r['shape']} | {','.join(map(str, r['layout']))} | {r['method']} | "
                      f"{_ms(r['switch_s_median'])} | {r.get('vs_bound', float('nan')):.2f} | "
                      f"{_mb(r['bytes_per_rank'])} | {r['num_collectives']} | {_mb(r['extra_mem_bytes'])} | "
                      f"{_mb(r.get('extra_mem_after_bytes'))} | {_mb(r['extra_mem_accounted_bytes'])} | "
-                     + " | ".join(_phase_ms(r, k) for k in ("map_seconds", "collectives_seconds",
-                                                             "canonical_seconds", "offload_seconds", "sync_seconds")) + " |")
+                     + " | ".join([_phase_ms(r, "map_seconds"),
+                                   f"{_phase_ms(r, 'collectives_seconds')} ({_phase_ms(r, 'calls_seconds')})"]
+                                  + [_phase_ms(r, k) for k in ("canonical_seconds", "offload_seconds", "sync_seconds")])
+                     + " |")
     dtypes = {r["shape"]: r.get("params_dtype", SHAPES[r["shape"]].params_dtype) for r in rows}
     lines += ["", "Shapes: " + "; ".join(
         f"`{k}`: {v.num_layers} layers, hidden {v.hidden_size}, ffn {v.ffn_hidden_size}, heads "
@@ -887,10 +1172,11 @@ def plot(rows: list[dict], path: Path) -> bool:
     shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
     colours = {"ours-aliased": "#3b7dd8", "ours-canonical": "#7fb0ee", "swap": "#d9534f",
-               "naive-gather": "#8a8a8a", "bound": "#2e8b57", "bound-fresh": "#9acd32"}
+               "naive-gather": "#8a8a8a", "bound": "#2e8b57", "bound-fresh": "#9acd32", "base-aliased": "#6a3d9a",
+               "base-canonical": "#cab2d6"}
     for ax, shape in zip(axes[0], shapes):
         layouts = sorted({tuple(r["layout"]) for r in rows if r["shape"] == shape})
-        present = [m for m in METHODS if any(r["method"] == m and r["shape"] == shape for r in rows)]
+        present = [m for m in METHODS + BASE_METHODS if any(r["method"] == m and r["shape"] == shape for r in rows)]
         w = 0.8 / max(len(present), 1)
         for i, m in enumerate(present):
             xs, ys = [], []
@@ -926,7 +1212,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--layouts", nargs="+", type=parse_layout, default=None,
                     help="t,p,d,t_g,p_g ... (default: per shape, for the world size; see DEFAULT_LAYOUTS_8 and "
                          "DEFAULT_LAYOUTS)")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", choices=METHODS + BASE_METHODS, default=None,
+                    help="default: all but the base-* ones, and those too with --baseline-commit")
+    ap.add_argument("--baseline-commit", default=None,
+                    help="also time this commit's engine (methods base-aliased, base-canonical), interleaved run by "
+                         "run with ours on a second copy of the training model; see load_baseline")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per method (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per method first")
     ap.add_argument("--reshard-bucket-size-mb", type=float, default=None,
@@ -950,6 +1240,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         warnings.warn(f"--runs {args.runs}: fewer than 5 runs make a noisy median")
     if args.runs < 1 or args.warmup < 0:
         raise ValueError(f"--runs ({args.runs}) must be >= 1 and --warmup ({args.warmup}) >= 0")
+    if args.methods is None:
+        args.methods = list(METHODS) + (list(BASE_METHODS) if args.baseline_commit else [])
+    if set(args.methods) & set(BASE_METHODS) and not args.baseline_commit:
+        raise ValueError(f"--methods {' '.join(sorted(set(args.methods) & set(BASE_METHODS)))} need "
+                         "--baseline-commit")
+    load_start = os.getloadavg()
 
     use_cuda = torch.cuda.is_available()
     backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -969,6 +1265,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     mem = CudaMemory(device) if use_cuda else Memory()
     from megatron_hybrid.patches import cpu_gloo
 
+    base, base_sha = None, None
+    if args.baseline_commit:
+        base, base_sha = load_baseline(args.baseline_commit, Path(__file__).resolve().parents[1])
     rows: list[dict] = []
     started = time.perf_counter()
     with contextlib.nullcontext() if use_cuda else cpu_gloo(), warnings.catch_warnings():
@@ -980,7 +1279,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 if t * p * d != world:
                     raise ValueError(f"layout {layout}: t·p·d = {t * p * d} but the world has {world} ranks")
                 t1 = time.perf_counter()
-                new = bench_layout(args, shape, layout, device, backend, mem)
+                new = bench_layout(args, shape, layout, device, backend, mem, base)
                 rows += new
                 if rank == 0:
                     by = {r["method"]: r for r in new}
@@ -992,13 +1291,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         meta = {k: rows[0][k] for k in ("world_size", "backend", "device", "cpu_count", "torch", "megatron_core",
                                          "bucket_size_mb", "runs", "warmup", "mem_measure", "ranks_per_device")}
         meta["host"] = platform.platform()
+        meta["command"] = (f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} torchrun --standalone "
+                           f"--nproc_per_node {world} bench/reshard.py " + " ".join(argv or sys.argv[1:]))
+        meta["baseline_commit"] = base_sha
+        meta["loadavg_start"], meta["loadavg_end"] = list(load_start), list(os.getloadavg())
+        meta["wall_s"] = time.perf_counter() - started
         for r in rows:
-            r["host"] = meta["host"]
+            r.update({k: meta[k] for k in ("host", "command", "baseline_commit", "loadavg_start", "loadavg_end")})
         (args.output_dir / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
         (args.output_dir / f"{args.name}.md").write_text(markdown(rows, meta))
-        if not args.no_plot:
-            plot(rows, args.output_dir / f"{args.name}.png")
-        print(f"wrote {args.output_dir}/{args.name}.{{json,md{'' if args.no_plot else ',png'}}} in "
+        plotted = not args.no_plot and plot(rows, args.output_dir / f"{args.name}.png")
+        print(f"wrote {args.output_dir}/{args.name}.{{json,md{',png' if plotted else ''}}} in "
               f"{time.perf_counter() - started:.0f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
