@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from .layout import Grid, ParallelLayout, _group_ranks
 from .plan import ParamInfo
+
+if TYPE_CHECKING:
+    import torch
 
 RolloutCoord = tuple[int, int, int]  # (rollout tp rank, rollout stage, rollout replica)
 
@@ -190,7 +193,6 @@ class ExchangePlan:
     """Rank -> key -> the runs its rollout tensor is made of, in canonical order."""
     tp_of: dict[int, int]
     """Rank -> training TP rank."""
-    rollout_tp_of: dict[int, int]
     world: int = 0
     _index: dict = field(default_factory=dict, repr=False)
 
@@ -243,8 +245,7 @@ class ExchangePlan:
     # -- geometry -------------------------------------------------------------------------------------------
     def unit_len(self, key: str) -> int:
         """Rows (along the partition dim) of one unit of a sharded tensor."""
-        info = self.tensors[key]
-        return info.shape[info.dim] * self.t // (info.stride * self.units)
+        return _unit_len(self.tensors[key], self.t, self.units)
 
     def local_range(self, key: str, tp: int, part: int, lo: int, hi: int) -> tuple[int, int]:
         """(start, length) along the partition dim of units [lo, hi) of ``part`` in training TP rank ``tp``'s shard."""
@@ -255,13 +256,18 @@ class ExchangePlan:
         step = self.unit_len(key)
         return part * per_part + (lo - first) * step, (hi - lo) * step
 
-    def piece_shape(self, key: str, lo: int, hi: int) -> tuple[int, ...]:
+    def view_of(self, tensor: "torch.Tensor", key: str, tp: int, part: int, lo: int, hi: int) -> "torch.Tensor":
+        """Units [lo, hi) of ``part`` of training TP rank ``tp``'s shard ``tensor`` of ``key`` (a view, strided for
+        dim 1); a replicated tensor is itself."""
         info = self.tensors[key]
         if not info.sharded:
-            return info.shape
-        shape = list(info.shape)
-        shape[info.dim] = (hi - lo) * self.unit_len(key)
-        return tuple(shape)
+            return tensor
+        start, length = self.local_range(key, tp, part, lo, hi)
+        return tensor.narrow(info.dim, start, length)
+
+
+def _unit_len(info: ParamInfo, t: int, units: int) -> int:
+    return info.shape[info.dim] * t // (info.stride * units)
 
 
 def _cut(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
@@ -300,39 +306,36 @@ def build_exchange_plan(ranks: Sequence[RankTensors], *, t: int, t_g: int) -> Ex
                 raise ValueError(f"no training rank holds {key}: the rollout model does not correspond to the "
                                  "training model")
             if not info.sharded:
-                spans, parts, own = [(0, 1)], 1, (0, 1) if key in mine else (0, 0)
+                need, parts, own = (0, 1), 1, (0, 1) if key in mine else (0, 0)
             else:
-                spans = [(rt.rollout_tp * per_roll, (rt.rollout_tp + 1) * per_roll)]
+                need = (rt.rollout_tp * per_roll, (rt.rollout_tp + 1) * per_roll)
                 parts = info.stride
                 own = (rt.tp * per_train, (rt.tp + 1) * per_train) if key in mine else (0, 0)
+            # needed − held, in canonical order: before the own range, the own range, after it.
+            lo, hi = need
+            a, b = max(lo, own[0]), min(hi, own[1])
+            spans = [(lo, a, False), (a, b, True), (b, hi, False)] if a < b else [(lo, hi, False)]
             out: list[Run] = []
             for part in range(parts):
-                for lo, hi in spans:
-                    # needed − held, in canonical order: before the own range, the own range, after it.
-                    a, b = max(lo, own[0]), min(hi, own[1])
-                    pieces_here = [(lo, min(hi, a) if a < b else hi, False)]
-                    if a < b:
-                        pieces_here = [(lo, a, False), (a, b, True), (b, hi, False)]
-                    for x, y, held in pieces_here:
-                        if x >= y:
-                            continue
-                        if held:
-                            out.append(Run(part, x, y))
-                            continue
-                        for u, v in (_cut(x, y, per_train) if info.sharded else [(x, y)]):
-                            cands = [h.rank for h in holders[key] if not info.sharded or h.tp == u // per_train]
-                            cands = [c for c in cands if c != rt.rank]
-                            src = min(cands, key=lambda c: (load[c], abs(c - rt.rank), c))
-                            shape = list(info.shape)
-                            if info.sharded:
-                                shape[info.dim] = (v - u) * info.shape[info.dim] * t // (info.stride * units)
-                            pc = Piece(src, rt.rank, key, part, u, v, info.dtype, tuple(shape))
-                            load[src] += pc.numel
-                            out.append(Run(part, u, v, len(pieces)))
-                            pieces.append(pc)
+                for x, y, held in spans:
+                    if x >= y:
+                        continue
+                    if held:
+                        out.append(Run(part, x, y))
+                        continue
+                    for u, v in (_cut(x, y, per_train) if info.sharded else [(x, y)]):
+                        cands = [h.rank for h in holders[key] if h.rank != rt.rank
+                                 and (not info.sharded or h.tp == u // per_train)]
+                        src = min(cands, key=lambda c: (load[c], abs(c - rt.rank), c))
+                        shape = list(info.shape)
+                        if info.sharded:
+                            shape[info.dim] = (v - u) * _unit_len(info, t, units)
+                        pc = Piece(src, rt.rank, key, part, u, v, info.dtype, tuple(shape))
+                        load[src] += pc.numel
+                        out.append(Run(part, u, v, len(pieces)))
+                        pieces.append(pc)
             runs[rt.rank][key] = out
-    return ExchangePlan(t, t_g, units, tensors, pieces, runs, {rt.rank: rt.tp for rt in ranks},
-                        {rt.rank: rt.rollout_tp for rt in ranks}, world=len(ranks))
+    return ExchangePlan(t, t_g, units, tensors, pieces, runs, {rt.rank: rt.tp for rt in ranks}, world=len(ranks))
 
 
 def keys_of(names: Iterable[str], *, tied: bool) -> dict[str, str]:

@@ -298,15 +298,14 @@ class ExchangeExecutor:
         self.training_params = training_params
         self._own = {key: name for name, key in keys.items()}  # plan key -> the training parameter holding it
         self._sends = {dtype: plan.sends(rank, dtype) for dtype in plan.dtypes()}
+        # (receive, send) split sizes per dtype, in rank order: planned once, like the pieces.
+        self._splits = {dtype: (plan.splits(rank, dtype, sending=False), plan.splits(rank, dtype, sending=True))
+                        for dtype in plan.dtypes()}
 
     def source_view(self, key: str, part: int, lo: int, hi: int) -> torch.Tensor:
         """Units [lo, hi) of ``part`` of this rank's training tensor ``key`` (a view, strided for dim 1)."""
-        prm = self.training_params[self._own[key]].data
-        info = self.plan.tensors[key]
-        if not info.sharded:
-            return prm
-        start, length = self.plan.local_range(key, self.plan.tp_of[self.rank], part, lo, hi)
-        return prm.narrow(info.dim, start, length)
+        return self.plan.view_of(self.training_params[self._own[key]].data, key, self.plan.tp_of[self.rank], part,
+                                 lo, hi)
 
     def run(self, buffers: Mapping[str, torch.Tensor], *, profile: bool = False) -> list[CollectiveRecord]:
         """One ``all_to_all_single`` per dtype that moves anything; ``buffers``: this rank's receive buffers."""
@@ -320,12 +319,11 @@ class ExchangeExecutor:
                 for _, pc in sends:
                     send[off: off + pc.numel].view(pc.shape).copy_(self.source_view(pc.key, pc.part, pc.lo, pc.hi))
                     off += pc.numel
-            out_splits = self.plan.splits(self.rank, dtype, sending=False)
+            out_splits, in_splits = self._splits[dtype]
             recv = buffers[dtype][: sum(out_splits)] if dtype in buffers else send.new_empty(0)
             t0, wall0 = time.perf_counter(), time.time()
             with self.groups.errors("switch_to_rollout", f"the all_to_all_single of {dtype} pieces over the world"):
-                dist.all_to_all_single(recv, send, out_splits, self.plan.splits(self.rank, dtype, sending=True),
-                                       group=self.groups.world)
+                dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.groups.world)
             if profile and self.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0

@@ -336,12 +336,8 @@ class ExchangePlacement(Placement):
             if run.piece is not None:
                 views.append(self._piece_view(run.piece))
                 continue
-            own = self.train_params[self._own[key]].data
-            if info.sharded:
-                start, length = self.exchange.local_range(key, self.exchange.tp_of[self.rank], run.part, run.lo,
-                                                          run.hi)
-                own = own.narrow(info.dim, start, length)
-            views.append(own)
+            views.append(self.exchange.view_of(self.train_params[self._own[key]].data, key,
+                                               self.exchange.tp_of[self.rank], run.part, run.lo, run.hi))
         if len(views) > 1:
             merged = self._stacked(views, info.dim, 1)
             if merged is not None:

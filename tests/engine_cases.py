@@ -58,6 +58,25 @@ def stepped(state: dict) -> dict:
     return {n: torch.add(w, g[n], alpha=-LR) for n, w in state.items()}
 
 
+def sgd_step(chunks, grads: dict) -> None:
+    """One SGD step (``LR``) of a rank's training chunks, each parameter's gradient its shard of the full gradient
+    ``grads`` (a tied output layer's: the embedding's)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, shard
+
+    params = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            key = global_name(name, layer_offset(chunk))
+            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
+                key = "embedding.word_embeddings.weight"
+            p.grad = shard(grads[key], TPSpec.of(p), ps.get_tensor_model_parallel_rank(),
+                           ps.get_tensor_model_parallel_world_size()).to(p.dtype)
+            params.append(p)
+    torch.optim.SGD(params, lr=LR).step()
+
+
 def _objects(obj, group) -> list:
     out = [None] * group.size()
     dist.all_gather_object(out, obj, group=group)
@@ -145,7 +164,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.sharding import TPSpec, full_state_dict, global_name, layer_offset, shard
+    from megatron_hybrid.sharding import full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     a = arch(**arch_kw)
@@ -201,17 +220,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
     train_full = full_state_dict(engine.chunks, tp_group=ps.get_tensor_model_parallel_group(),
                                  pp_group=ps.get_pipeline_model_parallel_group())
     # An optimizer step on the training layout (gradients: this rank's shard of a known full gradient).
-    grads = full_grads(state)
-    params = []
-    for chunk in engine.modules:
-        off = layer_offset(chunk)
-        for name, p in chunk.named_parameters():
-            key = global_name(name, off)
-            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
-                key = "embedding.word_embeddings.weight"
-            p.grad = shard(grads[key], TPSpec.of(p), ps.get_tensor_model_parallel_rank(), tp).to(p.dtype)
-            params.append(p)
-    torch.optim.SGD(params, lr=LR).step()
+    sgd_step(engine.modules, full_grads(state))
     second = observe()
     return {"first": first, "second": second, "train_full": train_full}
 

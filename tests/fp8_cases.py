@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from tests.engine_cases import BATCH, LR, SEQ, arch, full_grads, tokens
+from tests.engine_cases import BATCH, SEQ, arch, full_grads, sgd_step, tokens
 from tests.pair_cases import present_bytes_in
 
 NEW_TOKENS = 6
@@ -97,7 +97,7 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
 
     from megatron_hybrid import HybridEngine, RolloutLayout, plan
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, load_full_state_dict, shard
+    from megatron_hybrid.sharding import load_full_state_dict
 
     saved = plan.STACKED_MIN_NUMEL
     if own_region_min_numel is not None:
@@ -143,15 +143,7 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
                               for p in chunk.parameters() if engine.binding.fp8.get(p) is not None)
     first["strided"] = strided
     # An SGD step on the training layout: this rank's shard of the known full gradient (engine_cases.stepped).
-    grads = full_grads(state)
-    params = []
-    for chunk in engine.modules:
-        off = layer_offset(chunk)
-        for name, p in chunk.named_parameters():
-            key = global_name(name, off)
-            p.grad = shard(grads[key], TPSpec.of(p), ps.get_tensor_model_parallel_rank(), tp).to(p.dtype)
-            params.append(p)
-    torch.optim.SGD(params, lr=LR).step()
+    sgd_step(engine.modules, full_grads(state))
     second = observe(new_state)
     out = {"first": first, "second": second}
     if generate:

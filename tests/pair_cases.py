@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from tests.engine_cases import BATCH, LR, SEQ, full_grads, rollout_full_weights, seeded, stepped
+from tests.engine_cases import BATCH, SEQ, full_grads, rollout_full_weights, seeded, sgd_step, stepped
 
 NEW_TOKENS = 4
 
@@ -137,23 +137,6 @@ def _build(arch_kw: dict, vpp: Optional[int]):
             for vp in range(vpp)]
 
 
-def _sgd_step(chunks, grads: dict) -> None:
-    from megatron.core import parallel_state as ps
-
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, shard
-
-    params = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            key = global_name(name, layer_offset(chunk))
-            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
-                key = "embedding.word_embeddings.weight"
-            p.grad = shard(grads[key], TPSpec.of(p), ps.get_tensor_model_parallel_rank(),
-                           ps.get_tensor_model_parallel_world_size()).to(p.dtype)
-            params.append(p)
-    torch.optim.SGD(params, lr=LR).step()
-
-
 def pair_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, ref: dict, *, vpp: Optional[int] = None,
               modes: tuple[str, ...] = ("aliased", "canonical"), sort_ranks: bool = False) -> dict:
     """Per weight mode: an engine on the training model, a switch (rollout weights, logits, bytes), greedy
@@ -185,7 +168,7 @@ def pair_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, ref: dict, *, vpp
             runs = {}
             for phase in ("state", "stepped"):
                 if phase == "stepped":
-                    _sgd_step(chunks, full_grads(ref["state"]))
+                    sgd_step(chunks, full_grads(ref["state"]))
                 engine.switch_to_rollout()
                 report = engine.communication_report()
                 if mode == "aliased":
