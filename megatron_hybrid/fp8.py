@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tpl
 
 from . import compat
+from . import fp8_kernels
 from .aliased import Blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -55,8 +56,12 @@ def is_target(name: str) -> bool:
 
 
 def row_scales(amax_N: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale of every row from its amax: ``amax / 448``, 1 where that is 0 (a zero row)."""
-    scale = amax_N.float() / FP8_MAX
+    """The fp32 scale of every row from its amax: ``amax / 448``, 1 where that is 0 (a zero row).
+
+    Divided by a tensor, not a Python number: PyTorch's CUDA division by a host scalar multiplies by its reciprocal,
+    which can differ from the CPU's (and the kernels') correctly rounded quotient in the last bit."""
+    amax = amax_N.float()
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
@@ -68,14 +73,31 @@ def _row_steps(w_NK: torch.Tensor) -> Iterator[slice]:
 
 
 def _row_amax(w_NK: torch.Tensor) -> torch.Tensor:
-    """amax(|w_r|) of every row (exact in any dtype: no rounding in abs and max)."""
-    return torch.cat([w_NK[rows].abs().amax(dim=1) for rows in _row_steps(w_NK)])
+    """amax(|w_r|) of every row in fp32 (exact in any dtype: no rounding in abs and max)."""
+    if fp8_kernels.supports_kernel(w_NK):
+        amax = torch.empty(w_NK.shape[0], dtype=torch.float32, device=w_NK.device)
+        fp8_kernels.quantize_rows_into(w_NK, None, amax, mode=fp8_kernels.AMAX)
+        return amax
+    return torch.cat([w_NK[rows].abs().amax(dim=1) for rows in _row_steps(w_NK)]).float()
 
 
 def _quantize_into(w_NK: torch.Tensor, scale_N: torch.Tensor, out_NK: torch.Tensor) -> None:
     """``out = (w.float() / scale[:, None]).to(fp8)``, a few rows at a time (elementwise: the same bits)."""
+    if fp8_kernels.supports_kernel(w_NK, out_NK):
+        fp8_kernels.quantize_rows_into(w_NK, out_NK, scale_N, mode=fp8_kernels.QUANTIZE_WITH_SCALES)
+        return
     for rows in _row_steps(w_NK):
         out_NK[rows].copy_((w_NK[rows].float() / scale_N[rows, None]).to(FP8_DTYPE))
+
+
+def _quantize_part(w_NK: torch.Tensor, out_NK: torch.Tensor, scale_N: torch.Tensor) -> None:
+    """Whole rows: their scales into ``scale_N``, their values into ``out_NK`` (one kernel on a GPU, reading the
+    rows once)."""
+    if fp8_kernels.supports_kernel(w_NK, out_NK):
+        fp8_kernels.quantize_rows_into(w_NK, out_NK, scale_N, mode=fp8_kernels.QUANTIZE)
+        return
+    scale_N.copy_(row_scales(_row_amax(w_NK)))
+    _quantize_into(w_NK, scale_N, out_NK)
 
 
 def _parts(blocks: Blocks) -> list[torch.Tensor]:
@@ -101,8 +123,7 @@ def quantize_rows(blocks: Blocks, out_fp8_NK: torch.Tensor, out_scale_N: torch.T
         for part in parts:
             n = part.shape[0]
             if n:
-                out_scale_N[row: row + n].copy_(row_scales(_row_amax(part)))
-                _quantize_into(part, out_scale_N[row: row + n], out_fp8_NK[row: row + n])
+                _quantize_part(part, out_fp8_NK[row: row + n], out_scale_N[row: row + n])
             row += n
         return
     assert blocks.dim == 1, blocks.dim
@@ -128,9 +149,23 @@ def quantize_reference(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activations(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token (row) of ``x_MK`` as FP8 with its fp32 scale ``[M, 1]`` (the format of the weights)."""
+    """Each token (row) of ``x_MK`` as FP8 with its fp32 scale ``[M, 1]`` (the format of the weights): one kernel
+    on a GPU with Triton, PyTorch's ops elsewhere (the same bits)."""
+    if fp8_kernels.supports_kernel(x_MK):
+        q = torch.empty(x_MK.shape, dtype=FP8_DTYPE, device=x_MK.device)
+        scale = torch.empty(x_MK.shape[0], 1, dtype=torch.float32, device=x_MK.device)
+        fp8_kernels.quantize_rows_into(x_MK, q, scale.view(-1), mode=fp8_kernels.QUANTIZE)
+        return q, scale
     scale_M1 = row_scales(x_MK.abs().amax(dim=1, keepdim=True))
     return (x_MK.float() / scale_M1).to(FP8_DTYPE), scale_M1
+
+
+def uses_weight_only(x_MK: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` multiplies ``x_MK`` (2-D) by streaming the FP8 weight with the activations in
+    their own 16-bit dtype (:func:`.fp8_kernels.fp8_weight_matmul`): a GPU with Triton and at most
+    :data:`~.fp8_kernels.WEIGHT_ONLY_MAX_M` tokens, where reading the weights bounds the step."""
+    return (x_MK.is_cuda and fp8_kernels.use_triton(x_MK) and x_MK.shape[0] <= fp8_kernels.WEIGHT_ONLY_MAX_M
+            and x_MK.dtype in (torch.bfloat16, torch.float16))
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
@@ -139,9 +174,17 @@ def fp8_linear(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tens
     scaled ``torch._scaled_mm`` with the FP8 weight and its scales, the output and the bias in ``x``'s dtype.
 
     On a GPU, ``_scaled_mm`` wants K and N multiples of 16 and (row-wise scaling) a bfloat16 output, which an fp32
-    model then casts back; on CPU there is no such constraint."""
+    model then casts back; on CPU there is no such constraint.
+
+    Small batches on a GPU (:func:`uses_weight_only`): the activations stay in their 16-bit dtype and the FP8
+    weight is streamed by a Triton kernel: a decode step of a few tokens is bound by reading the weights, which
+    FP8 halves, while cuBLAS' FP8 GEMM reaches a fraction of the bandwidth there."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x_q, x_scale = quantize_activations(x.reshape(-1, k))
+    x_MK = x.reshape(-1, k)
+    if uses_weight_only(x_MK):
+        y = fp8_kernels.fp8_weight_matmul(x_MK, weight_fp8_NK, scale_N).view(*lead, weight_fp8_NK.shape[0])
+        return y if bias is None else y + bias
+    x_q, x_scale = quantize_activations(x_MK)
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(x_q, weight_fp8_NK.t(), scale_a=x_scale, scale_b=scale_N.view(1, -1), out_dtype=out_dtype)
     y = y.to(x.dtype).view(*lead, weight_fp8_NK.shape[0])

@@ -103,7 +103,8 @@ def stop_probe(state: dict, dp_ranks: list[int], count: int, arch_kw: Optional[d
 
 
 def layout_case(rollout_tp: int, rollout_pp: int, mode: str, state: dict, stops: list[int], count: int,
-                slots: int, mixed: Optional[int] = None, arch_kw: Optional[dict] = None) -> dict:
+                slots: int, mixed: Optional[int] = None, arch_kw: Optional[dict] = None,
+                config_kw: Optional[dict] = None) -> dict:
     """Greedy KV-cache generation on the rollout layout against the training layout's recompute (``mixed``: the
     config's ``mixed_prefill_tokens``, refills riding along decode steps, and then slots compacted in the tail too:
     what a GPU does by default; ``arch_kw``: the model's architecture, tiny_llama's by default)."""
@@ -117,7 +118,8 @@ def layout_case(rollout_tp: int, rollout_pp: int, mode: str, state: dict, stops:
     engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode)
     generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN,
                                                           mixed_prefill_tokens=mixed,
-                                                          compact_slots=True if mixed else None))
+                                                          compact_slots=True if mixed else None,
+                                                          **(config_kw or {})))
     prompts = prompts_for(ps.get_data_parallel_rank(), count)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, return_log_probs=True)
     results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)

@@ -84,10 +84,20 @@ def test_greedy_matches_training_layout_with_learned_positions(layout, learned_s
     _check_greedy(layout, *learned_state_and_stops, LEARNED_POSITIONS)
 
 
-def _check_greedy(layout, state: dict, stops: list[int], arch_kw: dict) -> None:
+# The fused decoder step (SwiGLU in one kernel, residual add + RMSNorm in one; off by default on the CPU, where its
+# kernels' PyTorch formulas run): the same greedy tokens, and log-probs within LOGP_ATOL, on a pipeline of two
+# rollout stages (the first hands on the residual stream, the last ends with the final norm) and at t_g > t
+# (row-parallel linears all-reduce inside the fused layer).
+@pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[3]], ids=_layout_id)
+def test_fused_decoder_matches_training_layout(layout, state, stops):
+    runs = _check_greedy(layout, state, stops, {}, {"fused_decoder": True})
+    assert all(r["report"]["fused_decoder"] for r in runs)
+
+
+def _check_greedy(layout, state: dict, stops: list[int], arch_kw: dict, config_kw: dict | None = None) -> list:
     (t, p, d), (t_g, p_g), mode, count, slots, mixed = layout
     runs = run_distributed(cases.layout_case, t * p * d, t_g, p_g, mode, state, stops, count, slots, mixed,
-                           arch_kw, tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+                           arch_kw, config_kw, tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
     lengths = []
     for r in runs:
         # Every training rank gets its own prompts' results, in order, with the training layout's tokens.
@@ -112,6 +122,8 @@ def _check_greedy(layout, state: dict, stops: list[int], arch_kw: dict) -> None:
     # Stop tokens ended some sequences mid-batch while others ran to num_tokens_to_generate.
     assert min(lengths) < cases.NEW_TOKENS == max(lengths)
     assert max(len(x) for r in runs for x in r["prompts"]) - min(len(x) for r in runs for x in r["prompts"]) >= 40
+    assert all(r["report"]["fused_decoder"] == bool((config_kw or {}).get("fused_decoder")) for r in runs)
+    return runs
 
 
 def _chi_square_p_value(counts: list[int], probs: torch.Tensor) -> float:

@@ -48,6 +48,11 @@ class GenerationConfig:
     graph_pool_gib: float = 4.0
     """Address space reserved for the decode graphs' memory, backed only during generate calls as the graphs need
     it (0: a private CUDA-graph pool, which stays allocated while training)."""
+    fused_decoder: Optional[bool] = None
+    """Run each step's dense layers with SwiGLU in one kernel and every residual add fused with the next RMSNorm
+    (:mod:`.fused`); default: on a GPU with Triton, for stages whose layers it computes (Llama-like: RMSNorm,
+    SwiGLU, no biases on linear_proj and the MLP). False: megatron-core's layer forward; True: a ValueError where
+    the layers do not qualify."""
     release_memory: bool = True
     """On a GPU, return the caching allocator's free blocks (prefill and sampling scratch) after each call."""
     record_routing: bool = False

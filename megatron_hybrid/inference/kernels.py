@@ -71,8 +71,12 @@ def decode_attention_supported(head_dim: int, ratio: int) -> bool:
     return HAVE_TRITON and head_dim <= _MAX_HEAD_DIM and ratio <= _MAX_RATIO
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+_next_pow2 = next_pow2
 
 
 def warn_cuda_fallback(t: torch.Tensor, what: str) -> None:
@@ -84,7 +88,8 @@ def warn_cuda_fallback(t: torch.Tensor, what: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (an H200's 132 off a GPU: the interpreter runs the GPU's plan)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H200's: the interpreter then runs the plan the GPU would
@@ -174,7 +179,7 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
                          f"{q_BGRD.dtype}")
     if B == 0:
         return out
-    splits, chunk = _split_plan(B * G, max_length, _num_sms(q_BGRD.device), num_splits)
+    splits, chunk = _split_plan(B * G, max_length, num_sms(q_BGRD.device), num_splits)
     block_r, block_d = max(_MIN_ROWS, _next_pow2(R)), max(16, _next_pow2(D))
     # fp32 inputs: full-precision products (Triton's default for fp32 tl.dot is TF32); ignored for 16-bit inputs.
     precision = "ieee" if q_BGRD.dtype == torch.float32 else "tf32"

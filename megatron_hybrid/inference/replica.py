@@ -348,6 +348,7 @@ class ReplicaGenerator:
         out["routing_record_mapped_bytes"] = routing.mapped_bytes if routing is not None else 0
         out["overlap_host"] = self.overlap
         out["attention_reads_lengths"] = self.runner.reads_lengths
+        out["fused_decoder"] = self.runner.fused is not None
         return out
 
     def close(self) -> None:

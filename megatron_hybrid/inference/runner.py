@@ -55,6 +55,7 @@ from ..rollout_memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryP
 from .attention import install_kv_attention
 from .config import GenerationConfig
 from .context import KVStep, stage_context
+from .fused import install_fused_decoder
 from .graphs import StepGraphs
 from .kv_cache import CacheGeometry, KVCache
 from .moe import install_step_moe, moe_layer_ordinals, sequential_experts
@@ -116,6 +117,8 @@ class StageRunner:
         self.attention = install_kv_attention(chunk, self.context)
         self.norms = install_step_norms(chunk, self.device, self.context)
         self.moe = install_step_moe(chunk, self.context)
+        # The stage's layers with SwiGLU and residual add + norm fused (None: megatron-core's TransformerBlock).
+        self.fused = install_fused_decoder(chunk, self.device, enabled=config.fused_decoder)
         # The stage's MoE layers' ordinals among the model's (layer_number is global and 1-based).
         ordinals = (moe_layer_ordinals(chunk.config.num_layers, chunk.config.moe_layer_freq)
                     if chunk.config.num_moe_experts else [])
@@ -394,7 +397,10 @@ class StageRunner:
                                              position_ids=step.positions_T.unsqueeze(0))
             else:
                 chunk.set_input_tensor(hidden_T1H)
-            hidden_T1H = chunk.decoder(hidden_states=hidden_T1H, attention_mask=None)
+            if self.fused is not None:
+                hidden_T1H = self.fused(hidden_T1H)
+            else:
+                hidden_T1H = chunk.decoder(hidden_states=hidden_T1H, attention_mask=None)
         if not chunk.post_process:
             return hidden_T1H
         if last_T is not None:

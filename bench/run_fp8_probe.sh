@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# A first look on one H200 (issue 26): the FP8 and fused kernels' tests on the GPU, then bench/fp8_gemm.py with the
+# weight-only plan sweep. As the device tool runs it: megatron-core 0.19.2's wheel carried in .whl/.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+ln -sfn "$PWD/patches" megatron_hybrid/patches
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"; }
+for s in ${STEPS:-kernels gemm}; do
+  case $s in
+    kernels) step kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_kernels.py ;;
+    gemm) step gemm 300 python3 bench/fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" --sweep ${GEMM_ARGS:-} ;;
+  esac
+done
+tail -3 "$OUT/kernels.txt" 2>/dev/null; grep -v "^{" "$OUT/gemm.txt" | tail -5

@@ -1,0 +1,115 @@
+"""The Triton kernels of FP8 rollout (megatron_hybrid.fp8_kernels) and of the fused decoder step
+(megatron_hybrid.inference.fused), against plain PyTorch.
+
+- Row quantization: bit for bit :func:`megatron_hybrid.fp8.quantize_reference` (values and scales), also for rows
+  longer than one pass holds, strided rows, zero rows and subnormal results; given scales and amax only.
+- The weight-only FP8 matrix multiply against the weight dequantized in fp32 and one fp32 matmul, with and without
+  K split over programs: the tolerance is a few units of bfloat16's last place of the output (both sum the same
+  exact products in fp32, in other orders, then round once).
+- SwiGLU and residual add + RMSNorm against the eager formulas: the sum and SwiGLU bit for bit (the same roundings),
+  the norm within one unit in the last place (another summation order).
+
+The ``test_triton_*`` tests run on a GPU, or in Triton's CPU interpreter in a child process
+(:func:`test_interpreter_subprocess`, as tests/test_kernels.py), skipped without Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_hybrid import fp8_kernels
+from megatron_hybrid.fp8 import FP8_DTYPE, quantize_reference, row_scales
+from megatron_hybrid.inference import fused
+from tests.triton_support import TRITON_DEVICE, needs_triton, run_interpreted
+
+
+def _rows(R: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """R rows of a wider tensor (a row stride past K), magnitudes over four decades, a zero row and tiny values
+    whose quantized values are subnormal."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(R, K + 5, generator=g) * torch.logspace(-3, 1, R).unsqueeze(1)
+    wide[1] = 0
+    wide[0, 2] = 1000.0  # (the view's first column) the rest of row 0 quantizes to subnormals and zeros
+    return wide.to(dtype=dtype, device=TRITON_DEVICE)[:, 2: K + 2]
+
+
+@needs_triton
+@pytest.mark.usefixtures("triton_interpreter_fixes")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("R, K", [(6, 100), (5, 4096), (4, 20000)], ids=["short", "4096", "two-pass"])
+def test_triton_quantize_rows_bit_for_bit(R, K, dtype):
+    x = _rows(R, K, dtype, R + K)
+    q_ref, s_ref = quantize_reference(x.cpu())
+    q = torch.full((R, K), float("nan"), device=TRITON_DEVICE).to(FP8_DTYPE)
+    scale = torch.full((R,), float("nan"), device=TRITON_DEVICE)
+    fp8_kernels.quantize_rows_into(x, q, scale)
+    assert torch.equal(scale.cpu(), s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert (q_ref.view(torch.uint8)[0] & 0x78 == 0).sum() > K // 2  # most of row 0 is subnormal or zero
+
+    given = torch.full((R, K), float("nan"), device=TRITON_DEVICE).to(FP8_DTYPE)
+    fp8_kernels.quantize_rows_into(x, given, scale, mode=fp8_kernels.QUANTIZE_WITH_SCALES)
+    assert torch.equal(given.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    amax = torch.full((R,), float("nan"), device=TRITON_DEVICE)
+    fp8_kernels.quantize_rows_into(x, None, amax, mode=fp8_kernels.AMAX)
+    assert torch.equal(amax.cpu(), x.cpu().float().abs().amax(dim=1))
+    assert torch.equal(row_scales(amax).cpu(), s_ref)
+
+
+@needs_triton
+@pytest.mark.usefixtures("triton_interpreter_fixes")
+@pytest.mark.parametrize("M, N, K", [(3, 70, 256), (17, 64, 4096), (32, 96, 1000), (1, 8, 5120)],
+                         ids=["odd-n", "split-k", "uneven-k", "one-row-split"])
+def test_triton_weight_only_matmul(M, N, K):
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    q, s = quantize_reference(torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g))
+    plan = fp8_kernels.weight_only_plan(M, N, K, 132)
+    if (M, N, K) in ((17, 64, 4096), (1, 8, 5120)):
+        assert plan["split"] > 1
+    y = fp8_kernels.fp8_weight_matmul(x.to(TRITON_DEVICE), q.to(TRITON_DEVICE), s.to(TRITON_DEVICE)).cpu()
+    reference = (x.double() @ (q.double() * s.double()[:, None]).t())
+    # The kernel sums the exact bf16 x fp8 products in fp32 in tiles (and splits), the reference in fp64: after
+    # one rounding to bfloat16 they differ by at most one unit of bf16 (2^-8 relative) plus the fp32 sums' error
+    # (K * 2^-24 of the sum of magnitudes).
+    magnitude = x.double().abs() @ (q.double().abs() * s.double()[:, None]).t()
+    bound = reference.abs() * 2.0 ** -8 + magnitude * K * 2.0 ** -24
+    assert ((y.double() - reference).abs() <= bound).all()
+    # FP8 activations too (what torch._scaled_mm computes, summed in another order): the same bound.
+    xq, xs = quantize_reference(x.float())
+    y = fp8_kernels.fp8_matmul(xq.to(TRITON_DEVICE), xs.to(TRITON_DEVICE), q.to(TRITON_DEVICE),
+                               s.to(TRITON_DEVICE)).cpu()
+    dequantized = xq.double() * xs.double()[:, None]
+    reference = dequantized @ (q.double() * s.double()[:, None]).t()
+    bound = reference.abs() * 2.0 ** -8 + (dequantized.abs() @ (q.double().abs() * s.double()[:, None]).t()) * K * 2.0 ** -24
+    assert ((y.double() - reference).abs() <= bound).all()
+
+
+@needs_triton
+@pytest.mark.usefixtures("triton_interpreter_fixes")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_swiglu_and_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 2 * 1100, generator=g) * 4).to(dtype=dtype, device=TRITON_DEVICE)
+    a, b = x.cpu().chunk(2, dim=-1)
+    eager = F.silu(a) * b
+    got = fused.swiglu(x).cpu()
+    # silu's exp may differ from PyTorch's in the last fp32 bits: rounded to 16 bits the results are equal but for
+    # a rare near-halfway case (one unit: 2^-7 relative at most); in fp32 they agree to a few units (2^-20).
+    assert torch.allclose(got.float(), eager.float(), rtol=2.0 ** -20 if dtype == torch.float32 else 2.0 ** -7,
+                          atol=1e-30)
+    h = torch.randn(7, 96, generator=g).to(dtype=dtype, device=TRITON_DEVICE)
+    r = torch.randn(7, 96, generator=g).to(dtype=dtype, device=TRITON_DEVICE)
+    w = torch.randn(96, generator=g).to(dtype=dtype, device=TRITON_DEVICE)
+    total, normed = fused.add_rms_norm(h, r, w, 1e-5)
+    assert torch.equal(total.cpu(), r.cpu() + h.cpu())
+    expected = F.rms_norm((r.cpu() + h.cpu()).float(), (96,), w.cpu().float(), 1e-5).to(dtype)
+    assert torch.allclose(normed.cpu().float(), expected.float(), rtol=2.0 ** -7 if dtype != torch.float32 else 1e-6,
+                          atol=1e-6)
+
+
+def test_interpreter_subprocess() -> None:
+    """The ``test_triton_*`` tests in Triton's CPU interpreter, in a child process (see the module docstring)."""
+    run_interpreted(__file__)
