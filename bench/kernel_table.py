@@ -14,7 +14,7 @@ host ranges (which a graph replay, not an aten op, does not give reliably).
 
 The figures are kernel time (the sum of the kernels' durations), not wall time: gaps between kernels are not in
 ``per_decode_step_us``; ``decode_span_us_per_step`` is the device's first-to-last span of the decode kernels per
-step, gaps included.
+step, gaps included (and ``span_over_matmul`` that span over the matmul time).
 """
 
 from __future__ import annotations
@@ -136,12 +136,13 @@ def decode_table(events: list[tuple[str, float, float]], *, decode_steps: int, m
     total = sum(r["total_us"] for r in kernels)
     matmul = sum(r["total_us"] for r in kernels if r["matmul"])
     steps = marked
+    span = max(e[2] for e in inside) - min(e[1] for e in inside)
     out.update(
         per_decode_step_us=total / steps, matmul_us_per_decode_step=matmul / steps,
         total_over_matmul=total / matmul if matmul else None,
         kernels_per_decode_step=len(inside) / steps,
         kernels_per_layer_per_decode_step=len(inside) / steps / num_layers,
-        decode_span_us_per_step=(max(e[2] for e in inside) - min(e[1] for e in inside)) / steps,
+        decode_span_us_per_step=span / steps, span_over_matmul=span / matmul if matmul else None,
         matmul_kernel_names=sorted(r["name"] for r in kernels if r["matmul"]),
         kernels=kernels)
     return out
