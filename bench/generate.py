@@ -278,6 +278,7 @@ def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.devi
                          "runs": times, "cuda_graph_captures": rep["cuda_graph_captures"],
                          "per_call": per_call, "attention_reads_lengths": rep["attention_reads_lengths"],
                          "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"],
+                         "fused_decoder": rep.get("fused_decoder"),  # (a generator that reports it)
                          "digest": digests[-1], **({"digests": digests} if len(set(digests)) > 1 else {})})
             report = engine.communication_report()  # rolling out: the rollout weights' bytes now
             rows[-1].update(weight_mode=engine.weight_mode, rollout_weights=engine.rollout_weights,
