@@ -4,7 +4,7 @@ the decode memory roofline.
 
 Rows, written as one JSON list to ``--out`` (compare them run to run)::
 
-    {"method": "ours" | "transformers" | "roofline", "variant": "greedy" | "top_p" | "mixed", "batch": B,
+    {"method": "ours" | "ours-fp8" | "transformers" | "roofline", "variant": "greedy" | "top_p" | "mixed", "batch": B,
      "new_tokens": N, "prompt_len": P, "tok_s": X, "seconds": median, "runs": [...], "tokens": generated, ...}
 
 - ``ours``: ``RolloutGenerator`` (KV cache, continuous batching, CUDA graphs on a GPU) on
@@ -23,6 +23,10 @@ Rows, written as one JSON list to ``--out`` (compare them run to run)::
   the CUDA graphs). ``new_tokens`` is the cap; ``mean_new_tokens`` what the prompts got. ``digest``: SHA-256 of
   every call's tokens and log-probs (the bits of the float32 values), the same for every call of a row (else
   ``digests`` lists them): two commits that compute the same tokens and log-probs give the same digest.
+- ``ours-fp8``: ours on ``HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical",
+  rollout_weights="fp8")`` (every switch writes the dense layers' linear weights as float8 e4m3 with per-row scales;
+  the rollout model multiplies in FP8: :mod:`megatron_hybrid.fp8`), whatever ``--weight-mode`` says. Its rows also
+  give the engine's FP8 bytes while rolling out. Target ratios ``ours-fp8/ours B=<B> N=<N>`` (greedy).
 - ``transformers``: ``LlamaForCausalLM`` (``Qwen3MoeForCausalLM`` for an MoE shape) with the same shape and random
   weights, made on the device in the same dtype, its defaults (``attn_implementation="sdpa"``, dynamic cache, no
   compile; for MoE its default experts implementation, recorded with what its prefill and decode forwards ran);
@@ -39,6 +43,17 @@ An MoE shape's rows also give ``layers`` and ``parameters``; ours' rows the expe
 GEMMs over one stride per layer, else the per-expert path without CUDA graphs). ``--append`` adds the rows to those
 already in ``--out`` (one method per process, each under its own time limit) and prints the targets over all of them.
 
+``--profile-json PATH`` (GPU): for ours and ours-fp8, one more greedy call at each batch (the first N) under
+torch.profiler, its decode steps' kernels isolated by marker kernels around each step (:mod:`kernel_table`): per
+kernel name its count and time and whether it is a matrix multiply, and per decode step the kernel time, the matmul
+time, their ratio and the kernels launched (also per layer). Rows ``{"method", "batch", "shape", "layers",
+"per_decode_step_us", "matmul_us_per_decode_step", "total_over_matmul", "kernels_per_decode_step",
+"kernels_per_layer_per_decode_step", "kernels": [{"name", "count", "total_us", "matmul"}, ...], ...}`` are added to
+the JSON list at PATH (across processes, as ``--append``). Skipped with a message on the CPU.
+
+Dense shapes are initialised on the host (gpu-1b's weights as in earlier runs: digests compare across commits),
+except those of ``DEVICE_INIT`` (llama3-8b: host initialisation of 8 B parameters takes minutes) and MoE shapes.
+
 Also prints the issue's target ratios (ours / transformers, ours / roofline, 512 vs 128 new tokens, mixed vs
 fixed, top-p vs greedy), and for a shape with targets of its own (``TARGETS``) whether each is met.
 
@@ -49,41 +64,42 @@ fixed, top-p vs greedy), and for a shape with targets of its own (``TARGETS``) w
     python3 bench/generate.py --shape qwen3-30b-a3b --layers 8 --new-tokens 128 --variants greedy \
         --out /tmp/moe.json
     python3 bench/generate.py --smoke --shape cpu-tiny-moe --out /tmp/moe_smoke.json   # a tiny MoE on the CPU
+    # FP8 rollout weights against bf16 on Llama-3-8B's shape, one method per process, with the kernel tables
+    python3 bench/generate.py --shape llama3-8b --methods ours --batch 32 128 256 --new-tokens 128 \
+        --variants greedy --out /tmp/fp8.json --append --profile-json /tmp/fp8_kernels.json
+    python3 bench/generate.py --shape llama3-8b --methods ours-fp8 --batch 32 128 256 --new-tokens 128 \
+        --variants greedy --out /tmp/fp8.json --append --profile-json /tmp/fp8_kernels.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import hashlib
 import json
 import platform
-import socket
 import statistics
 import sys
-import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_table import append_rows, profile_decode, read_rows  # noqa: E402
+from measure import copy_bandwidth, one_rank, timed  # noqa: E402
 from shapes import SHAPES as _BENCH_SHAPES  # noqa: E402
 
 from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 
 SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16
+    "llama3-8b": _BENCH_SHAPES["llama3-8b"],  # 8.03 B parameters, 16.1 GB in bf16
     "qwen3-30b-a3b": _BENCH_SHAPES["qwen3-30b-a3b"],  # 48 layers: 30.5 B parameters; --layers 8: 5.6 B
-    "cpu-tiny": GPTArchitecture(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                                ffn_hidden_size=128, vocab_size=256, make_vocab_size_divisible_by=32,
-                                max_position_embeddings=512),
+    "cpu-tiny": _BENCH_SHAPES["cpu-tiny"],
     # qwen3-30b-a3b in miniature (q/k norms, head dim != hidden / heads, top-k softmax, bf16): the MoE smoke.
     "cpu-tiny-moe": GPTArchitecture(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                     kv_channels=32, qk_layernorm=True, ffn_hidden_size=128, vocab_size=256,
@@ -92,34 +108,22 @@ SHAPES: dict[str, GPTArchitecture] = {
                                     moe_ffn_hidden_size=32),
 }
 
+#: Dense shapes initialised on the device rather than on the host (see :func:`build_model`).
+DEVICE_INIT = ("llama3-8b",)
+
 #: The issue's targets for a shape (at 128 new tokens): ratio name (as :func:`targets` names it) -> the least value.
 TARGETS: dict[str, dict[str, float]] = {
     "qwen3-30b-a3b": {"ours/transformers B=32 N=128": 3.0, "ours/transformers B=128 N=128": 5.0,
                       "ours/roofline B=128 N=128": 0.35},
+    # Issue 26 (FP8 rollout weights).
+    "llama3-8b": {"ours-fp8/ours B=256 N=128": 1.3, "ours-fp8/ours B=32 N=128": 1.3},
+}
+#: Targets that are upper bounds, from the kernel tables (``--profile-json``): name -> the most value.
+PROFILE_TARGETS: dict[str, dict[str, float]] = {
+    "llama3-8b": {"ours kernel/matmul time per decode step B=256 N=128": 1.25},
 }
 
 VARIANTS = ("greedy", "top_p", "mixed", "mixed_prompt_heavy")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup: int) -> tuple[Any, list[float]]:
-    """``fn()``'s last result and the wall times of ``runs`` calls after ``warmup`` untimed ones."""
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(runs):
-        gc.collect()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return out, times
 
 
 def prompts_of(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -138,25 +142,16 @@ def digest(results: list) -> str:
     return h.hexdigest()
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes read + written per second by a large device copy."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _, times = timed(lambda: dst.copy_(src), device, runs=10, warmup=2)
-    return 2 * nbytes / statistics.median(times)
-
-
 # -------------------------------------------------------------------------------------------------------------
 
 
-def build_model(arch: GPTArchitecture, device: torch.device) -> torch.nn.Module:
+def build_model(arch: GPTArchitecture, device: torch.device, *, on_device: bool = False) -> torch.nn.Module:
     """``arch``'s GPTModel on ``device``, the same weights in every run (digests compare across commits). Dense
-    shapes are initialised on the host and moved (their weights as in earlier runs); a model with experts is
-    initialised where it lives (megatron's host initialisation of qwen3-30b-a3b's 8 layers, 5.6 B parameters drawn
-    in fp32, would take minutes)."""
+    shapes are initialised on the host and moved (their weights as in earlier runs), unless ``on_device``; a model
+    with experts is initialised where it lives (megatron's host initialisation of qwen3-30b-a3b's 8 layers, 5.6 B
+    parameters drawn in fp32, or of llama3-8b's 8 B, would take minutes)."""
     torch.manual_seed(1234)
-    if arch.num_experts is None:
+    if arch.num_experts is None and not on_device:
         return arch.build().to(device)
     model = arch.build(arch.transformer_config(use_cpu_initialization=False))
     assert next(model.parameters()).device == device, (next(model.parameters()).device, device)
@@ -222,17 +217,21 @@ def routed_experts(model: torch.nn.Module, sequences: list[list[int]], first: in
     return [float(u[first: length - 1].sum(dim=-1).float().mean()) for u in union]
 
 
-def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
+def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.device, args, method: str = "ours", *,
+               on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """``method`` ``"ours"`` (the engine's ``--weight-mode``, training-dtype rollout weights) or ``"ours-fp8"``
+    (canonical, FP8 rollout weights) on ``model`` (:func:`build_model`; its engine is closed at the end, so the
+    next method gets the same model back). ``on_row`` is called with each row as it is made."""
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
 
-    model = build_model(arch, device)
     counts = param_counts(arch)
     assert sum(counts.values()) == sum(p.numel() for p in model.parameters()), (counts, "the roofline's count")
-    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=args.weight_mode,
-                          bucket_size_mb=args.bucket_size_mb)
+    fp8 = method == "ours-fp8"
+    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical" if fp8 else args.weight_mode,
+                          rollout_weights="fp8" if fp8 else "model", bucket_size_mb=args.bucket_size_mb)
     P, vocab = args.prompt_len, arch.vocab_size
     longest = 7 * P // 4 + max(max(args.new_tokens), 2 * args.new_tokens[0])
     moe = arch.num_experts is not None
@@ -272,21 +271,34 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
             per_call = {key: (rep[key] - before[key]) / (args.runs + args.warmup) for key in
                         ("decode_steps", "mixed_steps", "prefill_forwards", "prefill_graph_forwards", "dropped_rows",
                          "idle_slot_steps", "slot_moves")}
-            rows.append({"method": "ours", "variant": variant, "batch": B, "new_tokens": N, "prompt_len": P,
+            rows.append({"method": method, "variant": variant, "batch": B, "new_tokens": N, "prompt_len": P,
                          "num_prompts": len(prompts), "tokens": tokens, "mean_new_tokens": tokens / len(prompts),
                          "prompt_tokens_per_new_token": sum(map(len, prompts)) / tokens,
                          "tok_s": tokens / statistics.median(times), "seconds": statistics.median(times),
                          "runs": times, "cuda_graph_captures": rep["cuda_graph_captures"],
                          "per_call": per_call, "attention_reads_lengths": rep["attention_reads_lengths"],
                          "overlap_host": rep["overlap_host"], "kv_cache_bytes": rep["kv_cache_bytes"],
+                         "fused_decoder": rep.get("fused_decoder"),  # (a generator that reports it)
                          "digest": digests[-1], **({"digests": digests} if len(set(digests)) > 1 else {})})
+            report = engine.communication_report()  # rolling out: the rollout weights' bytes now
+            rows[-1].update(weight_mode=engine.weight_mode, rollout_weights=engine.rollout_weights,
+                            **{k: report[k] for k in ("fp8_bytes_mapped", "canonical_bytes_mapped",
+                                                      "switch_peak_bytes_mapped") if k in report})
             if moe:
                 rows[-1]["moe_experts"] = moe_experts(engine.rollout_chunks[0])
                 if (variant, N) == ("greedy", n0):
                     finished[B] = [list(p) + list(r.generated_tokens) for p, r in zip(prompts, out)]
             print(json.dumps(rows[-1]), flush=True)
+            on_row(rows[-1])
             if args.profile and device.type == "cuda" and variant in args.profile:
                 profile(run, f"{variant} B={B} N={N}")
+            if args.profile_json and device.type == "cuda" and (variant, N) == ("greedy", n0):
+                table = profile_decode(run, generator, num_layers=arch.num_layers)
+                append_rows(args.profile_json, [{"method": method, "batch": B, "shape": args.shape,
+                                                 "layers": arch.num_layers, "variant": variant, "new_tokens": N,
+                                                 "prompt_len": P, **table}])
+                print(json.dumps({k: v for k, v in table.items() if k not in ("kernels", "matmul_kernel_names")}
+                                 | {"method": method, "batch": B, "profile_json": args.profile_json}), flush=True)
         generator.close()
     engine.switch_to_training()
     for B, sequences in finished.items():  # on the training model: the same weights (one rank, no resharding)
@@ -297,7 +309,7 @@ def bench_ours(arch: GPTArchitecture, device: torch.device, args) -> list[dict]:
                                          "decode_steps": len(sequences[0]) - P - 1}
                 print(json.dumps({"batch": B, "routed_experts": row["routed_experts"]}), flush=True)
     engine.close()
-    del model, engine
+    del engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -479,11 +491,12 @@ def side_by_side(rows: list[dict], args) -> str:
         return found[-1] if found else None
 
     lines = [f"greedy, {args.prompt_len}-token prompts, {args.new_tokens[0]} new tokens (tok/s)",
-             "batch  ours  transformers  roofline  ours/transformers  ours/roofline"]
+             "batch  ours  ours-fp8  transformers  roofline  ours/transformers  ours/roofline  ours-fp8/ours"]
     for B in args.batch:
-        ours, hf, roof = tok_s("ours", B), tok_s("transformers", B), tok_s("roofline", B)
-        cells = [f"{v:,.0f}" if v else "-" for v in (ours, hf, roof)]
+        ours, fp8, hf, roof = (tok_s(m, B) for m in ("ours", "ours-fp8", "transformers", "roofline"))
+        cells = [f"{v:,.0f}" if v else "-" for v in (ours, fp8, hf, roof)]
         cells += [f"{ours / v:.2f}" if ours and v else "-" for v in (hf, roof)]
+        cells.append(f"{fp8 / ours:.2f}" if fp8 and ours else "-")
         lines.append(f"{B}  " + "  ".join(cells))
     return "\n".join(lines)
 
@@ -499,6 +512,9 @@ def targets(rows: list[dict], args) -> dict[str, float]:
     n0 = args.new_tokens[0]
     for B in args.batch:
         ours = tok_s("ours", "greedy", B, n0)
+        fp8 = tok_s("ours-fp8", "greedy", B, n0)
+        if fp8 and ours:
+            out[f"ours-fp8/ours B={B} N={n0}"] = fp8 / ours
         for name, other in (("transformers", tok_s("transformers", "greedy", B, n0)),
                             ("roofline", tok_s("roofline", "greedy", B, n0))):
             if ours and other:
@@ -514,6 +530,17 @@ def targets(rows: list[dict], args) -> dict[str, float]:
     return out
 
 
+def profile_targets(rows: list[dict], args) -> dict[str, float]:
+    """From the kernel tables (``--profile-json`` rows of this shape): each method's kernel time over its matmul
+    time per decode step, per batch."""
+    out = {}
+    for r in rows:
+        if r.get("total_over_matmul") is not None and r["new_tokens"] == args.new_tokens[0]:
+            out[f"{r['method']} kernel/matmul time per decode step B={r['batch']} N={r['new_tokens']}"] = \
+                r["total_over_matmul"]
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: gpu-1b (cpu-tiny with --smoke)")
@@ -521,7 +548,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="decode slots (default 32 128)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128")
     ap.add_argument("--new-tokens", type=int, nargs="+", default=None, help="the first is the reference (128 512)")
-    ap.add_argument("--methods", nargs="+", choices=["ours", "transformers", "roofline"],
+    ap.add_argument("--methods", nargs="+", choices=["ours", "ours-fp8", "transformers", "roofline"],
                     default=["ours", "transformers", "roofline"])
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="ours' variants")
     ap.add_argument("--runs", type=int, default=3)
@@ -540,6 +567,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="add the rows to those in --out (if it exists); targets over all of them")
     ap.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
                     help="print a torch.profiler table of one more call of these variants (GPU)")
+    ap.add_argument("--profile-json", default=None,
+                    help="ours' and ours-fp8's decode kernel tables (one more greedy call per batch) added to this "
+                         "JSON list (GPU; skipped on the CPU)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     args.shape = args.shape or ("cpu-tiny" if smoke else "gpu-1b")
@@ -555,42 +585,43 @@ def main(argv: Optional[list[str]] = None) -> None:
         if arch.num_experts is not None and not isinstance(arch.moe_layer_freq, int):
             raise ValueError(f"--layers on {args.shape}: its moe_layer_freq lists every layer")
         arch = dataclasses.replace(arch, num_layers=args.layers)
+    if args.profile_json and device.type != "cuda":
+        print(f"--profile-json {args.profile_json}: skipped on the CPU (the kernel tables need CUDA)", flush=True)
+        args.profile_json = None
 
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        shim = nullcontext()
-    else:
-        from megatron_hybrid.patches import cpu_gloo
-
-        shim = cpu_gloo()
     earlier = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
+    meta = {"shape": args.shape, "layers": arch.num_layers, "parameters": sum(param_counts(arch).values()),
+            "dtype": arch.params_dtype, "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__,
+            "command": " ".join(["python3"] + sys.argv)}
     rows: list[dict] = []
-    with shim:
-        ps.initialize_model_parallel(1, 1)
-        # The inference RNG tracker: megatron-core's default one cannot be captured in a CUDA graph.
-        model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-        if "ours" in args.methods:
-            rows += bench_ours(arch, device, args)
+
+    def save() -> None:  # after every row of ours, too: a run cut short by its time limit keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(earlier + [dict(r, **meta) for r in rows], indent=1) + "\n")
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        save()
+
+    with one_rank(device):
+        ours = [m for m in ("ours", "ours-fp8") if m in args.methods]
+        if ours:
+            model = build_model(arch, device, on_device=args.shape in DEVICE_INIT)  # once: the same weights for both
+            for method in ours:
+                bench_ours(arch, model, device, args, method, on_row=add)
+            del model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        save()  # an MoE's greedy rows got their routed experts at the end
         if "roofline" in args.methods:
             same = [r for r in earlier if (r.get("shape"), r.get("layers")) == (args.shape, arch.num_layers)]
             rows += roofline_rows(arch, device, args, measured=same + rows)
     if "transformers" in args.methods:
         rows += bench_transformers(arch, device, args)
-    meta = {"shape": args.shape, "layers": arch.num_layers, "parameters": sum(param_counts(arch).values()),
-            "dtype": arch.params_dtype, "device": torch.cuda.get_device_name(device)
-            if device.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__,
-            "command": " ".join(["python3"] + sys.argv)}
+    save()
     rows = earlier + [dict(r, **meta) for r in rows]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     mine = [r for r in rows if (r.get("shape"), r.get("layers")) == (args.shape, arch.num_layers)]
     ratios = targets(mine, args)
     print(json.dumps({"targets": ratios, "out": args.out}, indent=1))
@@ -599,7 +630,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         value = ratios.get(name)
         verdict = "not measured" if value is None else f"{value:.3f}: {'met' if value >= least else 'MISSED'}"
         print(f"target {name} >= {least}: {verdict}")
-    dist.destroy_process_group()
+    if args.profile_json:
+        tables = [r for r in read_rows(args.profile_json)
+                  if (r.get("shape"), r.get("layers")) == (args.shape, arch.num_layers)]
+        bounds = profile_targets(tables, args)
+        print(json.dumps({"kernel_tables": bounds, "profile_json": args.profile_json}, indent=1))
+        for name, most in PROFILE_TARGETS.get(args.shape, {}).items():
+            value = bounds.get(name)
+            verdict = "not measured" if value is None else f"{value:.3f}: {'met' if value <= most else 'MISSED'}"
+            print(f"target {name} <= {most}: {verdict}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ from __future__ import annotations
 from megatron_hybrid.models import GPTArchitecture
 
 SHAPES: dict[str, GPTArchitecture] = {
+    # 2 layers, hidden 64, fp32: the CPU smoke runs of the one-device benchmarks (seconds).
+    "cpu-tiny": GPTArchitecture(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=128, vocab_size=256, make_vocab_size_divisible_by=32,
+                                max_position_embeddings=512),
     # 48 layers of a tiny model: 291 parameter tensors, 7.2 MB (fp32) in all, 3.6 MB per rank at t·p = 2.
     "many-small": GPTArchitecture(num_layers=48, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
                                   vocab_size=256, make_vocab_size_divisible_by=32, max_position_embeddings=256),
@@ -16,6 +20,13 @@ SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": GPTArchitecture(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
                               ffn_hidden_size=5632, vocab_size=32000, make_vocab_size_divisible_by=32,
                               max_position_embeddings=4096, params_dtype="bfloat16"),
+    # Llama-3-8B's shape (8.03 B parameters, 16.1 GB in bf16): 32 layers, hidden 4096, 32 heads / 8 KV groups of
+    # head dim 128, SwiGLU ffn 14,336, RMSNorm (eps 1e-5), RoPE base 500,000, untied embeddings, vocabulary 128,256
+    # (a multiple of 128: no padding). GPTArchitecture's defaults are Llama's (swiglu, RMSNorm, rope, untied).
+    "llama3-8b": GPTArchitecture(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                                 ffn_hidden_size=14336, vocab_size=128256, make_vocab_size_divisible_by=128,
+                                 max_position_embeddings=8192, norm_epsilon=1e-5, rotary_base=500000,
+                                 untie_embeddings_and_output_weights=True, params_dtype="bfloat16"),
     # Llama-2-7B-like (6.7 B parameters, 13.5 GB in bf16): an 8-GPU node.
     "llama-7b": GPTArchitecture(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
                                 ffn_hidden_size=11008, vocab_size=32000, make_vocab_size_divisible_by=32,
