@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A first look on one H200 (issue 26): the FP8 and fused kernels' tests on the GPU, then bench/fp8_gemm.py with the
-# weight-only plan sweep. As the device tool runs it: megatron-core 0.19.2's wheel carried in .whl/.
+# plan sweeps of the small-M kernels and of the quantization kernel; tests/gpu_fp8.py (exactness). As the device tool runs it: megatron-core 0.19.2's wheel carried in .whl/.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -11,6 +11,7 @@ for s in ${STEPS:-kernels gemm}; do
   case $s in
     kernels) step kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_kernels.py ;;
     gemm) step gemm 300 python3 bench/fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" --sweep ${GEMM_ARGS:-} ;;
+    exact) step exact 120 python3 tests/gpu_fp8.py --output "$OUT/gpu_fp8_h200.json" ;;
   esac
 done
 tail -3 "$OUT/kernels.txt" 2>/dev/null; grep -v "^{" "$OUT/gemm.txt" | tail -5

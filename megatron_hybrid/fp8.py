@@ -143,7 +143,9 @@ def quantize_reference(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 tensor, fp32 scale per row) of a whole 2-D tensor, in plain torch: the reference of
     :func:`quantize_rows` (an independent write-up of the format)."""
     w = w_NK.float()
-    scale = w.abs().amax(dim=1) / 448.0
+    amax = w.abs().amax(dim=1)
+    # amax / 448 correctly rounded on any device: CUDA divides by a Python number through its reciprocal.
+    scale = amax / torch.full_like(amax, 448.0)
     scale[scale == 0] = 1.0
     return (w / scale.unsqueeze(1)).to(torch.float8_e4m3fn), scale
 
