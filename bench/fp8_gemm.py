@@ -10,7 +10,7 @@ weights (more than L2 holds), as a decode step's graph runs them, of
 - ``fp8_weight_only``: the Triton kernel that streams the FP8 weight with bfloat16 activations
   (``megatron_hybrid.fp8_kernels.fp8_weight_matmul``), at its default plan, and (``--sweep``) the best of a sweep of
   tile sizes and K splits at M <= 64, with the plan;
-- what ``fp8_linear`` picks (``megatron_hybrid.fp8.uses_weight_only``);
+- what ``fp8_linear`` picks (``megatron_hybrid.fp8.uses_small_m_kernel``): the Triton small-M kernel or ``_scaled_mm``;
 
 and the achieved weight-read bandwidth of each (weight bytes / time). Then the quantization of the weights
 (``quantize_rows``' kernel: bf16 read once, FP8 and scales written) against a device copy of the same bytes:
@@ -138,7 +138,7 @@ def main() -> None:
             row = {"linear": name, "N": N, "K": K, "M": M, "us": times,
                    "weight_GB_s": {k: (N * K * (2 if k == "bf16" else 1)) / (v * 1e3) for k, v in times.items()},
                    "bf16_over": {k: times["bf16"] / v for k, v in times.items()},
-                   "picked": "weight_only" if fp8.uses_weight_only(x) else "scaled_mm",
+                   "picked": "small_m_kernel" if fp8.uses_small_m_kernel(x) else "scaled_mm",
                    "default_plan": fp8_kernels.weight_only_plan(M, N, K, sms)}
             if M <= fp8_kernels.WEIGHT_ONLY_MAX_M:
                 times["fp8_small_m"] = bench(each(lambda w, q, s: fp8_kernels.fp8_matmul(xq, xs.view(-1), q, s)))

@@ -24,6 +24,7 @@ Legend: N output features (rows of a weight), K input features, M tokens.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Iterator, Optional
 
@@ -162,34 +163,43 @@ def quantize_activations(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (x_MK.float() / scale_M1).to(FP8_DTYPE), scale_M1
 
 
-def uses_weight_only(x_MK: torch.Tensor) -> bool:
-    """Whether :func:`fp8_linear` multiplies ``x_MK`` (2-D) by streaming the FP8 weight with the activations in
-    their own 16-bit dtype (:func:`.fp8_kernels.fp8_weight_matmul`): a GPU with Triton and at most
-    :data:`~.fp8_kernels.WEIGHT_ONLY_MAX_M` tokens, where reading the weights bounds the step."""
-    return (x_MK.is_cuda and fp8_kernels.use_triton(x_MK) and x_MK.shape[0] <= fp8_kernels.WEIGHT_ONLY_MAX_M
-            and x_MK.dtype in (torch.bfloat16, torch.float16))
+def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` multiplies ``x_MK`` (2-D) with the Triton kernel for a few tokens
+    (:func:`.fp8_kernels.fp8_matmul`: K split over programs) rather than ``torch._scaled_mm``: a GPU with Triton
+    and at most :data:`~.fp8_kernels.SMALL_M_MAX` tokens, where reading the weights bounds the step and cuBLAS' FP8
+    GEMM streams them at a fraction of the bandwidth."""
+    return x_MK.is_cuda and fp8_kernels.use_triton(x_MK) and x_MK.shape[0] <= fp8_kernels.SMALL_M_MAX
+
+
+def fp8_matmul(x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` in ``out_dtype`` from FP8 activations (row scales ``[M, 1]``) and an FP8 weight (row scales
+    ``[N]``): :func:`.fp8_kernels.fp8_matmul` for a few tokens on a GPU (:func:`uses_small_m_kernel`), one row-wise
+    scaled ``torch._scaled_mm`` otherwise (on a GPU with a bfloat16 output, cast to ``out_dtype``)."""
+    if uses_small_m_kernel(x_q_MK):
+        dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        return fp8_kernels.fp8_matmul(x_q_MK, x_scale_M1.view(-1), weight_fp8_NK, scale_N,
+                                      out_dtype=dtype).to(out_dtype)
+    mm_dtype = torch.bfloat16 if x_q_MK.is_cuda else out_dtype
+    y = torch._scaled_mm(x_q_MK, weight_fp8_NK.t(), scale_a=x_scale_M1, scale_b=scale_N.view(1, -1),
+                         out_dtype=mm_dtype)
+    return y.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ W.t() (+ bias)`` in FP8: ``x`` (``[..., K]``, the training dtype) quantized per token, one row-wise
-    scaled ``torch._scaled_mm`` with the FP8 weight and its scales, the output and the bias in ``x``'s dtype.
+               bias: Optional[torch.Tensor] = None,
+               quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``x @ W.t() (+ bias)`` in FP8: ``x`` (``[..., K]``, the training dtype) quantized per token, multiplied by
+    the FP8 weight with its scales (:func:`fp8_matmul`), the output and the bias in ``x``'s dtype.
+
+    ``quantized``: ``x``'s quantization ``(q [M, K], scale [M, 1])`` made already (by a fused kernel that produced
+    ``x``), the same bits :func:`quantize_activations` would give.
 
     On a GPU, ``_scaled_mm`` wants K and N multiples of 16 and (row-wise scaling) a bfloat16 output, which an fp32
-    model then casts back; on CPU there is no such constraint.
-
-    Small batches on a GPU (:func:`uses_weight_only`): the activations stay in their 16-bit dtype and the FP8
-    weight is streamed by a Triton kernel: a decode step of a few tokens is bound by reading the weights, which
-    FP8 halves, while cuBLAS' FP8 GEMM reaches a fraction of the bandwidth there."""
+    model then casts back; on CPU there is no such constraint."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x_MK = x.reshape(-1, k)
-    if uses_weight_only(x_MK):
-        y = fp8_kernels.fp8_weight_matmul(x_MK, weight_fp8_NK, scale_N).view(*lead, weight_fp8_NK.shape[0])
-        return y if bias is None else y + bias
-    x_q, x_scale = quantize_activations(x_MK)
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    y = torch._scaled_mm(x_q, weight_fp8_NK.t(), scale_a=x_scale, scale_b=scale_N.view(1, -1), out_dtype=out_dtype)
-    y = y.to(x.dtype).view(*lead, weight_fp8_NK.shape[0])
+    x_q, x_scale = quantized if quantized is not None else quantize_activations(x.reshape(-1, k))
+    y = fp8_matmul(x_q, x_scale, weight_fp8_NK, scale_N, x.dtype).view(*lead, weight_fp8_NK.shape[0])
     return y if bias is None else y + bias
 
 
@@ -207,10 +217,34 @@ def fp8_linear_reference(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: 
 
 class Fp8Table:
     """Which rollout parameters compute in FP8, and with which tensors (fp8 ``[N, K]``, fp32 scales ``[N]``): owned
-    by the binding, read by the FP8 linears. Keyed by the parameter object (its placeholder)."""
+    by the binding, read by the FP8 linears. Keyed by the parameter object (its placeholder).
+
+    It also carries activations quantized ahead (:meth:`offered`): a fused kernel that makes a linear's input can
+    quantize it on the way (:mod:`megatron_hybrid.inference.fused`), and the linear then takes those bits rather than
+    quantizing again."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._offered: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    @contextlib.contextmanager
+    def offered(self, x: torch.Tensor, x_q: torch.Tensor, x_scale_M1: torch.Tensor) -> Iterator[None]:
+        """Within the body, an FP8 linear given ``x`` (the same storage, offset and shape) multiplies ``x_q`` and
+        ``x_scale_M1``, its quantization."""
+        assert self._offered is None, "one offered activation at a time"
+        self._offered = (x, x_q, x_scale_M1)
+        try:
+            yield
+        finally:
+            self._offered = None
+
+    def quantized(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The offered quantization of ``x``, or None."""
+        if self._offered is None:
+            return None
+        ref, x_q, x_scale = self._offered
+        same = (x.data_ptr() == ref.data_ptr() and x.shape == ref.shape and x.stride() == ref.stride())
+        return (x_q, x_scale) if same else None
 
     def set(self, param: torch.Tensor, weight_fp8: torch.Tensor, scale: torch.Tensor) -> None:
         self._by_id[id(param)] = (param, weight_fp8, scale)  # holding the parameter keeps its id unique
@@ -237,7 +271,8 @@ def _forward_impl(base):
         entry = self.fp8_table.get(weight) if self.fp8_table is not None else None
         if entry is None:
             return own(self, input, weight, *args, **kwargs)
-        return fp8_linear(input, *entry, bias=kwargs.get("bias", args[0] if args else None))
+        return fp8_linear(input, *entry, bias=kwargs.get("bias", args[0] if args else None),
+                          quantized=self.fp8_table.quantized(input))
 
     return impl
 

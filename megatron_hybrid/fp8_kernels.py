@@ -40,7 +40,7 @@ __all__ = ["fp8_matmul", "fp8_weight_matmul", "fp8_weight_matmul_reference", "qu
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-_ONE_PASS_MAX = 16384  # a row up to this long is read once, held in registers (16 warps: 32 fp32 per thread)
+_ONE_PASS_MAX = 8192  # a row up to this long is read once, held in registers
 _CHUNK = 4096  # elements per step of a longer row
 
 #: Modes of :func:`quantize_rows_into` (and of its kernel).
@@ -71,12 +71,13 @@ def quantize_rows_into(x_RK: torch.Tensor, out_RK: Optional[torch.Tensor], scale
 
 
 def quantize_config(K: int) -> dict:
-    """Rows per program, block and warps of the quantization kernel for rows of K elements: a row of up to
-    :data:`_ONE_PASS_MAX` in registers (in one pass), about 8192 elements a program."""
+    """Rows per program, block and warps of the quantization kernel for rows of K elements. Measured on an H200
+    (bench/fp8_gemm.py's sweep, bench/results/fp8_gemm_h200.json): one row a program with 4 warps quantizes rows
+    of 4096 at the copy bandwidth; a row held whole past 8192 elements runs at half of it, so longer rows are read
+    in steps of 4096 and a second time (from L2) to quantize."""
     one_pass = K <= _ONE_PASS_MAX
     block = next_pow2(K) if one_pass else _CHUNK
-    rows = max(1, min(8, 8192 // block))
-    return dict(ONE_PASS=one_pass, BLOCK=block, ROWS=rows, num_warps=8 if rows * block >= 4096 else 4)
+    return dict(ONE_PASS=one_pass, BLOCK=block, ROWS=1, num_warps=4 if block <= 4096 else 8)
 
 
 def supports_kernel(x_RK: torch.Tensor, out_RK: Optional[torch.Tensor] = None) -> bool:
@@ -90,23 +91,29 @@ def supports_kernel(x_RK: torch.Tensor, out_RK: Optional[torch.Tensor] = None) -
 # ---------------------------------------------------------------------------------------------------------------
 # Weight-only FP8 matrix multiply
 
-#: Tokens up to which :func:`fp8_linear` streams FP8 weights with bfloat16 activations on a GPU (decode steps of a
-#: few slots are bound by reading the weights); above it, FP8 activations and ``torch._scaled_mm``'s tensor cores.
-WEIGHT_ONLY_MAX_M = 64
+#: Tokens up to which ``megatron_hybrid.fp8.fp8_linear`` multiplies with :func:`fp8_matmul` on a GPU (decode steps
+#: of a few slots, bound by reading the weights); above it, ``torch._scaled_mm``. On an H200 at M = 32 the kernel
+#: takes 77 us for a Llama-3-8B layer's four linears against cuBLAS' 120 us in bfloat16 and 128 us in FP8.
+SMALL_M_MAX = 64
+WEIGHT_ONLY_MAX_M = SMALL_M_MAX  # the weight-only kernel's tiles hold all M rows
 
 
 def weight_only_plan(M: int, N: int, K: int, num_sms: int) -> dict:
-    """Tile sizes and the split of K for ``[M, K] @ [N, K].t()``: 64 output features a program, K in steps of 128
-    (256 for long rows), and K split so that about two programs run per SM, each over at least 1024 of K."""
+    """Tile sizes and the split of K for ``[M, K] @ [N, K].t()`` at a few tokens. From a sweep on an H200 at
+    M = 32 over a Llama-3-8B layer's linears (bench/fp8_gemm.py): 128 output features a program for wide weights
+    (N >= 6144), 64 or (K > 8192) 32 for narrow ones; K in steps of 256 where it divides; K split until about 2
+    programs run per SM (4 for K > 8192), each over at least 2 steps."""
     block_m = max(16, next_pow2(M))
-    block_n = 64
-    block_k = 256 if K % 256 == 0 and K >= 4096 else 128
+    block_n = 128 if N >= 6144 else 64 if K <= 8192 else 32
+    block_k = 256 if K % 256 == 0 else 128
     tiles = math.ceil(N / block_n)
     steps = math.ceil(K / block_k)
-    split = max(1, min(math.ceil(2 * num_sms / tiles), steps * block_k // 1024))
+    target = (4 if K > 8192 else 2) * num_sms
+    split = max(1, min(round(target / tiles), steps // 2))
     per_split = math.ceil(steps / split)
     split = math.ceil(steps / per_split)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split=split, k_per_split=per_split * block_k)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split=split, k_per_split=per_split * block_k,
+                num_stages=3 if block_k == 256 else 5, num_warps=4)
 
 
 def fp8_weight_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, scale_N: torch.Tensor, *,

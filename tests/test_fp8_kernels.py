@@ -6,8 +6,9 @@
 - The weight-only FP8 matrix multiply against the weight dequantized in fp32 and one fp32 matmul, with and without
   K split over programs: the tolerance is a few units of bfloat16's last place of the output (both sum the same
   exact products in fp32, in other orders, then round once).
-- SwiGLU and residual add + RMSNorm against the eager formulas: the sum and SwiGLU bit for bit (the same roundings),
-  the norm within one unit in the last place (another summation order).
+- SwiGLU and residual add + RMSNorm against the eager formulas: the sum bit for bit (the same rounding), SwiGLU and
+  the norm within one unit in the last place (exp; another summation order); the FP8 quantization they fuse bit for
+  bit the reference quantization of the values they wrote.
 
 The ``test_triton_*`` tests run on a GPU, or in Triton's CPU interpreter in a child process
 (:func:`test_interpreter_subprocess`, as tests/test_kernels.py), skipped without Triton.
@@ -95,7 +96,12 @@ def test_triton_swiglu_and_add_rms_norm(dtype):
     x = (torch.randn(5, 2 * 1100, generator=g) * 4).to(dtype=dtype, device=TRITON_DEVICE)
     a, b = x.cpu().chunk(2, dim=-1)
     eager = F.silu(a) * b
-    got = fused.swiglu(x).cpu()
+    got, quantized = fused.swiglu(x, quantize=True)
+    assert fused.swiglu(x)[1] is None and torch.equal(fused.swiglu(x)[0], got)  # the kernel without quantization
+    q_ref, s_ref = quantize_reference(got.cpu())  # of the written (rounded) values, bit for bit
+    assert torch.equal(quantized[0].cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(quantized[1].cpu().view(-1), s_ref)
+    got = got.cpu()
     # silu's exp may differ from PyTorch's in the last fp32 bits: rounded to 16 bits the results are equal but for
     # a rare near-halfway case (one unit: 2^-7 relative at most); in fp32 they agree to a few units (2^-20).
     assert torch.allclose(got.float(), eager.float(), rtol=2.0 ** -20 if dtype == torch.float32 else 2.0 ** -7,
@@ -103,8 +109,12 @@ def test_triton_swiglu_and_add_rms_norm(dtype):
     h = torch.randn(7, 96, generator=g).to(dtype=dtype, device=TRITON_DEVICE)
     r = torch.randn(7, 96, generator=g).to(dtype=dtype, device=TRITON_DEVICE)
     w = torch.randn(96, generator=g).to(dtype=dtype, device=TRITON_DEVICE)
-    total, normed = fused.add_rms_norm(h, r, w, 1e-5)
+    total, normed, quantized = fused.add_rms_norm(h, r, w, 1e-5, quantize=True)
     assert torch.equal(total.cpu(), r.cpu() + h.cpu())
+    q_ref, s_ref = quantize_reference(normed.cpu())
+    assert torch.equal(quantized[0].cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(quantized[1].cpu().view(-1), s_ref)
+    assert fused.add_rms_norm(h, r, w, 1e-5)[2] is None
     expected = F.rms_norm((r.cpu() + h.cpu()).float(), (96,), w.cpu().float(), 1e-5).to(dtype)
     assert torch.allclose(normed.cpu().float(), expected.float(), rtol=2.0 ** -7 if dtype != torch.float32 else 1e-6,
                           atol=1e-6)

@@ -31,7 +31,8 @@ Legend: T packed tokens, H hidden, F the MLP's width on this rank (fc1 gives 2F)
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,22 @@ __all__ = ["FusedDecoder", "add_rms_norm", "install_fused_decoder", "swiglu", "w
 
 _MAX_HIDDEN = 16384  # add_rms_norm holds a row in registers
 _SWIGLU_BLOCK = 1024
+_FP8_MAX = 448.0
 
 
-def swiglu(x_T2F: torch.Tensor) -> torch.Tensor:
-    """``F.silu(a) * b`` with ``a, b = x.chunk(2, dim=-1)``, ``[..., F]``, one kernel (Triton) or the eager formula.
+Quantized = tuple[torch.Tensor, torch.Tensor]  # FP8 values [T, K] and fp32 row scales [T, 1]
+
+
+def _quantize(y_TK: torch.Tensor) -> Quantized:
+    from ..fp8 import quantize_activations
+
+    return quantize_activations(y_TK.reshape(-1, y_TK.shape[-1]))
+
+
+def swiglu(x_T2F: torch.Tensor, *, quantize: bool = False) -> tuple[torch.Tensor, Optional[Quantized]]:
+    """``F.silu(a) * b`` with ``a, b = x.chunk(2, dim=-1)``, ``[..., F]``, one kernel (Triton) or the eager formula;
+    with ``quantize`` also its FP8 quantization per row (the format of :mod:`megatron_hybrid.fp8`, of the rounded
+    result: the bits ``quantize_activations`` gives), from the same kernel.
 
     The kernel rounds as the eager formula does: ``silu(a)`` computed in fp32 and rounded to x's dtype, then the
     product in fp32, rounded again."""
@@ -60,39 +73,56 @@ def swiglu(x_T2F: torch.Tensor) -> torch.Tensor:
     if not use_triton(x_T2F) or x_T2F.stride(-1) != 1 or x_T2F.dtype not in (torch.bfloat16, torch.float16,
                                                                                torch.float32):
         a, b = torch.chunk(x_T2F, 2, dim=-1)
-        return F.silu(a) * b
+        out = F.silu(a) * b
+        return out, (_quantize(out) if quantize else None)
     rows = x_T2F.reshape(-1, F2)
-    width = F2 // 2
-    out = torch.empty(rows.shape[0], width, dtype=x_T2F.dtype, device=x_T2F.device)
-    if rows.shape[0]:
-        _swiglu_kernel[(rows.shape[0], triton.cdiv(width, _SWIGLU_BLOCK))](
-            rows, out, rows.stride(0), width, BLOCK=_SWIGLU_BLOCK, num_warps=4)
-    return out.view(*x_T2F.shape[:-1], width)
+    T, width = rows.shape[0], F2 // 2
+    out = torch.empty(T, width, dtype=x_T2F.dtype, device=x_T2F.device)
+    quantized = None
+    if quantize:
+        quantized = (torch.empty(T, width, dtype=torch.float8_e4m3fn, device=x_T2F.device),
+                     torch.empty(T, 1, dtype=torch.float32, device=x_T2F.device))
+    if T:
+        if quantize:  # one program a row: the row's amax, then its values
+            _swiglu_quant_kernel[(T,)](rows, out, quantized[0], quantized[1], rows.stride(0), width, _FP8_MAX,
+                                       BLOCK=_SWIGLU_BLOCK, num_warps=4)
+        else:
+            _swiglu_kernel[(T, triton.cdiv(width, _SWIGLU_BLOCK))](
+                rows, out, rows.stride(0), width, BLOCK=_SWIGLU_BLOCK, num_warps=4)
+    return out.view(*x_T2F.shape[:-1], width), quantized
 
 
 def add_rms_norm(x_TH: torch.Tensor, residual_TH: torch.Tensor, weight_H: Optional[torch.Tensor],
-                 eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(s, rms_norm(s) * weight)`` with ``s = residual + x`` rounded to x's dtype, in one kernel (Triton); the
-    norm in fp32, rounded once (:func:`.kernels.rms_norm`'s formula). ``weight_H`` None: the sum only."""
+                 eps: float, *, quantize: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                 Optional[Quantized]]:
+    """``(s, n, q)``: ``s = residual + x`` rounded to x's dtype, ``n = rms_norm(s) * weight`` (fp32, rounded once:
+    :func:`.kernels.rms_norm`'s formula) and with ``quantize`` n's FP8 quantization per row (the bits
+    ``quantize_activations(n)`` gives), in one kernel (Triton). ``weight_H`` None: the sum only."""
     H = x_TH.shape[-1]
     if residual_TH.shape != x_TH.shape or residual_TH.dtype != x_TH.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x_TH.shape)} {x_TH.dtype} and residual "
                          f"{tuple(residual_TH.shape)} {residual_TH.dtype} must match")
     if weight_H is None:
-        return residual_TH + x_TH, None
+        return residual_TH + x_TH, None, None
     kernel = (use_triton(x_TH) and H <= _MAX_HIDDEN and x_TH.is_contiguous() and residual_TH.is_contiguous()
               and x_TH.dtype in (torch.bfloat16, torch.float16, torch.float32))
     if not kernel:
         total = residual_TH + x_TH
         up = total.float()
-        return total, (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps) * weight_H.float()).to(x_TH.dtype)
+        normed = (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps) * weight_H.float()).to(x_TH.dtype)
+        return total, normed, (_quantize(normed) if quantize else None)
     total, normed = torch.empty_like(x_TH), torch.empty_like(x_TH)
     rows = x_TH.numel() // H
+    quantized = None
+    if quantize:
+        quantized = (torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=x_TH.device),
+                     torch.empty(rows, 1, dtype=torch.float32, device=x_TH.device))
     if rows:
         block = next_pow2(H)
-        _add_rms_norm_kernel[(rows,)](x_TH, residual_TH, weight_H, total, normed, H, eps, BLOCK=block,
-                                      num_warps=8 if block >= 4096 else 4)
-    return total, normed
+        q_out, s_out = quantized if quantize else (normed, normed)  # pointers the kernel writes only with QUANT
+        _add_rms_norm_kernel[(rows,)](x_TH, residual_TH, weight_H, total, normed, q_out, s_out, H, eps, _FP8_MAX,
+                                      BLOCK=block, QUANT=quantize, num_warps=8 if block >= 4096 else 4)
+    return total, normed, quantized
 
 
 def _norm_eps(norm: torch.nn.Module, dtype: torch.dtype) -> float:
@@ -155,18 +185,48 @@ class FusedDecoder:
         first = layers[0].input_layernorm
         residual = hidden_T1H
         hidden = first(hidden_T1H)  # the stage's StepRMSNorm (its kernel) or torch's RMSNorm
+        quantized = None  # hidden's FP8 quantization, made by the kernel that made it, for an FP8 linear
         for i, layer in enumerate(layers):
-            attention, _ = layer.self_attention(hidden, attention_mask=None)
+            attention_module, mlp = layer.self_attention, layer.mlp
+            with _offered(attention_module.linear_qkv, hidden, quantized):
+                attention, _ = attention_module(hidden, attention_mask=None)
             norm = layer.pre_mlp_layernorm
-            residual, hidden = add_rms_norm(attention, residual, norm.weight, _norm_eps(norm, dtype))
-            mlp = layer.mlp
-            fc1, _ = mlp.linear_fc1(hidden)
-            out, _ = mlp.linear_fc2(swiglu(fc1))
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.final_norm
+            residual, hidden, quantized = add_rms_norm(attention, residual, norm.weight, _norm_eps(norm, dtype),
+                                                       quantize=_fp8_input(mlp.linear_fc1))
+            with _offered(mlp.linear_fc1, hidden, quantized):
+                fc1, _ = mlp.linear_fc1(hidden)
+            act, act_quantized = swiglu(fc1, quantize=_fp8_input(mlp.linear_fc2))
+            with _offered(mlp.linear_fc2, act, act_quantized):
+                out, _ = mlp.linear_fc2(act)
+            last = i + 1 == len(layers)
+            norm = self.final_norm if last else layers[i + 1].input_layernorm
             weight = norm.weight if norm is not None else None
-            residual, hidden = add_rms_norm(out, residual, weight, _norm_eps(norm, dtype) if norm is not None
-                                            else 0.0)
+            quantize = not last and _fp8_input(layers[i + 1].self_attention.linear_qkv)
+            residual, hidden, quantized = add_rms_norm(out, residual, weight, _norm_eps(norm, dtype)
+                                                       if norm is not None else 0.0, quantize=quantize)
         return hidden if self.final_norm is not None else residual
+
+
+def _fp8_input(linear: torch.nn.Module) -> bool:
+    """Whether ``linear`` multiplies in FP8 now (its weight in its FP8 table) and takes an input quantized ahead:
+    a column-parallel linear (its input is used as it is), or a row-parallel one on one rank (no reduction)."""
+    table = getattr(linear, "fp8_table", None)
+    if table is None or table.get(linear.weight) is None or not use_triton(linear.weight):
+        return False
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    group = getattr(linear, "tp_group", None)
+    return isinstance(linear, ColumnParallelLinear) or group is None or group.size() == 1
+
+
+@contextmanager
+def _offered(linear: torch.nn.Module, x: torch.Tensor, quantized: Optional[Quantized]) -> Iterator[None]:
+    """``linear`` (an FP8 linear) takes ``quantized`` as the quantization of its input ``x`` in the body."""
+    if quantized is None:
+        yield
+        return
+    with linear.fp8_table.offered(x, *quantized):
+        yield
 
 
 def install_fused_decoder(chunk: torch.nn.Module, device: torch.device, *, enabled: Optional[bool]) -> \
@@ -201,7 +261,34 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * width + cols, (silu.to(tl.float32) * b).to(dtype), mask=ok)
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
+    def _swiglu_quant_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, x_stride, width, fp8_max, BLOCK: tl.constexpr):
+        # Program t: row t's SwiGLU written in its dtype, its amax (of the rounded values), then (read again, from
+        # L2) its FP8 values and scale: the bits quantize_activations gives for the written row.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        dtype = out_ptr.dtype.element_ty
+        running = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, width, BLOCK):
+            ok = start + cols < width
+            a = tl.load(x_ptr + row * x_stride + start + cols, mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(x_ptr + row * x_stride + width + start + cols, mask=ok, other=0.0).to(tl.float32)
+            y = (tl.math.div_rn(a, 1.0 + tl.exp(-a)).to(dtype).to(tl.float32) * b).to(dtype)
+            tl.store(out_ptr + row * width + start + cols, y, mask=ok)
+            running = tl.maximum(running, tl.abs(y.to(tl.float32)))
+        scale = tl.math.div_rn(tl.max(running, axis=0), fp8_max)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, width, BLOCK):
+            ok = start + cols < width
+            a = tl.load(x_ptr + row * x_stride + start + cols, mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(x_ptr + row * x_stride + width + start + cols, mask=ok, other=0.0).to(tl.float32)
+            y = (tl.math.div_rn(a, 1.0 + tl.exp(-a)).to(dtype).to(tl.float32) * b).to(dtype).to(tl.float32)
+            q = tl.math.div_rn(y, tl.zeros([BLOCK], tl.float32) + scale)
+            tl.store(q_ptr + row * width + start + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, scale_ptr, H, eps, fp8_max,
+                             BLOCK: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
@@ -213,4 +300,12 @@ if HAVE_TRITON:
         up = s.to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(up * up, axis=0) / H + eps)
-        tl.store(out_ptr + row * H + cols, (up * inv * w).to(dtype), mask=ok)
+        normed = (up * inv * w).to(dtype)
+        tl.store(out_ptr + row * H + cols, normed, mask=ok)
+        if QUANT:  # the rounded normed row, as quantize_activations quantizes it
+            n = normed.to(tl.float32)
+            scale = tl.math.div_rn(tl.max(tl.abs(n), axis=0), fp8_max)
+            scale = tl.where(scale == 0.0, 1.0, scale)
+            tl.store(scale_ptr + row, scale)
+            q = tl.math.div_rn(n, tl.zeros([BLOCK], tl.float32) + scale)
+            tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
