@@ -538,6 +538,9 @@ def profile_targets(rows: list[dict], args) -> dict[str, float]:
         if r.get("total_over_matmul") is not None and r["new_tokens"] == args.new_tokens[0]:
             out[f"{r['method']} kernel/matmul time per decode step B={r['batch']} N={r['new_tokens']}"] = \
                 r["total_over_matmul"]
+            if r.get("total_over_matmul_and_attention") is not None:
+                out[f"{r['method']} kernel/(matmul+attention) time per decode step B={r['batch']} "
+                    f"N={r['new_tokens']}"] = r["total_over_matmul_and_attention"]
     return out
 
 
