@@ -105,6 +105,28 @@ def test_fp8_linear_matches_plain_torch(lead, k, n, dtype):
     assert (got.float() - exact).norm() <= 0.1 * exact.norm()
 
 
+def test_offered_quantization_is_taken_only_for_its_own_input():
+    """An FP8 linear given the very input a fused kernel quantized ahead (``Fp8Table.offered``) multiplies those
+    bits (the same result as quantizing it again), and nothing else: another tensor, a view of a part, or outside
+    the offer quantizes its own input."""
+    from megatron_hybrid.fp8 import Fp8Table, quantize_activations
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 1, 32, generator=g).to(torch.bfloat16)
+    w_q, w_scale = quantize_reference(torch.randn(16, 32, generator=g))
+    table = Fp8Table()
+    x_q, x_scale = quantize_activations(x.reshape(-1, 32))
+    assert table.quantized(x) is None
+    with table.offered(x, x_q, x_scale):
+        assert table.quantized(x) == (x_q, x_scale)
+        assert table.quantized(x.clone()) is None and table.quantized(x[:2]) is None
+        assert torch.equal(fp8_linear(x, w_q, w_scale, quantized=table.quantized(x)), fp8_linear(x, w_q, w_scale))
+        # Bits that are not x's quantization are what the linear multiplies: the offer is taken, not checked.
+        zeros = (torch.zeros_like(x_q), x_scale)
+        assert not fp8_linear(x, w_q, w_scale, quantized=zeros).any()
+    assert table.quantized(x) is None
+
+
 def test_targets_are_the_dense_layers_linear_weights():
     assert all(is_target(f"decoder.layers.3.{n}.weight") for n in (
         "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
