@@ -239,6 +239,7 @@ def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.devi
     rows = []
     for B in args.batch:
         config = GenerationConfig(max_batch_size=B, max_sequence_length=longest,
+                                  fused_decoder={"on": True, "off": False}.get(args.fused_decoder),
                                   **({} if args.graph_pool_gib is None else {"graph_pool_gib": args.graph_pool_gib}))
         generator = RolloutGenerator(engine, config)
         order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1)).tolist()
@@ -295,6 +296,7 @@ def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.devi
             if args.profile_json and device.type == "cuda" and (variant, N) == ("greedy", n0):
                 table = profile_decode(run, generator, num_layers=arch.num_layers)
                 append_rows(args.profile_json, [{"method": method, "batch": B, "shape": args.shape,
+                                                 "fused_decoder": generator.report().get("fused_decoder"),
                                                  "layers": arch.num_layers, "variant": variant, "new_tokens": N,
                                                  "prompt_len": P, **table}])
                 print(json.dumps({k: v for k, v in table.items() if k not in ("kernels", "matmul_kernel_names")}
@@ -559,6 +561,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--weight-mode", choices=["aliased", "canonical"], default="aliased", help="ours' engine")
     ap.add_argument("--bucket-size-mb", type=float, default=None, help="ours' engine (default: the engine's)")
+    ap.add_argument("--fused-decoder", choices=["default", "on", "off"], default="default",
+                    help="GenerationConfig.fused_decoder of ours (off: megatron-core's layer forward, the kernels "
+                         "before the fusion; write those rows to files of their own)")
     ap.add_argument("--graph-pool-gib", type=float, default=None,
                     help="GenerationConfig.graph_pool_gib of ours (default: GenerationConfig's)")
     ap.add_argument("--routing-rows", type=int, default=16,

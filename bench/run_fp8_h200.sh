@@ -13,6 +13,9 @@
 #               bench/generate.py on llama3-8b (built on the GPU), one method per process, B 256 32 128 (the
 #               targets' batches first: rows are saved as they are measured, so a step cut short keeps them), with
 #               the decode kernel tables                    -> generate_fp8_h200.json, generate_fp8_kernels_h200.json
+#   gen8b_unfused
+#               the bf16 rows again with GenerationConfig(fused_decoder=False): the kernels per layer and decode
+#               step before the fusion        -> generate_fp8_unfused_h200.json, generate_fp8_unfused_kernels_h200.json
 # Each step has its own time limit (the *_LIMIT variables; their defaults sum to 560 s); logs and results go to $OUT.
 # STEPS="gen8b_bf16 gen8b_fp8" GEN8B_LIMIT=270 runs a subset with more time (e.g. the 8B runs as a second call).
 set -u
@@ -42,6 +45,9 @@ for s in ${STEPS:-kernels exact switch gen1b gen8b_bf16 gen8b_fp8}; do
     gemm) step gemm "${GEMM_LIMIT:-90}" python3 bench/fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" ;;
     gen1b) step gen1b "${GEN1B_LIMIT:-100}" "${GEN[@]}" --shape gpu-1b --methods ours ours-fp8 --batch 32 128 256 ;;
     gen8b_bf16) step gen8b_bf16 "${GEN8B_LIMIT:-105}" "${GEN8B[@]}" --methods ours ;;
+    gen8b_unfused) step gen8b_unfused "${GEN8B_LIMIT:-105}" python3 bench/generate.py --new-tokens 128 --variants greedy \
+        --runs 3 --shape llama3-8b --batch 256 32 --methods ours --fused-decoder off \
+        --out "$OUT/generate_fp8_unfused_h200.json" --profile-json "$OUT/generate_fp8_unfused_kernels_h200.json" ;;
     gen8b_fp8) step gen8b_fp8 "${GEN8B_LIMIT:-105}" "${GEN8B[@]}" --methods ours-fp8 ;;
   esac
 done
