@@ -94,6 +94,16 @@ def test_fused_decoder_matches_training_layout(layout, state, stops):
     assert all(r["report"]["fused_decoder"] for r in runs)
 
 
+# linear_qkv with a bias (Qwen2's): in a mixed step the rotary kernel adds the bias, which the linear then skips
+# (its PyTorch reference on the CPU, the kernel on a GPU); two layers keep the reference cheap.
+QKV_BIAS = {"add_qkv_bias": True, "num_layers": 2}
+
+
+def test_greedy_matches_training_layout_with_qkv_bias():
+    state = run_distributed(engine_cases.reference, 1, QKV_BIAS)[0][0]
+    _check_greedy(LAYOUTS[1], state, _stop_tokens(state, QKV_BIAS), QKV_BIAS)
+
+
 def _check_greedy(layout, state: dict, stops: list[int], arch_kw: dict, config_kw: dict | None = None) -> list:
     (t, p, d), (t_g, p_g), mode, count, slots, mixed = layout
     runs = run_distributed(cases.layout_case, t * p * d, t_g, p_g, mode, state, stops, count, slots, mixed,

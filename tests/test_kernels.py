@@ -84,11 +84,13 @@ def rope_case(*, G: int, R: int, D: int, rotary_percent: float | None, dtype: to
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
 
 
-def run_rope(fn, case: dict, *, G: int, R: int, D: int, out_q: torch.Tensor | None = None):
+def run_rope(fn, case: dict, *, G: int, R: int, D: int, out_q: torch.Tensor | None = None,
+             mixed: torch.Tensor | None = None, bias: torch.Tensor | None = None):
     """``fn`` (the public function or the reference) on copies of the case's caches: (queries, keys, values)."""
     keys, values = case["keys"].clone(), case["values"].clone()
-    q = fn(case["mixed"], case["cos"], case["sin"], case["slots"], case["positions"], keys, values, groups=G,
-           ratio=R, head_dim=D, out_q=out_q)
+    q = fn(case["mixed"] if mixed is None else mixed, case["cos"], case["sin"], case["slots"], case["positions"],
+           keys, values, groups=G, ratio=R, head_dim=D, out_q=out_q,
+           **({} if bias is None else {"bias_X": bias}))
     return q, keys, values
 
 
@@ -279,6 +281,14 @@ def test_triton_rope_kv_write_is_bit_exact(dtype: torch.dtype, R: int, D: int, r
     assert result[0] is out_q
     for actual, want in zip(result, expected):
         assert torch.equal(actual, want)
+    # linear_qkv's bias, added in the kernel: as megatron-core's ``output + bias`` (rounded to the dtype) before
+    # the same rotary embedding and cache write.
+    bias = (2 * torch.randn(case["mixed"].shape[1], generator=_generator(9))).to(dtype=dtype, device=TRITON_DEVICE)
+    expected = run_rope(kernels._rope_kv_write_reference, case, G=G, R=R, D=D, mixed=case["mixed"] + bias)
+    for actual, want in zip(run_rope(kernels.rope_kv_write, case, G=G, R=R, D=D, bias=bias), expected):
+        assert torch.equal(actual, want)
+    assert all(torch.equal(a, b) for a, b in zip(run_rope(kernels._rope_kv_write_reference, case, G=G, R=R, D=D,
+                                                          bias=bias), expected))
 
 
 @needs_triton

@@ -28,7 +28,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 
 from . import kernels
 from .context import KVStep, StepContext
@@ -59,7 +61,7 @@ class KVCacheSelfAttention(SelfAttention):
         """Whether rotary embedding and the cache write run as one kernel: a decode step on the plain layout
         (no q/k norms, every key/value group on this rank, non-interleaved rotary on this layer)."""
         return (step.lengths_B is not None and step.rotary_T11D is not None and not no_rope
-                and self.q_layernorm is None and self.k_layernorm is None
+                and _no_op(self.q_layernorm) and _no_op(self.k_layernorm)
                 and not self.config.rotary_interleaved and self.config.num_query_groups >= self.world_size)
 
     def _cached_forward(self, hidden_T1H: torch.Tensor, step: KVStep):
@@ -70,12 +72,22 @@ class KVCacheSelfAttention(SelfAttention):
         ratio = self.num_attention_heads_per_partition // groups
         scale = self.config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         if self._fused_rope_ok(step, no_rope):
-            # [T, 1, G, (R+2)*D] as linear_qkv lays it out; one kernel rotates q and k and writes k and v.
-            mixed, _ = self.get_query_key_value_tensors(hidden_T1H, None, split_qkv=False)
+            # [T, 1, G, (R+2)*D] as linear_qkv lays it out; one kernel adds linear_qkv's bias (which the linear
+            # then skips), rotates q and k and writes k and v.
+            linear = self.linear_qkv
+            bias = linear.bias if (isinstance(linear, ColumnParallelLinear) and getattr(linear, "bias", None)
+                                   is not None and not linear.skip_bias_add) else None
+            if bias is not None:
+                linear.skip_bias_add = True
+            try:
+                mixed, _ = self.get_query_key_value_tensors(hidden_T1H, None, split_qkv=False)
+            finally:
+                if bias is not None:
+                    linear.skip_bias_add = False
             T = mixed.shape[0]
             cos, sin = (x.reshape(T, -1) for x in step.rotary_T11D)
             query = kernels.rope_kv_write(mixed.reshape(T, -1), cos, sin, step.slots_T, step.positions_T, keys,
-                                          values, groups=groups, ratio=ratio, head_dim=head_dim)
+                                          values, groups=groups, ratio=ratio, head_dim=head_dim, bias_X=bias)
             out = kernels.decode_attention(query.view(T, groups, ratio, head_dim), keys, values, step.lengths_B,
                                            scale=scale, max_length=step.attended, slots_B=step.read_slots_B)
             return self.linear_proj(out.reshape(T, 1, groups * ratio * head_dim))
@@ -125,6 +137,11 @@ class KVCacheSelfAttention(SelfAttention):
             x1, x2 = x.chunk(2, dim=-1)
             rotated = torch.cat((-x2, x1), dim=-1)
         return torch.cat((x * cos + rotated * sin, rest), dim=-1)
+
+
+def _no_op(module: Optional[torch.nn.Module]) -> bool:
+    """Whether a q/k norm slot is empty: None, or megatron-core's ``IdentityOp`` (the local spec's, in 0.16)."""
+    return module is None or isinstance(module, IdentityOp)
 
 
 def _unsupported(config) -> Optional[str]:

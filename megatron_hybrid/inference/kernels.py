@@ -8,8 +8,8 @@ embedding fused with the write of K/V into the cache.
   ``max_length``. The R query heads of a group are R rows of one ``tl.dot`` (padded to 16 rows for the tensor
   cores), so a key is read once per group. When rows times heads are too few to fill the GPU, the positions are
   split into chunks whose partial softmax statistics a second small kernel combines.
-- :func:`rope_kv_write`: splits megatron-core's ``linear_qkv`` output into query, key and value, applies
-  megatron-core's unfused rotary embedding to query and key with the same rounding as eager PyTorch (bit for
+- :func:`rope_kv_write`: adds ``linear_qkv``'s bias (when given), splits its output into query, key and value,
+  applies megatron-core's unfused rotary embedding to query and key with the same rounding as eager PyTorch (bit for
   bit), writes key and value into each token's cache slot and position, and returns the rotated queries.
 
 Triton is optional. Each function runs a pure-PyTorch reference with the same signature when :func:`use_triton`
@@ -235,9 +235,9 @@ def _decode_attention_reference(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, v
 def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], sin_TDr: Optional[torch.Tensor],
                   slots_T: torch.Tensor, positions_T: torch.Tensor, keys_NGLD: torch.Tensor,
                   values_NGLD: torch.Tensor, *, groups: int, ratio: int, head_dim: int,
-                  out_q: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rotary embedding of the queries and keys in ``linear_qkv``'s output, and the write of keys and values into
-    the cache; returns the rotated queries.
+                  out_q: Optional[torch.Tensor] = None, bias_X: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linear_qkv``'s bias added, rotary embedding of the queries and keys in its output, and the write of keys
+    and values into the cache; returns the rotated queries.
 
     megatron-core lays out ``linear_qkv``'s output per key/value group g as R query heads, one key head and one
     value head, each ``head_dim`` wide: viewed as ``[T, G, (R + 2) * D]``. The rotary embedding is megatron-core's
@@ -260,6 +260,8 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
         ratio: R.
         head_dim: D.
         out_q: written with the rotated queries if given, ``[T, G * R, D]``, any strides.
+        bias_X: ``linear_qkv``'s bias ``[X]`` when the linear skipped adding it: added to every token first, rounded
+            to the dtype as megatron-core's ``output + bias`` rounds it.
 
     Returns:
         The rotated queries ``[T, G * R, D]``, query head ``g * R + r`` (``out_q`` if given).
@@ -290,6 +292,8 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
         if not cos_TDr.dtype == sin_TDr.dtype == dtype:
             raise ValueError(f"rope_kv_write: cos_TDr ({cos_TDr.dtype}) and sin_TDr ({sin_TDr.dtype}) must be in "
                              f"mixed_qkv_TX's dtype ({dtype}): the rounding then matches the eager formula")
+    if bias_X is not None and (bias_X.shape != (X,) or bias_X.dtype != dtype):
+        raise ValueError(f"rope_kv_write: bias_X is {tuple(bias_X.shape)} {bias_X.dtype}, expected ({X},) {dtype}")
     if out_q is None:
         out_q = mixed_qkv_TX.new_empty(T, G * R, D)
     elif out_q.shape != (T, G * R, D) or out_q.dtype != dtype:
@@ -298,7 +302,7 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
     if not use_triton(mixed_qkv_TX):
         warn_cuda_fallback(mixed_qkv_TX, _DECODE_FALLBACK)
         return _rope_kv_write_reference(mixed_qkv_TX, cos_TDr, sin_TDr, slots_T, positions_T, keys_NGLD,
-                                        values_NGLD, groups=G, ratio=R, head_dim=D, out_q=out_q)
+                                        values_NGLD, groups=G, ratio=R, head_dim=D, out_q=out_q, bias_X=bias_X)
     if dtype not in _KERNEL_DTYPES:
         raise ValueError(f"rope_kv_write: the Triton kernel needs a dtype in {_KERNEL_DTYPES}; got {dtype}")
     if T == 0:
@@ -307,9 +311,9 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
     sin_strides = sin_TDr.stride() if rot else (0, 0)
     _rope_kv_write_kernel[(T, G)](
         mixed_qkv_TX, cos_TDr if rot else mixed_qkv_TX, sin_TDr if rot else mixed_qkv_TX, slots_T, positions_T,
-        keys_NGLD, values_NGLD, out_q, *mixed_qkv_TX.stride(), *cos_strides, *sin_strides, *keys_NGLD.stride(),
-        *values_NGLD.stride(), *out_q.stride(), RATIO=R, HEAD_DIM=D, ROT_DIM=rot, BLOCK_H=_next_pow2(R + 2),
-        BLOCK_D=_next_pow2(D),
+        keys_NGLD, values_NGLD, out_q, bias_X if bias_X is not None else mixed_qkv_TX, *mixed_qkv_TX.stride(),
+        *cos_strides, *sin_strides, *keys_NGLD.stride(), *values_NGLD.stride(), *out_q.stride(), RATIO=R,
+        HEAD_DIM=D, ROT_DIM=rot, BLOCK_H=_next_pow2(R + 2), BLOCK_D=_next_pow2(D), HAS_BIAS=bias_X is not None,
         # No fused multiply-add: in fp32 PyTorch rounds x * cos before adding, and so must the kernel.
         num_warps=4, enable_fp_fusion=False)
     return out_q
@@ -318,9 +322,12 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
 def _rope_kv_write_reference(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor],
                              sin_TDr: Optional[torch.Tensor], slots_T: torch.Tensor, positions_T: torch.Tensor,
                              keys_NGLD: torch.Tensor, values_NGLD: torch.Tensor, *, groups: int, ratio: int,
-                             head_dim: int, out_q: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             head_dim: int, out_q: Optional[torch.Tensor] = None,
+                             bias_X: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`rope_kv_write` in PyTorch, megatron-core's formula op for op."""
     T = mixed_qkv_TX.shape[0]
+    if bias_X is not None:
+        mixed_qkv_TX = mixed_qkv_TX + bias_X
     qkv_TGHD = mixed_qkv_TX.unflatten(-1, (groups, ratio + 2, head_dim))  # H: R queries, the key, the value
     qk_TGHD = qkv_TGHD[:, :, :ratio + 1]
     if cos_TDr is not None:
@@ -477,14 +484,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_kv_write_kernel(
-        x_ptr, cos_ptr, sin_ptr, slots_ptr, positions_ptr, k_ptr, v_ptr, q_ptr,
+        x_ptr, cos_ptr, sin_ptr, slots_ptr, positions_ptr, k_ptr, v_ptr, q_ptr, bias_ptr,
         x_stride_t, x_stride_c,
         cos_stride_t, cos_stride_d, sin_stride_t, sin_stride_d,
         k_stride_n, k_stride_g, k_stride_l, k_stride_d,
         v_stride_n, v_stride_g, v_stride_l, v_stride_d,
         q_stride_t, q_stride_h, q_stride_d,
         RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):
         # Program (token t, key/value group g): the group's R + 2 heads as rows of one tile, rows 0 .. R-1 the
         # queries, row R the key, row R + 1 the value. Rows 0 .. R are rotated on dims < ROT_DIM.
@@ -501,7 +508,14 @@ if HAVE_TRITON:
         in_rot = dims < ROT_DIM
         partner = tl.where(dims < half, dims + half, dims - half)
         rotate = (heads < RATIO + 1)[:, None] & in_rot[None, :]
-        xp = tl.load(group + partner[None, :] * x_stride_c, mask=rotate, other=0.0).to(tl.float32)
+        xp = tl.load(group + partner[None, :] * x_stride_c, mask=rotate, other=0.0)
+        if HAS_BIAS:  # linear_qkv's bias first, rounded to the dtype as megatron-core's add rounds it
+            columns = g * (RATIO + 2) * HEAD_DIM + heads[:, None] * HEAD_DIM
+            x = (x.to(tl.float32) + tl.load(bias_ptr + columns + dims[None, :], mask=tile_ok, other=0.0)
+                 .to(tl.float32)).to(x.dtype)
+            xp = (xp.to(tl.float32) + tl.load(bias_ptr + columns + partner[None, :], mask=rotate, other=0.0)
+                  .to(tl.float32)).to(xp.dtype)
+        xp = xp.to(tl.float32)
         xp = tl.where((dims < half)[None, :], -xp, xp)
         cos = tl.load(cos_ptr + t * cos_stride_t + dims * cos_stride_d, mask=in_rot, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * sin_stride_t + dims * sin_stride_d, mask=in_rot, other=0.0).to(tl.float32)
