@@ -184,6 +184,7 @@ class Binding:
 
     def refill(self) -> None:
         """Rebuild the canonical tensors (and the FP8 ones) from the freshly gathered buffers."""
+        self.fp8.drop_operands()  # derived from the FP8 tensors, which change in place
         for refill in self._refills:
             refill()
 

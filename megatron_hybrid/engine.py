@@ -413,6 +413,7 @@ class HybridEngine:
         if self.mode != "rollout":
             return
         self._synchronize()  # once: nothing queued may touch the ranges unmapped below
+        self.binding.fp8.drop_operands()  # CPU FP8 linears' fp32 operands: rollout-only, like the ranges below
         self.placement.unmap_rollout()
         if self._offload is not None:
             self._offload.reload()

@@ -10,7 +10,9 @@ activations) becomes ``q_r = (w_r.float() / s_r).to(float8_e4m3fn)`` with ``s_r 
 e4m3's largest finite value) and ``s_r = 1`` for a zero row, so ``w_r ≈ q_r.float() * s_r``. A product is then
 ``torch._scaled_mm(x_q, w_q.t(), scale_a=s_x [M, 1], scale_b=s_w [1, N])``, row-wise scaled: on CPU (torch 2.13)
 and on GPUs with FP8 tensor cores (compute capability ≥ 8.9) alike, so a CPU run quantizes and multiplies with the
-same ops as the GPU.
+same ops as the GPU. (CPU torch emulates ``_scaled_mm``: both operands dequantized to fp32, one fp32 matmul. The CPU
+FP8 linears keep the weight's dequantized operand from their first call after a switch instead of converting it at
+every call, and so compute the same bits as ``_scaled_mm``: :func:`fp8_linear`, :meth:`Fp8Table.cpu_operand`.)
 
 Legend: N output features (rows of a weight), K input features, M tokens.
 
@@ -163,6 +165,14 @@ def quantize_activations(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (x_MK.float() / scale_M1).to(FP8_DTYPE), scale_M1
 
 
+def dequantized_operand(weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``[K, N]`` operand that CPU torch's ``_scaled_mm`` builds from ``weight_fp8_NK.t()`` and the
+    row-wise ``scale_b`` at every call (``mat_b.contiguous().to(float) * scale_b``, its emulated kernel; torch
+    2.13 has no FP8 GEMM on CPUs without AMX): :func:`fp8_linear` on CPU takes it once per switch instead
+    (:meth:`Fp8Table.cpu_operand`)."""
+    return weight_fp8_NK.t().contiguous().float() * scale_N.view(1, -1)
+
+
 def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:
     """Whether :func:`fp8_linear` multiplies ``x_MK`` (2-D) with the Triton kernel for a few tokens
     (:func:`.fp8_kernels.fp8_matmul`: K split over programs) rather than ``torch._scaled_mm``: a GPU with Triton
@@ -172,10 +182,20 @@ def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:
 
 
 def fp8_matmul(x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, dequantized_KN: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[M, N]`` in ``out_dtype`` from FP8 activations (row scales ``[M, 1]``) and an FP8 weight (row scales
     ``[N]``): :func:`.fp8_kernels.fp8_matmul` for a few tokens on a GPU (:func:`uses_small_m_kernel`), one row-wise
-    scaled ``torch._scaled_mm`` otherwise (on a GPU with a bfloat16 output, cast to ``out_dtype``)."""
+    scaled ``torch._scaled_mm`` otherwise (on a GPU with a bfloat16 output, cast to ``out_dtype``).
+
+    ``dequantized_KN`` (CPU only: :func:`dequantized_operand` of the weight and scales): the rest of CPU
+    ``_scaled_mm``'s emulated kernel, the activations dequantized in fp32 and one fp32 matmul with that operand,
+    the same ops on the same operands, so the same bits (``test_fp8_linear_cpu_operand_is_scaled_mm_bit_for_bit``).
+    Without it, CPU ``_scaled_mm`` converts the whole FP8 weight to fp32 at every call: ~15x a bf16 linear's time
+    at decode (M = 64 tokens, SmolLM2-135M's shapes)."""
+    if dequantized_KN is not None:
+        assert not x_q_MK.is_cuda and dequantized_KN.shape == (x_q_MK.shape[1], weight_fp8_NK.shape[0]), \
+            dequantized_KN.shape
+        return torch.matmul(x_q_MK.float() * x_scale_M1, dequantized_KN).to(out_dtype)
     if uses_small_m_kernel(x_q_MK):
         dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         return fp8_kernels.fp8_matmul(x_q_MK, x_scale_M1.view(-1), weight_fp8_NK, scale_N,
@@ -188,18 +208,20 @@ def fp8_matmul(x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor, weight_fp8_NK: to
 
 def fp8_linear(x: torch.Tensor, weight_fp8_NK: torch.Tensor, scale_N: torch.Tensor,
                bias: Optional[torch.Tensor] = None,
-               quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+               quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None, *,
+               dequantized_KN: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ W.t() (+ bias)`` in FP8: ``x`` (``[..., K]``, the training dtype) quantized per token, multiplied by
     the FP8 weight with its scales (:func:`fp8_matmul`), the output and the bias in ``x``'s dtype.
 
     ``quantized``: ``x``'s quantization ``(q [M, K], scale [M, 1])`` made already (by a fused kernel that produced
-    ``x``), the same bits :func:`quantize_activations` would give.
+    ``x``), the same bits :func:`quantize_activations` would give. ``dequantized_KN``: see :func:`fp8_matmul`.
 
     On a GPU, ``_scaled_mm`` wants K and N multiples of 16 and (row-wise scaling) a bfloat16 output, which an fp32
     model then casts back; on CPU there is no such constraint."""
     lead, k = x.shape[:-1], x.shape[-1]
     x_q, x_scale = quantized if quantized is not None else quantize_activations(x.reshape(-1, k))
-    y = fp8_matmul(x_q, x_scale, weight_fp8_NK, scale_N, x.dtype).view(*lead, weight_fp8_NK.shape[0])
+    y = fp8_matmul(x_q, x_scale, weight_fp8_NK, scale_N, x.dtype,
+                   dequantized_KN=dequantized_KN).view(*lead, weight_fp8_NK.shape[0])
     return y if bias is None else y + bias
 
 
@@ -221,10 +243,18 @@ class Fp8Table:
 
     It also carries activations quantized ahead (:meth:`offered`): a fused kernel that makes a linear's input can
     quantize it on the way (:mod:`megatron_hybrid.inference.fused`), and the linear then takes those bits rather than
-    quantizing again."""
+    quantizing again.
+
+    On CPU it also keeps each weight's :func:`dequantized_operand` once computed (:meth:`cpu_operand`): fp32, 4
+    bytes per weight element, outside the engine's rollout memory; :meth:`drop_operands` frees them, which the
+    binding's refill (the FP8 tensors change in place) and the switch back to training do."""
+
+    #: Whether CPU FP8 linears keep their dequantized operand between calls (False: ``_scaled_mm`` at every call).
+    cache_cpu_operands = True
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._operands: dict[int, torch.Tensor] = {}
         self._offered: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     @contextlib.contextmanager
@@ -248,13 +278,29 @@ class Fp8Table:
 
     def set(self, param: torch.Tensor, weight_fp8: torch.Tensor, scale: torch.Tensor) -> None:
         self._by_id[id(param)] = (param, weight_fp8, scale)  # holding the parameter keeps its id unique
+        self._operands.pop(id(param), None)
 
     def get(self, param: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         entry = self._by_id.get(id(param)) if param is not None else None
         return entry[1:] if entry is not None else None
 
+    def cpu_operand(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """``param``'s :func:`dequantized_operand`, computed at its first use after a :meth:`drop_operands`; None
+        for a CUDA weight (its ``_scaled_mm`` is an FP8 GEMM) or with :attr:`cache_cpu_operands` off."""
+        entry = self._by_id[id(param)]
+        if entry[1].is_cuda or not self.cache_cpu_operands:
+            return None
+        operand = self._operands.get(id(param))
+        if operand is None:
+            operand = self._operands[id(param)] = dequantized_operand(entry[1], entry[2])
+        return operand
+
+    def drop_operands(self) -> None:
+        self._operands.clear()
+
     def clear(self) -> None:
         self._by_id.clear()
+        self._operands.clear()
 
 
 class _Fp8:
@@ -272,7 +318,8 @@ def _forward_impl(base):
         if entry is None:
             return own(self, input, weight, *args, **kwargs)
         return fp8_linear(input, *entry, bias=kwargs.get("bias", args[0] if args else None),
-                          quantized=self.fp8_table.quantized(input))
+                          quantized=self.fp8_table.quantized(input),
+                          dequantized_KN=self.fp8_table.cpu_operand(weight))
 
     return impl
 

@@ -122,8 +122,16 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
         engine.switch_to_rollout()
         report = engine.communication_report()
         mismatches, compared = _fp8_mismatches(engine, ref_state)
+        table = engine.binding.fp8
         with torch.no_grad():
             logits = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
+            operands = len(table._operands)  # the CPU linears' dequantized operands, kept since the switch
+            table.cache_cpu_operands = False  # the same forward with torch._scaled_mm at every call
+            try:
+                uncached = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
+            finally:
+                del table.cache_cpu_operands
+        same_as_scaled_mm = (logits is None and uncached is None) or torch.equal(logits, uncached)
         if logits is not None:
             logits = gather_vocab(logits, engine.groups["tp"]).float()
         rolling = {k: report[k] for k in ("fp8_bytes_mapped", "canonical_bytes_mapped", "peer_bytes_mapped",
@@ -132,9 +140,10 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
         engine.switch_to_training()
         after = engine.communication_report()
         return {"mismatches": mismatches, "compared": compared, "logits": logits, "rolling": rolling,
+                "operands": operands, "same_as_scaled_mm": same_as_scaled_mm,
                 "training": {"fp8_bytes_mapped": after["fp8_bytes_mapped"],
                              "canonical_bytes_mapped": after["canonical_bytes_mapped"],
-                             "fp8_resident": present_bytes_in(fp8_spans)},
+                             "fp8_resident": present_bytes_in(fp8_spans), "operands": len(table._operands)},
                 "addresses": engine.binding.addresses()}
 
     first = observe(state)

@@ -127,6 +127,47 @@ def test_offered_quantization_is_taken_only_for_its_own_input():
     assert table.quantized(x) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("m, k, n", [(64, 576, 3072), (64, 1536, 576), (1, 576, 960), (7, 17, 9)],
+                         ids=["fc1", "fc2", "one-token", "odd"])
+def test_fp8_linear_cpu_operand_is_scaled_mm_bit_for_bit(m, k, n, dtype):
+    """CPU: the kept dequantized operand (what CPU torch's emulated _scaled_mm builds at every call) gives the same
+    bits as _scaled_mm; the decode shapes of SmolLM2-135M (M = 64 tokens) and odd ones."""
+    from megatron_hybrid.fp8 import dequantized_operand
+
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(2, m, k, generator=g).to(dtype)
+    x[0, 0] = 0
+    w_q, w_scale = quantize_reference(torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n).unsqueeze(1))
+    bias = torch.randn(n, generator=g).to(dtype)
+    operand = dequantized_operand(w_q, w_scale)
+    assert operand.dtype == torch.float32 and operand.shape == (k, n) and operand.is_contiguous()
+    got = fp8_linear(x, w_q, w_scale, bias, dequantized_KN=operand)
+    want = fp8_linear(x, w_q, w_scale, bias)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
+def test_fp8_table_keeps_cpu_operands_until_dropped():
+    from megatron_hybrid.fp8 import Fp8Table, dequantized_operand
+
+    table, param = Fp8Table(), torch.empty(0)
+    w_q, w_scale = quantize_reference(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+    table.set(param, w_q, w_scale)
+    first = table.cpu_operand(param)
+    assert torch.equal(first, dequantized_operand(w_q, w_scale)) and table.cpu_operand(param) is first
+    new_q, new_scale = quantize_reference(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)))
+    w_q.copy_(new_q)  # a refill: the FP8 tensors change in place
+    w_scale.copy_(new_scale)
+    assert table.cpu_operand(param) is first  # kept until dropped: the binding's refill drops them
+    table.drop_operands()
+    assert torch.equal(table.cpu_operand(param), dequantized_operand(new_q, new_scale))
+    table.cache_cpu_operands = False
+    assert table.cpu_operand(param) is None
+    del table.cache_cpu_operands
+    table.clear()
+    assert table.get(param) is None and not table._operands
+
+
 def test_targets_are_the_dense_layers_linear_weights():
     assert all(is_target(f"decoder.layers.3.{n}.weight") for n in (
         "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
@@ -175,7 +216,12 @@ def test_fp8_rollout_weights(arch_kw, layout, kwargs):
             rolling, training = obs["rolling"], obs["training"]
             assert rolling["fp8_bytes_mapped"] == r["first"]["fp8_needed"] > 0, (rank, rolling)
             assert rolling["fp8_resident"] >= rolling["fp8_bytes_mapped"]
-            assert training == {"fp8_bytes_mapped": 0, "canonical_bytes_mapped": 0, "fp8_resident": 0}, training
+            assert training == {"fp8_bytes_mapped": 0, "canonical_bytes_mapped": 0, "fp8_resident": 0,
+                                "operands": 0}, training
+            # CPU: every FP8 linear kept its dequantized operand from its first call after the switch (the second
+            # phase's were rebuilt from the stepped weights: the logits below), and the forward equals, bit for
+            # bit, the one with torch._scaled_mm at every call.
+            assert obs["operands"] == obs["compared"] and obs["same_as_scaled_mm"], (rank, phase)
             # The peak of the switch holds the peers' slots the quantization reads, given back once read.
             assert rolling["switch_peak_bytes_mapped"] == (rolling["fp8_bytes_mapped"]
                                                            + rolling["canonical_bytes_mapped"]
