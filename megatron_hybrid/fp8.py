@@ -38,8 +38,7 @@ from . import compat
 from . import fp8_kernels
 from .aliased import Blocks
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+FP8_DTYPE, FP8_MAX = fp8_kernels.FP8_DTYPE, fp8_kernels.FP8_MAX  # float8_e4m3fn, 448.0
 #: ``rollout_weights`` values: the training dtype, or FP8 for the :func:`is_target` weights.
 ROLLOUT_WEIGHTS = ("model", "fp8")
 #: The first CUDA compute capability with FP8 tensor cores (Ada, sm_89; Hopper is 9.0).

@@ -29,8 +29,13 @@ from typing import Optional
 
 import torch
 
-from .inference.kernels import HAVE_TRITON, next_pow2, use_triton
-from .inference.kernels import num_sms as device_sms
+# The format's constants, defined before the import below: importing megatron_hybrid.inference runs the package,
+# whose fused decoder (and megatron_hybrid.fp8) read them from here.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0, e4m3's largest finite value
+
+from .inference.kernels import HAVE_TRITON, next_pow2, use_triton  # noqa: E402
+from .inference.kernels import num_sms as device_sms  # noqa: E402
 
 if HAVE_TRITON:
     import triton
@@ -38,8 +43,6 @@ if HAVE_TRITON:
 
 __all__ = ["fp8_matmul", "fp8_weight_matmul", "fp8_weight_matmul_reference", "quantize_rows_into", "use_triton"]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 _ONE_PASS_MAX = 8192  # a row up to this long is read once, held in registers
 _CHUNK = 4096  # elements per step of a longer row
 

@@ -37,6 +37,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from ..fp8_kernels import FP8_DTYPE, FP8_MAX
 from .attention import KVCacheSelfAttention
 from .kernels import HAVE_TRITON, next_pow2, use_triton
 
@@ -48,7 +49,6 @@ __all__ = ["FusedDecoder", "add_rms_norm", "install_fused_decoder", "swiglu", "w
 
 _MAX_HIDDEN = 16384  # add_rms_norm holds a row in registers
 _SWIGLU_BLOCK = 1024
-_FP8_MAX = 448.0
 
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # FP8 values [T, K] and fp32 row scales [T, 1]
@@ -80,7 +80,7 @@ def swiglu(x_T2F: torch.Tensor, *, quantize: bool = False) -> tuple[torch.Tensor
     out = torch.empty(T, width, dtype=x_T2F.dtype, device=x_T2F.device)
     quantized = None
     if quantize:
-        quantized = (torch.empty(T, width, dtype=torch.float8_e4m3fn, device=x_T2F.device),
+        quantized = (torch.empty(T, width, dtype=FP8_DTYPE, device=x_T2F.device),
                      torch.empty(T, 1, dtype=torch.float32, device=x_T2F.device))
     if T:
         chunks = triton.cdiv(width, _SWIGLU_BLOCK)
@@ -91,7 +91,7 @@ def swiglu(x_T2F: torch.Tensor, *, quantize: bool = False) -> tuple[torch.Tensor
         _swiglu_kernel[(T, chunks)](rows, out, amax, rows.stride(0), width, chunks, BLOCK=_SWIGLU_BLOCK,
                                     AMAX=quantize, num_warps=4)
         if quantize:
-            _quantize_chunks_kernel[(T, chunks)](out, amax, quantized[0], quantized[1], width, chunks, _FP8_MAX,
+            _quantize_chunks_kernel[(T, chunks)](out, amax, quantized[0], quantized[1], width, chunks, FP8_MAX,
                                                  BLOCK=_SWIGLU_BLOCK, BLOCK_C=next_pow2(chunks), num_warps=4)
     return out.view(*x_T2F.shape[:-1], width), quantized
 
@@ -119,12 +119,12 @@ def add_rms_norm(x_TH: torch.Tensor, residual_TH: torch.Tensor, weight_H: Option
     rows = x_TH.numel() // H
     quantized = None
     if quantize:
-        quantized = (torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=x_TH.device),
+        quantized = (torch.empty(rows, H, dtype=FP8_DTYPE, device=x_TH.device),
                      torch.empty(rows, 1, dtype=torch.float32, device=x_TH.device))
     if rows:
         block = next_pow2(H)
         q_out, s_out = quantized if quantize else (normed, normed)  # pointers the kernel writes only with QUANT
-        _add_rms_norm_kernel[(rows,)](x_TH, residual_TH, weight_H, total, normed, q_out, s_out, H, eps, _FP8_MAX,
+        _add_rms_norm_kernel[(rows,)](x_TH, residual_TH, weight_H, total, normed, q_out, s_out, H, eps, FP8_MAX,
                                       BLOCK=block, QUANT=quantize, num_warps=8 if block >= 4096 else 4)
     return total, normed, quantized
 
