@@ -37,7 +37,10 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
 from ..fp8_kernels import FP8_DTYPE, FP8_MAX
+from . import kernels
 from .attention import KVCacheSelfAttention
 from .kernels import HAVE_TRITON, next_pow2, use_triton
 
@@ -112,8 +115,7 @@ def add_rms_norm(x_TH: torch.Tensor, residual_TH: torch.Tensor, weight_H: Option
               and x_TH.dtype in (torch.bfloat16, torch.float16, torch.float32))
     if not kernel:
         total = residual_TH + x_TH
-        up = total.float()
-        normed = (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps) * weight_H.float()).to(x_TH.dtype)
+        normed = kernels.rms_norm(total, weight_H, eps)
         return total, normed, (_quantize(normed) if quantize else None)
     total, normed = torch.empty_like(x_TH), torch.empty_like(x_TH)
     rows = x_TH.numel() // H
@@ -217,8 +219,6 @@ def _fp8_input(linear: torch.nn.Module) -> bool:
     table = getattr(linear, "fp8_table", None)
     if table is None or table.get(linear.weight) is None or not use_triton(linear.weight):
         return False
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-
     group = getattr(linear, "tp_group", None)
     return isinstance(linear, ColumnParallelLinear) or group is None or group.size() == 1
 
