@@ -6,12 +6,13 @@ On a shape (default llama3-8b; ``--layers`` cuts its depth), one rank, rollout l
    bench/generate.py's roofline).
 2. ``floor``: the bytes of the FP8 target weights' quantization, each read once in the training dtype and written
    once in FP8 plus its fp32 row scales, at that bandwidth: the least time any quantization could take.
-3. ``quantize``: :func:`megatron_hybrid.fp8.quantize_rows` over every target weight of the rollout model, as the
-   switch calls it (the placement's :class:`~megatron_hybrid.aliased.Blocks` of each weight, into the binding's FP8
-   tensor and scales), while rolling out; its bandwidth is the floor's bytes over the median time of the whole pass
-   (a kernel that reads a weight twice, for the row amax and then to quantize, moves more than these bytes), and
-   its ratio to the copy bandwidth (target ≥ 0.8). The binding's whole ``refill()`` is timed beside it (on one
-   rank it is the quantization alone: every other rollout tensor is a view of its training tensor).
+3. ``quantize``: the binding's ``refill()`` while rolling out, which on one rank is the switch's quantization alone
+   (every other rollout tensor is a view of its training tensor): a
+   :class:`~megatron_hybrid.fp8.WeightQuantizer` planned once over every target weight, one kernel per row length
+   on a GPU. Its bandwidth is the floor's bytes over the median time, and its ratio to the copy bandwidth is the
+   target (≥ 0.8). ``per_weight_seconds``: :func:`megatron_hybrid.fp8.quantize_rows` weight by weight, the path
+   before the plan (at least one launch a weight, two for a row-parallel weight). ``--sweep`` adds the grouped
+   kernel's launch parameters per row length.
 4. ``switch``: ``HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical")`` and the same with
    ``rollout_weights="fp8"``, one after the other on the same model (one engine at a time): the wall time of
    ``switch_to_rollout()`` and of ``switch_to_training()``, the device synchronised before and after each, median of
@@ -19,12 +20,15 @@ On a shape (default llama3-8b; ``--layers`` cuts its depth), one rank, rollout l
    rolling out (``switch_peak_bytes_mapped``, ``fp8_bytes_mapped``, ``canonical_bytes_mapped``) and while
    training (all 0).
 5. the targets: quantize bandwidth / copy bandwidth ≥ 0.8, and FP8 switch ≤ 1.25 × (bf16 switch + floor).
+6. ``mapping`` (GPU): what backing fresh memory costs the kernel that writes it first, and whether the host's
+   mapping overlaps the device's work when done in pieces (:func:`probe_mapping`).
 
-Rows (``"kind"``: ``copy_bandwidth``, ``quantize``, ``switch`` per ``rollout_weights``, ``targets``) go to
-``--out`` as one JSON list (``--append`` adds them to those there).
+Rows (``"kind"``: ``copy_bandwidth``, ``quantize``, ``switch`` per ``rollout_weights``, ``mapping``, ``targets``)
+go to ``--out`` as one JSON list (``--append`` adds them to those there).
 
     python3 bench/fp8_switch.py --out /tmp/fp8_switch.json                   # one GPU, llama3-8b
     python3 bench/fp8_switch.py --layers 4 --out /tmp/fp8_switch.json        # a quicker cut
+    python3 bench/fp8_switch.py --sweep --out /tmp/fp8_switch.json           # and the kernel's launch parameters
     python3 bench/fp8_switch.py --smoke --out /tmp/fp8_switch_smoke.json     # a tiny model on the CPU (gloo)
 """
 
@@ -107,26 +111,114 @@ def switch_times(engine, device: torch.device, rounds: int) -> dict[str, Any]:
             "training": {k: training[k] for k in keys[1:]}}
 
 
-def measure_quantize(engine, device: torch.device, rounds: int) -> dict[str, Any]:
-    """``quantize_rows`` over every FP8 target of ``engine`` (rolling out), and the binding's ``refill()``."""
-    from megatron_hybrid.fp8 import quantize_rows
+def measure_quantize(engine, device: torch.device, rounds: int, sweep: bool) -> dict[str, Any]:
+    """The binding's ``refill()`` while rolling out (on one rank its planned quantization alone,
+    :class:`~megatron_hybrid.fp8.WeightQuantizer`: one kernel per row length on a GPU), and beside it
+    :func:`~megatron_hybrid.fp8.quantize_rows` weight by weight (the path before that plan). With ``sweep``, the
+    grouped kernel's launch parameters per row length (``"sweep"``: seconds of that group's launch)."""
+    from megatron_hybrid import fp8_kernels
+    from megatron_hybrid.fp8 import WeightQuantizer, quantize_rows
 
     engine.switch_to_rollout()
     try:
         targets = fp8_targets(engine)
 
-        def quantize() -> None:
+        def per_weight() -> None:
             for _, blocks, weight, scale in targets:
                 quantize_rows(blocks, weight, scale)
 
-        _, times = timed(quantize, device, runs=rounds, warmup=1)
         _, refill = timed(engine.binding.refill, device, runs=rounds, warmup=1)
+        _, times = timed(per_weight, device, runs=rounds, warmup=1)
+        swept = []
+        if sweep:
+            grouped = WeightQuantizer([t[1:] for t in targets]).grouped
+            for K in sorted({x.shape[1] for x, _, _ in grouped.jobs}):
+                jobs = [j for j in grouped.jobs if j[0].shape[1] == K]
+                nbytes = sum(x.numel() * (x.element_size() + 1) + 4 * x.shape[0] for x, _, _ in jobs)
+                for config in sweep_configs(K):
+                    quantizer = fp8_kernels.RowQuantizer(jobs, config_for=lambda _k, c=config: c)
+                    try:
+                        _, t = timed(quantizer.run, device, runs=rounds, warmup=1)
+                    except Exception as exc:  # a configuration the compiler refuses: recorded, not fatal
+                        swept.append({"K": K, "config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    else:
+                        swept.append({"K": K, "config": config, "bytes": nbytes, "seconds": statistics.median(t)})
+                    print(json.dumps(swept[-1]), flush=True)
     finally:
         engine.switch_to_training()
     nbytes = target_bytes(targets)
     return {"weights": len(targets), "elements": sum(w.numel() for _, _, w, _ in targets), "bytes": nbytes,
-            "seconds": statistics.median(times), "runs": times, "bandwidth_bytes_s": nbytes / statistics.median(times),
-            "refill_seconds": statistics.median(refill), "refill_runs": refill}
+            "seconds": statistics.median(refill), "runs": refill,
+            "bandwidth_bytes_s": nbytes / statistics.median(refill),
+            "per_weight_seconds": statistics.median(times), "per_weight_runs": times, "sweep": swept}
+
+
+def sweep_configs(K: int) -> list[dict]:
+    """Launch parameters of the grouped quantization kernel tried for rows of K elements (``--sweep``)."""
+    from megatron_hybrid.fp8_kernels import next_pow2, tiles_config
+
+    out = [tiles_config(K)]
+    block = next_pow2(K)
+    for rows, warps in ((1, 4), (1, 8), (1, 16), (1, 32)):
+        if block * rows <= 16384 and block // (32 * warps) >= 4:
+            out.append(dict(ONE_PASS=True, BLOCK=block, ROWS=rows, num_warps=warps, TILE=1024))
+    if K > 8192:
+        for chunk, warps, stages in ((4096, 4, 1), (4096, 4, 2), (4096, 4, 3), (2048, 4, 2), (2048, 2, 3),
+                                     (8192, 8, 2), (4096, 8, 2)):
+            out.append(dict(ONE_PASS=False, BLOCK=chunk, ROWS=1, num_warps=warps, TILE=1024, STAGES=stages))
+    seen, unique = set(), []
+    for c in out:
+        if json.dumps(c, sort_keys=True) not in seen:
+            seen.add(json.dumps(c, sort_keys=True))
+            unique.append(c)
+    return unique
+
+
+def probe_mapping(device: torch.device, nbytes: int, chunks: int, rounds: int) -> dict[str, Any]:
+    """What backing fresh rollout-only memory costs a kernel that writes it, on a
+    :class:`~megatron_hybrid.memory.ReservedBuffer` of ``nbytes`` (a copy into it stands for the quantization):
+    ``map_s`` (the host's map), ``first_copy_s`` (the copy right after it), ``steady_copy_s`` (the same copy again),
+    and ``chunked_s``: ``chunks`` maps, each followed by its part of the copy, so that the host maps while the
+    device copies (medians of ``rounds``)."""
+    from megatron_hybrid.memory import ReservedBuffer
+
+    buf = ReservedBuffer(nbytes, torch.uint8, device=device)
+    g = buf.granularity_numel
+    n = nbytes // g * g
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = buf.tensor()[:n]
+    bounds = [min(n, round(i * n / chunks / g) * g) for i in range(chunks)] + [n]
+    out: dict[str, list[float]] = {"map_s": [], "first_copy_s": [], "steady_copy_s": [], "whole_s": [], "chunked_s": []}
+    try:
+        for i in range(rounds + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            buf.map(0, n)
+            t1 = time.perf_counter()
+            dst.copy_(src)
+            sync(device)
+            t2 = time.perf_counter()
+            dst.copy_(src)
+            sync(device)
+            t3 = time.perf_counter()
+            buf.unmap(0, n)
+            sync(device)
+            t4 = time.perf_counter()
+            for lo, hi in zip(bounds, bounds[1:]):
+                buf.map(lo, hi)
+                dst[lo:hi].copy_(src[lo:hi])
+            sync(device)
+            t5 = time.perf_counter()
+            for lo, hi in zip(bounds, bounds[1:]):
+                buf.unmap(lo, hi)
+            if i:
+                for key, value in (("map_s", t1 - t0), ("first_copy_s", t2 - t1), ("steady_copy_s", t3 - t2),
+                                   ("whole_s", t2 - t0), ("chunked_s", t5 - t4)):
+                    out[key].append(value)
+    finally:
+        buf.close()
+    return {"kind": "mapping", "bytes": n, "chunks": chunks,
+            **{k: statistics.median(v) for k, v in out.items()}, "runs": out}
 
 
 def run(arch, device: torch.device, args) -> list[dict]:
@@ -141,11 +233,14 @@ def run(arch, device: torch.device, args) -> list[dict]:
         try:
             switches[weights] = switch_times(engine, device, args.rounds)
             if weights == "fp8":
-                quant = measure_quantize(engine, device, args.rounds)
+                quant = measure_quantize(engine, device, args.rounds, args.sweep)
         finally:
             engine.close()
         rows.append({"kind": "switch", "rollout_weights": weights, "weight_mode": "canonical", **switches[weights]})
         print(json.dumps(rows[-1]), flush=True)
+    if device.type == "cuda":
+        rows.append(probe_mapping(device, args.bandwidth_bytes * 2, 8, args.rounds))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "runs"}), flush=True)
     floor = quant["bytes"] / bandwidth
     rows.append({"kind": "quantize", **quant, "floor_seconds": floor,
                  "over_copy_bandwidth": quant["bandwidth_bytes_s"] / bandwidth})
@@ -167,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=7, help="timed switch round trips and quantization passes (≥ 5)")
     ap.add_argument("--bandwidth-bytes", type=int, default=2**31, help="size of the copy that measures bandwidth")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (gloo): checks the bench runs")
+    ap.add_argument("--sweep", action="store_true", help="also time the grouped quantization kernel's launch "
+                    "parameters per row length (a GPU, or the Triton interpreter)")
     ap.add_argument("--out", required=True, help="JSON list of rows")
     ap.add_argument("--append", action="store_true", help="add the rows to those in --out (if it exists)")
     args = ap.parse_args(argv)

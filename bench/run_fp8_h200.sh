@@ -5,7 +5,8 @@
 #   exact       tests/gpu_fp8.py: FP8 weights = quantize_reference (GPU and CPU), before and after an optimizer step;
 #               FP8 (and bf16) graphs replay eager runs bit for bit                      -> gpu_fp8_h200.json
 #   switch      bench/fp8_switch.py on llama3-8b: copy bandwidth, quantization floor and bandwidth, bf16 and FP8
-#               switch times and memory                                                 -> fp8_switch_h200.json
+#               switch times and memory, the cost of mapping fresh memory (SWITCH_ARGS=--sweep: also the grouped
+#               quantization kernel's launch parameters)                                   -> fp8_switch_h200.json
 #   gemm        bench/fp8_gemm.py: a Llama-3-8B layer's linears in bf16 and FP8 (cuBLAS, the Triton kernels), and the
 #               quantization against a copy                                             -> fp8_gemm_h200.json
 #   gen1b       bench/generate.py on gpu-1b, ours and ours-fp8, B 32 128 256            -> generate_fp8_h200.json
@@ -41,7 +42,7 @@ for s in ${STEPS:-kernels exact switch gen1b gen8b_bf16 gen8b_fp8}; do
   case $s in
     kernels) step kernels "${KERNELS_LIMIT:-80}" python3 -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" ;;
     exact) step exact "${EXACT_LIMIT:-90}" python3 tests/gpu_fp8.py --output "$OUT/gpu_fp8_h200.json" ;;
-    switch) step switch "${SWITCH_LIMIT:-80}" python3 bench/fp8_switch.py --out "$OUT/fp8_switch_h200.json" ;;
+    switch) step switch "${SWITCH_LIMIT:-80}" python3 bench/fp8_switch.py ${SWITCH_ARGS:-} --out "$OUT/fp8_switch_h200.json" ;;
     gemm) step gemm "${GEMM_LIMIT:-90}" python3 bench/fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" ;;
     gen1b) step gen1b "${GEN1B_LIMIT:-100}" "${GEN[@]}" --shape gpu-1b --methods ours ours-fp8 --batch 32 128 256 ;;
     gen8b_bf16) step gen8b_bf16 "${GEN8B_LIMIT:-105}" "${GEN8B[@]}" --methods ours ;;

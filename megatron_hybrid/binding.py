@@ -10,9 +10,10 @@ fills them. Three kinds of binding, one class per weight mode deciding between t
   storage in a per-dtype range backed only while rolling out, refilled at every switch by one fused
   ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces);
 - FP8 (``rollout_weights="fp8"``, canonical mode; the dense layers' linear weights, :func:`megatron_hybrid.fp8.is_target`):
-  an FP8 tensor and its per-row scales in a range backed only while rolling out, refilled at every switch by
-  :func:`megatron_hybrid.fp8.quantize_rows` from the gathered blocks; the parameter stays a placeholder, and the
-  binding's :class:`~megatron_hybrid.fp8.Fp8Table` says which tensors the FP8 linears compute with.
+  an FP8 tensor and its per-row scales in a range backed only while rolling out, refilled at every switch by a
+  :class:`megatron_hybrid.fp8.WeightQuantizer` from the gathered blocks (on a GPU, one kernel per row length); the
+  parameter stays a placeholder, and the binding's :class:`~megatron_hybrid.fp8.Fp8Table` says which tensors the
+  FP8 linears compute with.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from . import ops
 from .aliased import Blocks, BlockTable, placeholder
-from .fp8 import FP8_DTYPE, Fp8Table, is_target, quantize_rows
+from .fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
 from .placement import DTYPE_NAMES, Placement, Placements
 from .sharding import expert_indices, global_name, layer_offset
 
@@ -68,13 +69,16 @@ class Binding:
     an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors (and the FP8 ones).
 
     ``rollout_weights``: ``"fp8"`` gives the :func:`~megatron_hybrid.fp8.is_target` weights FP8 tensors (the
-    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`).
+    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`), except
+    in the ``fp8_bf16_layers = (first, last)`` layers at either end of the model's ``num_layers``
+    (:func:`~megatron_hybrid.fp8.layers_in_bf16`), whose twins compute in the training dtype.
     """
 
     mode = ""
 
     def __init__(self, chunks: list[torch.nn.Module], placements: Placements, *,
-                 rollout_weights: str = "model") -> None:
+                 rollout_weights: str = "model", fp8_bf16_layers: tuple[int, int] = (0, 0),
+                 num_layers: int = 0) -> None:
         self.chunks, self.placement = chunks, placements
         self.table = BlockTable()
         self.fp8 = Fp8Table()
@@ -89,7 +93,7 @@ class Binding:
                 placement = placements.of(name)
                 blocks = placement.blocks(name)
                 new = placeholder(prm)
-                if rollout_weights == "fp8" and is_target(name):
+                if rollout_weights == "fp8" and is_target(name, num_layers=num_layers, bf16_layers=fp8_bf16_layers):
                     # Only the quantization reads the blocks: the peers' slots among them are not kept.
                     quantized.setdefault(id(placement), []).append((new, blocks))
                 elif len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
@@ -176,11 +180,7 @@ class Binding:
             self.fp8.set(new, weight, scale)
             targets.append((blocks, weight, scale))
 
-        def refill() -> None:
-            for blocks, weight, scale in targets:
-                quantize_rows(blocks, weight, scale)
-
-        return refill
+        return WeightQuantizer(targets).run
 
     def refill(self) -> None:
         """Rebuild the canonical tensors (and the FP8 ones) from the freshly gathered buffers."""

@@ -38,6 +38,7 @@ from .binding import BINDINGS, named_parameters
 from .exchange import keys_of
 from .executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers, make_exchange_plan,
                        make_group_plan)
+from .fp8 import layers_in_bf16
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
 from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
@@ -135,8 +136,11 @@ class HybridEngine:
             switch writes the dense layers' linear weights (QKV, attention output, fc1, fc2) as float8 e4m3 with one
             fp32 scale per output row, straight from the gathered shards into memory backed only while rolling out,
             and the rollout model multiplies in FP8 (activations quantized per token; :mod:`megatron_hybrid.fp8`).
-            The embedding, the output layer, norms, biases and MoE experts stay in the training dtype. Needs
-            ``weight_mode="canonical"`` and, on a GPU, FP8 tensor cores (compute capability ≥ 8.9).
+            The embedding, the output layer, norms, biases and MoE experts stay in the training dtype, and so do the
+            first and last decoder layers that the model's ``TransformerConfig`` keeps in bf16 as Megatron's FP8
+            training does (``first_last_layers_bf16``, ``num_layers_at_start_in_bf16``,
+            ``num_layers_at_end_in_bf16``). Needs ``weight_mode="canonical"`` and, on a GPU, FP8 tensor cores
+            (compute capability ≥ 8.9).
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
@@ -208,7 +212,10 @@ class HybridEngine:
         else:
             self.placement = self._place_planes(expert_groups)
         self.plan, self.member_index = self.plans["dense"]
-        self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement, rollout_weights=rollout_weights)
+        self.fp8_layers_in_bf16 = layers_in_bf16(self.config) if rollout_weights == "fp8" else (0, 0)
+        self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement, rollout_weights=rollout_weights,
+                                             fp8_bf16_layers=self.fp8_layers_in_bf16,
+                                             num_layers=self.config.num_layers)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offload: Optional[HostOffload] = None
@@ -498,6 +505,7 @@ class HybridEngine:
             **self.placement.report(),
             "weight_mode": self.weight_mode,
             "rollout_weights": self.rollout_weights,
+            "fp8_layers_in_bf16": list(self.fp8_layers_in_bf16),
             "layout": dataclasses.asdict(self.layout),
             **({"expert_layout": dataclasses.asdict(self.expert_layout)} if self.expert_layout is not None else {}),
         }

@@ -2,8 +2,9 @@
 linear weights as float8 e4m3 with one fp32 scale per output row, and the rollout model computes with them.
 
 Which weights: every decoder layer's ``linear_qkv``, ``linear_proj`` and, in a dense MLP, ``linear_fc1`` and
-``linear_fc2`` (:func:`is_target`). The embedding, the output layer, norms, biases, the router and the MoE experts
-(routed and shared) stay in the training dtype.
+``linear_fc2`` (:func:`is_target`), except in the first and last layers that the model's config keeps in bf16 as
+Megatron's FP8 training does (``first_last_layers_bf16``: :func:`layers_in_bf16`). The embedding, the output layer,
+norms, biases, the router and the MoE experts (routed and shared) stay in the training dtype.
 
 The format, the same for weights and activations: a row r of ``w`` (an output row of a weight, a token of the
 activations) becomes ``q_r = (w_r.float() / s_r).to(float8_e4m3fn)`` with ``s_r = amax(|w_r|) / 448`` in fp32 (448:
@@ -18,7 +19,9 @@ Legend: N output features (rows of a weight), K input features, M tokens.
 
 - :func:`quantize_rows`: the rollout tensor, given as the binding's :class:`~megatron_hybrid.aliased.Blocks`
   (views of gathered training shards), straight into FP8 and its scales, without materialising the
-  training-dtype tensor; :func:`quantize_reference`: the same format from a whole tensor, in plain torch, for tests.
+  training-dtype tensor; :class:`WeightQuantizer`: the binding's weights, planned once and (on a GPU) quantized by
+  one kernel per row length; :func:`quantize_reference`: the same format from a whole tensor, in plain torch, for
+  tests.
 - :func:`fp8_linear` (activations quantized per token, one ``_scaled_mm``) and :func:`fp8_linear_reference`.
 - :class:`Fp8Table`, owned by the binding: which rollout parameter computes with which FP8 tensor and scales;
   :class:`Fp8ColumnParallelLinear`, :class:`Fp8RowParallelLinear`: megatron-core's local-spec linears that read it.
@@ -49,12 +52,30 @@ _STEP_NUMEL = 1 << 24
 # A dense layer's linear weights: decoder.layers.<i>.self_attention.linear_{qkv,proj}.weight and
 # decoder.layers.<i>.mlp.linear_fc{1,2}.weight (an MoE layer's experts are ``mlp.experts...``, its shared experts
 # ``mlp.shared_experts...``: not matched).
-_TARGET = re.compile(r"(^|\.)layers\.\d+\.(self_attention\.linear_(qkv|proj)|mlp\.linear_fc[12])\.weight$")
+_TARGET = re.compile(r"(^|\.)layers\.(?P<layer>\d+)\.(self_attention\.linear_(qkv|proj)|mlp\.linear_fc[12])"
+                     r"\.weight$")
 
 
-def is_target(name: str) -> bool:
-    """Whether parameter ``name`` (global or chunk-local) is a weight that FP8 rollout weights quantize."""
-    return _TARGET.search(name) is not None
+def is_target(name: str, *, num_layers: int = 0, bf16_layers: tuple[int, int] = (0, 0)) -> bool:
+    """Whether parameter ``name`` is a weight that FP8 rollout weights quantize: a dense layer's linear weight
+    (global or chunk-local name) and, with ``bf16_layers = (first, last)`` (:func:`layers_in_bf16`), not in the
+    first ``first`` or the last ``last`` of the model's ``num_layers`` decoder layers (a global name: layers
+    numbered model-wide)."""
+    match = _TARGET.search(name)
+    if match is None:
+        return False
+    first, last = bf16_layers
+    return first <= int(match["layer"]) < num_layers - last if first or last else True
+
+
+def layers_in_bf16(config) -> tuple[int, int]:
+    """(first, last): how many decoder layers at the start and at the end of the model keep their weights in the
+    training dtype under ``rollout_weights="fp8"``: Megatron's FP8 convention, read from the model's
+    ``TransformerConfig`` (``first_last_layers_bf16`` with ``num_layers_at_start_in_bf16`` and
+    ``num_layers_at_end_in_bf16``; Megatron-LM's ``--first-last-layers-bf16``). (0, 0) when it is off."""
+    if not getattr(config, "first_last_layers_bf16", False):
+        return 0, 0
+    return int(config.num_layers_at_start_in_bf16), int(config.num_layers_at_end_in_bf16)
 
 
 def row_scales(amax_N: torch.Tensor) -> torch.Tensor:
@@ -110,6 +131,53 @@ def _parts(blocks: Blocks) -> list[torch.Tensor]:
     return [c[j] for j in range(blocks.stride) for c in chunks]
 
 
+def _whole_rows(blocks: Blocks, out_fp8_NK: torch.Tensor,
+                out_scale_N: torch.Tensor) -> Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """(piece, its FP8 rows, their scales) of every non-empty piece of ``blocks`` when each holds whole rows of
+    the rollout tensor (pieces split along dim 0, or a single piece); None for pieces that split rows."""
+    parts = _parts(blocks)
+    assert out_fp8_NK.dtype == FP8_DTYPE and out_scale_N.dtype == torch.float32
+    assert sum(p.shape[blocks.dim] for p in parts) == out_fp8_NK.shape[blocks.dim], (blocks.dim, out_fp8_NK.shape)
+    if len(parts) == 1:
+        return [(parts[0], out_fp8_NK, out_scale_N)] if parts[0].shape[0] else []
+    if blocks.dim != 0:
+        return None
+    out, row = [], 0
+    for part in parts:
+        n = part.shape[0]
+        if n:
+            out.append((part, out_fp8_NK[row: row + n], out_scale_N[row: row + n]))
+        row += n
+    return out
+
+
+class WeightQuantizer:
+    """A binding's FP8 weights, requantized at every switch (:meth:`run`) from their blocks, planned once.
+
+    ``targets``: (blocks, FP8 tensor, scales) of each weight, all at fixed addresses (the binding's). Pieces that
+    hold whole rows (:func:`_whole_rows`) go to one :class:`~megatron_hybrid.fp8_kernels.RowQuantizer` where the
+    kernels run (one launch per row length, not one or more a weight); the rest, and everything without the
+    kernels, go through :func:`quantize_rows` weight by weight. The same bits either way."""
+
+    def __init__(self, targets: list[tuple[Blocks, torch.Tensor, torch.Tensor]]) -> None:
+        self.per_weight: list[tuple[Blocks, torch.Tensor, torch.Tensor]] = []
+        jobs = []
+        for blocks, weight, scale in targets:
+            whole = _whole_rows(blocks, weight, scale)
+            if whole is not None and all(fp8_kernels.supports_kernel(x, out) for x, out, _ in whole):
+                jobs += whole
+            else:
+                self.per_weight.append((blocks, weight, scale))
+        self.grouped = fp8_kernels.RowQuantizer(jobs) if jobs else None
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if self.grouped is not None:
+            self.grouped.run()
+        for blocks, weight, scale in self.per_weight:
+            quantize_rows(blocks, weight, scale)
+
+
 @torch.no_grad()
 def quantize_rows(blocks: Blocks, out_fp8_NK: torch.Tensor, out_scale_N: torch.Tensor) -> None:
     """Write the rollout tensor that ``blocks`` stand for into ``out_fp8_NK`` (``float8_e4m3fn``) and its per-row
@@ -117,17 +185,12 @@ def quantize_rows(blocks: Blocks, out_fp8_NK: torch.Tensor, out_scale_N: torch.T
     quantized one by one; pieces split along dim 1 (row-parallel weights) share rows, so their row amaxes are
     combined first, then each piece is quantized into its columns. Bit for bit :func:`quantize_reference` of
     ``blocks.materialize()``."""
-    parts = _parts(blocks)
-    assert out_fp8_NK.dtype == FP8_DTYPE and out_scale_N.dtype == torch.float32
-    assert sum(p.shape[blocks.dim] for p in parts) == out_fp8_NK.shape[blocks.dim], (blocks.dim, out_fp8_NK.shape)
-    if blocks.dim == 0:
-        row = 0
-        for part in parts:
-            n = part.shape[0]
-            if n:
-                _quantize_part(part, out_fp8_NK[row: row + n], out_scale_N[row: row + n])
-            row += n
+    whole = _whole_rows(blocks, out_fp8_NK, out_scale_N)
+    if whole is not None:
+        for part, out, scale in whole:
+            _quantize_part(part, out, scale)
         return
+    parts = _parts(blocks)
     assert blocks.dim == 1, blocks.dim
     amax = None
     for part in parts:

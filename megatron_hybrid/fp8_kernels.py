@@ -41,7 +41,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["fp8_matmul", "fp8_weight_matmul", "fp8_weight_matmul_reference", "quantize_rows_into", "use_triton"]
+__all__ = ["RowQuantizer", "fp8_matmul", "fp8_weight_matmul", "fp8_weight_matmul_reference", "quantize_rows_into",
+           "use_triton"]
 
 _ONE_PASS_MAX = 8192  # a row up to this long is read once, held in registers
 _CHUNK = 4096  # elements per step of a longer row
@@ -89,6 +90,73 @@ def supports_kernel(x_RK: torch.Tensor, out_RK: Optional[torch.Tensor] = None) -
     ok = (use_triton(x_RK) and x_RK.dim() == 2 and x_RK.stride(1) == 1
           and x_RK.dtype in (torch.bfloat16, torch.float16, torch.float32))
     return ok and (out_RK is None or (out_RK.dim() == 2 and out_RK.stride(1) == 1))
+
+
+def tiles_config(K: int) -> dict:
+    """Launch parameters of :class:`RowQuantizer` for rows of K elements: :func:`quantize_config`'s, and ``TILE``
+    rows share one table row."""
+    return dict(quantize_config(K), TILE=1024)
+
+
+class RowQuantizer:
+    """Whole-row quantizations (``quantize_rows_into(x, out, scale, mode=QUANTIZE)``) of tensors that keep their
+    addresses, such as a switch's FP8 weights, run as one kernel per row length and input dtype.
+
+    The tensors' addresses go into a table once, one table row per ``TILE`` consecutive rows of a tensor (the
+    addresses of the tile's first input row, FP8 row and scale, the row strides and its row count), so
+    :meth:`run` costs one launch per group however many tensors there are: a switch of a Llama-3-8B shape
+    quantizes 128 weights in two launches (rows of 4096 and of 14,336) instead of one or more launches each,
+    whose host time exceeded the kernels' (issue 26).
+
+    ``jobs``: ``(x [R, K], out [R, K] float8_e4m3fn, scale [R] fp32)``, each as :func:`quantize_rows_into` takes
+    them (the caller checks :func:`supports_kernel`). Every tensor must keep its storage, shape and strides for the
+    quantizer's lifetime: the quantizer holds references, and the caller must not give them new storage.
+    ``config_for(K)`` overrides :func:`tiles_config` (a sweep).
+    """
+
+    COLUMNS = 6  # x address, x row stride, out address, out row stride, scale address, rows (the kernel reads these)
+    MAX_TILES = 65535  # a grid's second dimension
+
+    def __init__(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, config_for=None) -> None:
+        groups: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._ones: list[torch.Tensor] = []  # scales of rows with no elements: 1
+        for x, out, scale in jobs:
+            R, K = x.shape
+            assert out.shape == x.shape and out.dtype == FP8_DTYPE and out.stride(1) == 1 and x.stride(1) == 1
+            assert scale.shape == (R,) and scale.dtype == torch.float32 and scale.is_contiguous()
+            if R and not K:
+                self._ones.append(scale)
+            elif R:
+                groups.setdefault((K, x.dtype), []).append((x, out, scale))
+        self.launches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, dict]] = []
+        for (K, _), items in groups.items():
+            c = dict((config_for or tiles_config)(K))
+            # (no longer than the group's longest tensor: programs past a tile's rows do nothing)
+            longest = -(-next_pow2(max(x.shape[0] for x, _, _ in items)) // c["ROWS"]) * c["ROWS"]
+            tile = c["TILE"] = min(c["TILE"], longest)
+            assert tile % c["ROWS"] == 0
+            table = []
+            for x, out, scale in items:
+                for lo in range(0, x.shape[0], tile):
+                    table.append([x[lo].data_ptr(), x.stride(0), out[lo].data_ptr(), out.stride(0),
+                                  scale[lo].data_ptr(), min(tile, x.shape[0] - lo)])
+            device = items[0][0].device
+            c["ALIGNED"] = all(row[0] % 16 == 0 and row[2] % 16 == 0 and row[1] % 16 == 0 and row[3] % 16 == 0
+                               for row in table)
+            for lo in range(0, len(table), self.MAX_TILES):
+                part = torch.tensor(table[lo: lo + self.MAX_TILES], dtype=torch.int64, device=device)
+                self.launches.append((part, items[0][0], items[0][1], K, c))
+        self.jobs = jobs  # the tensors whose addresses the tables hold
+
+    def run(self) -> None:
+        """Quantize every job's rows (asynchronously on a GPU; CUDA-graph capturable)."""
+        for scale in self._ones:
+            scale.fill_(1.0)
+        for table, x_like, out_like, K, c in self.launches:
+            grid = (c["TILE"] // c["ROWS"], table.shape[0])
+            _quantize_tiles_kernel[grid](table, x_like, out_like, K, FP8_MAX, ONE_PASS=c["ONE_PASS"], ROWS=c["ROWS"],
+                                         BLOCK=c["BLOCK"], ALIGNED=c["ALIGNED"], STAGES=c.get("STAGES", 1),
+                                         num_warps=c["num_warps"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,14 +249,11 @@ def fp8_weight_matmul_reference(x_MK: torch.Tensor, weight_NK: torch.Tensor, sca
 if HAVE_TRITON:
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride, fp8_max,
-                              MODE: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # Program p: rows p*ROWS .. p*ROWS + ROWS-1. MODE 0: amax, scale, quantize; 1: quantize with the rows'
-        # given scales; 2: amax only.
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < R
-        x_rows = x_ptr + rows[:, None] * x_stride
-        out_rows = out_ptr + rows[:, None] * out_stride
+    def _quantize_rows_body(x_rows, out_rows, scale_ptr, rows, row_ok, K, fp8_max, MODE: tl.constexpr,
+                            ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+        # ROWS rows at x_rows / out_rows ([ROWS, 1] pointers), their scales at scale_ptr + rows. MODE 0: amax,
+        # scale, quantize; 1: quantize with the rows' given scales; 2: amax only. STAGES: loads in flight in
+        # the loops over a long row's chunks (software pipelining; 1: none).
         cols = tl.arange(0, BLOCK)[None, :]
         if ONE_PASS:
             mask = row_ok[:, None] & (cols < K)
@@ -200,7 +265,7 @@ if HAVE_TRITON:
                 amax = tl.max(tl.abs(x), axis=1)
             else:
                 running = tl.zeros([ROWS, BLOCK], tl.float32)
-                for start in range(0, K, BLOCK):
+                for start in tl.range(0, K, BLOCK, num_stages=STAGES):
                     chunk = tl.load(x_rows + start + cols, mask=row_ok[:, None] & (start + cols < K),
                                     other=0.0).to(tl.float32)
                     running = tl.maximum(running, tl.abs(chunk))
@@ -214,13 +279,45 @@ if HAVE_TRITON:
         if MODE != 2:
             if ONE_PASS:
                 q = tl.math.div_rn(x, tl.zeros([ROWS, BLOCK], tl.float32) + scale[:, None])
-                tl.store(out_rows + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(out_rows + cols, q.to(out_rows.dtype.element_ty), mask=mask)
             else:
-                for start in range(0, K, BLOCK):
+                for start in tl.range(0, K, BLOCK, num_stages=STAGES):
                     m = row_ok[:, None] & (start + cols < K)
                     chunk = tl.load(x_rows + start + cols, mask=m, other=0.0).to(tl.float32)
                     q = tl.math.div_rn(chunk, tl.zeros([ROWS, BLOCK], tl.float32) + scale[:, None])
-                    tl.store(out_rows + start + cols, q.to(out_ptr.dtype.element_ty), mask=m)
+                    tl.store(out_rows + start + cols, q.to(out_rows.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride, fp8_max,
+                              MODE: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # Program p: rows p*ROWS .. p*ROWS + ROWS-1 of one tensor.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        _quantize_rows_body(x_ptr + rows[:, None] * x_stride, out_ptr + rows[:, None] * out_stride, scale_ptr,
+                            rows, rows < R, K, fp8_max, MODE, ONE_PASS, ROWS, BLOCK, 1)
+
+    @triton.jit
+    def _quantize_tiles_kernel(table_ptr, x_like, out_like, K, fp8_max, ONE_PASS: tl.constexpr,
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                               STAGES: tl.constexpr):
+        # Program (p, t): rows p*ROWS .. p*ROWS + ROWS-1 of tile t, whose table row holds the addresses of its
+        # first row (input, FP8 output, scale), the row strides and its row count (see RowQuantizer). ALIGNED:
+        # every address is a multiple of 16 bytes and every row stride of 16 elements, which the compiler cannot
+        # see in addresses loaded from memory; told so, it loads and stores 16 bytes at a time.
+        entry = table_ptr + tl.program_id(1).to(tl.int64) * 6  # RowQuantizer.COLUMNS
+        x_ptr = tl.load(entry).to(tl.pointer_type(x_like.dtype.element_ty))
+        x_stride = tl.load(entry + 1)
+        out_ptr = tl.load(entry + 2).to(tl.pointer_type(out_like.dtype.element_ty))
+        out_stride = tl.load(entry + 3)
+        if ALIGNED:
+            x_ptr = tl.multiple_of(x_ptr, 16)
+            out_ptr = tl.multiple_of(out_ptr, 16)
+            x_stride = tl.multiple_of(x_stride, 16)
+            out_stride = tl.multiple_of(out_stride, 16)
+        scale_ptr = tl.load(entry + 4).to(tl.pointer_type(tl.float32))
+        n_rows = tl.load(entry + 5)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        _quantize_rows_body(x_ptr + rows[:, None] * x_stride, out_ptr + rows[:, None] * out_stride, scale_ptr,
+                            rows, rows < n_rows, K, fp8_max, 0, ONE_PASS, ROWS, BLOCK, STAGES)
 
     @triton.jit
     def _fp8_weight_matmul_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, M, N, K, x_stride,

@@ -82,6 +82,15 @@ def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], ro
         first = next((p for c in chunks for p in compat.unwrap_model(c).parameters()), None)
         if first is not None:
             check_fp8_device(first.device, cuda_capability(first.device))
+        config = compat.unwrap_model(chunks[0]).config
+        if getattr(config, "first_last_layers_bf16", False):
+            start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
+            if not (isinstance(start, int) and isinstance(end, int) and start >= 0 and end >= 0
+                    and start + end <= config.num_layers):
+                raise ValueError(f"the model's config keeps layers in bf16 under rollout_weights='fp8' "
+                                 f"(first_last_layers_bf16), but num_layers_at_start_in_bf16 ({start!r}) and "
+                                 f"num_layers_at_end_in_bf16 ({end!r}) must be integers ≥ 0 that sum to at most "
+                                 f"num_layers ({config.num_layers})")
 
 
 def check_layout(layout: ParallelLayout, *, world_size: int, num_chunks: int) -> None:

@@ -13,12 +13,13 @@ NEW_TOKENS = 6
 PROMPTS = [[5, 17, 3, 99], [42, 7], [1, 2, 3, 4, 5, 6, 7]]
 
 
-def fp8_reference(arch_kw: dict, state: dict, rollout_tp: int = 1) -> torch.Tensor:
+def fp8_reference(arch_kw: dict, state: dict, rollout_tp: int = 1, bf16_layers: tuple = (0, 0)) -> torch.Tensor:
     """World of one: the logits of the unsharded model whose QKV, attention-output, fc1 and fc2 linears compute as
     the FP8 rollout model at rollout TP ``rollout_tp`` does, written independently in plain torch: weights quantized
     per output row of their rollout shard, activations per token, both dequantized in fp32, fp32 matmuls. A
     row-parallel linear's shard holds K / t_g of every row and of every token's features: each of the t_g slices
-    is quantized on its own and the partial products are summed (the rollout model's all-reduce)."""
+    is quantized on its own and the partial products are summed (the rollout model's all-reduce). ``bf16_layers``:
+    (first, last) layers at either end that keep the model's own linears (first_last_layers_bf16)."""
     from megatron_hybrid.sharding import load_full_state_dict
 
     def dequantized(w: torch.Tensor) -> torch.Tensor:  # along the last dim, one scale per row
@@ -39,8 +40,9 @@ def fp8_reference(arch_kw: dict, state: dict, rollout_tp: int = 1) -> torch.Tens
 
     model = arch(**arch_kw).build()
     load_full_state_dict([model], state, tp_rank=0, tp_size=1)
-    for layer in model.decoder.layers:  # megatron-core's linears call their _forward_impl: an instance attribute
-        attention, mlp = layer.self_attention, layer.mlp
+    layers = model.decoder.layers
+    for layer in list(layers)[bf16_layers[0]: len(layers) - bf16_layers[1]]:  # megatron-core's linears call their
+        attention, mlp = layer.self_attention, layer.mlp                   # _forward_impl: an instance attribute
         attention.linear_qkv._forward_impl = mlp.linear_fc1._forward_impl = column
         attention.linear_proj._forward_impl = mlp.linear_fc2._forward_impl = row
     with torch.no_grad():
@@ -48,7 +50,7 @@ def fp8_reference(arch_kw: dict, state: dict, rollout_tp: int = 1) -> torch.Tens
     return logits.float()
 
 
-def references(arch_kw: dict, rollout_tp: int) -> tuple:
+def references(arch_kw: dict, rollout_tp: int, bf16_layers: tuple = (0, 0)) -> tuple:
     """World of one: the initial and the SGD-stepped unsharded weights (engine_cases' ``reference`` and ``stepped``),
     their logits in the training dtype, and their :func:`fp8_reference` logits at rollout TP ``rollout_tp``."""
     from tests.engine_cases import reference, stepped
@@ -56,11 +58,11 @@ def references(arch_kw: dict, rollout_tp: int) -> tuple:
     state, logits = reference(arch_kw)
     new_state = stepped(state)
     _, new_logits = reference(arch_kw, new_state)
-    fp8 = [fp8_reference(arch_kw, s, rollout_tp) for s in (state, new_state)]
+    fp8 = [fp8_reference(arch_kw, s, rollout_tp, bf16_layers) for s in (state, new_state)]
     return state, new_state, (logits, new_logits), fp8
 
 
-def _fp8_mismatches(engine, state: dict) -> tuple[list[str], int]:
+def _fp8_mismatches(engine, state: dict, bf16_layers: tuple) -> tuple[list[str], int]:
     """The FP8 rollout weights that differ from an independent quantization (``torch.float8_e4m3fn`` cast of the
     fp32 weight over its row amax / 448) of this rank's rollout shard of the unsharded ``state``, bit for bit, scales
     included; and how many were compared."""
@@ -74,7 +76,7 @@ def _fp8_mismatches(engine, state: dict) -> tuple[list[str], int]:
         for name, p in chunk.named_parameters():
             key = global_name(name, off)
             entry = engine.binding.fp8.get(p)
-            if (entry is not None) != is_target(key):
+            if (entry is not None) != is_target(key, num_layers=engine.config.num_layers, bf16_layers=bf16_layers):
                 bad.append(f"{key}: FP8 {entry is not None}")
                 continue
             if entry is None:
@@ -88,11 +90,13 @@ def _fp8_mismatches(engine, state: dict) -> tuple[list[str], int]:
 
 
 def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict, new_state: dict, *,
-                    own_region_min_numel: Optional[int] = None, generate: bool = False) -> dict:
+                    own_region_min_numel: Optional[int] = None, generate: bool = False,
+                    bf16_layers: tuple = (0, 0)) -> dict:
     """The FP8 engine before and after an SGD step: its FP8 weights against an independent quantization of
     ``state`` / ``new_state`` (the stepped unsharded weights), its logits, its memory while rolling out and
     training; with ``generate`` also greedy generation, twice. ``own_region_min_numel``: the plan's size threshold
-    for stacked and strided regions, lowered so that the tiny model's QKV and fc1 get them."""
+    for stacked and strided regions, lowered so that the tiny model's QKV and fc1 get them. ``bf16_layers``:
+    (first, last), set in the model's config as Megatron's first_last_layers_bf16."""
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout, plan
@@ -105,7 +109,9 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
     try:
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         a = arch(**arch_kw)
-        config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        bf16 = dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=bf16_layers[0],
+                    num_layers_at_end_in_bf16=bf16_layers[1]) if any(bf16_layers) else {}
+        config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **bf16)
         model = a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
         engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode="canonical",
@@ -121,7 +127,7 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
     def observe(ref_state: dict) -> dict:
         engine.switch_to_rollout()
         report = engine.communication_report()
-        mismatches, compared = _fp8_mismatches(engine, ref_state)
+        mismatches, compared = _fp8_mismatches(engine, ref_state, bf16_layers)
         table = engine.binding.fp8
         with torch.no_grad():
             logits = pipeline_forward(engine.rollout_model, engine.groups["pp"], tok, pos)
@@ -151,6 +157,7 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
     first["fp8_needed"] = sum(p.numel() + 4 * p.shape[0] for chunk in engine.rollout_chunks
                               for p in chunk.parameters() if engine.binding.fp8.get(p) is not None)
     first["strided"] = strided
+    first["layers_in_bf16"] = engine.communication_report()["fp8_layers_in_bf16"]
     # An SGD step on the training layout: this rank's shard of the known full gradient (engine_cases.stepped).
     sgd_step(engine.modules, full_grads(state))
     second = observe(new_state)
@@ -207,6 +214,12 @@ def bad_inputs_case() -> list[str]:
         refused(model, weight_mode="canonical", rollout_weights="fp8")
         validation.cuda_capability = saved_capability
         refused(other, weight_mode="canonical", rollout_weights="fp8")
+        config = model.config  # Megatron's first_last_layers_bf16 asking for more layers than the model has
+        config.first_last_layers_bf16, config.num_layers_at_start_in_bf16 = True, config.num_layers
+        try:
+            refused(model, weight_mode="canonical", rollout_weights="fp8")
+        finally:
+            config.first_last_layers_bf16, config.num_layers_at_start_in_bf16 = False, 1
     finally:
         validation.cuda_capability = saved_capability
         for n, f in saved.items():

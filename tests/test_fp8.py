@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import types
 
 import pytest
 import torch
 
 from megatron_hybrid.aliased import Blocks
-from megatron_hybrid.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_reference, is_target, quantize_reference,
-                                 quantize_rows)
+from megatron_hybrid.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_reference, is_target, layers_in_bf16,
+                                 quantize_reference, quantize_rows)
 from tests import fp8_cases, ppo_cases
 from tests.harness import run_distributed
 
@@ -179,27 +180,46 @@ def test_targets_are_the_dense_layers_linear_weights():
         "decoder.layers.1.mlp.shared_experts.linear_fc2.weight"))
 
 
+def test_first_last_layers_bf16_keep_their_weights():
+    """Megatron's first_last_layers_bf16 (TransformerConfig) names the layers at either end whose rollout weights
+    stay in the training dtype; global names count layers model-wide."""
+    names = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(5)]
+    assert [is_target(n, num_layers=5, bf16_layers=(1, 2)) for n in names] == [False, True, True, False, False]
+    assert all(is_target(n, num_layers=5) for n in names)
+    assert not is_target("decoder.layers.2.mlp.linear_fc1.bias", num_layers=5, bf16_layers=(1, 2))
+    config = types.SimpleNamespace(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
+                                   num_layers_at_end_in_bf16=1)
+    assert layers_in_bf16(config) == (2, 1)
+    config.first_last_layers_bf16 = False
+    assert layers_in_bf16(config) == (0, 0)
+
+
 # ---- the engine on gloo ranks ------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _references(arch_items: tuple, rollout_tp: int):
-    return run_distributed(fp8_cases.references, 1, dict(arch_items), rollout_tp)[0]
+def _references(arch_items: tuple, rollout_tp: int, bf16_layers: tuple = (0, 0)):
+    return run_distributed(fp8_cases.references, 1, dict(arch_items), rollout_tp, bf16_layers)[0]
 
 
 # (t, p, d) -> (t_g, p_g): a micro-DP gather with QKV stacked and fc1 strided (own regions; greedy generation too),
-# merged stages in bf16, TP widened (sub-blocks of the own shard), and an exchange layout (p_g > p).
+# merged stages in bf16, TP widened (sub-blocks of the own shard), an exchange layout (p_g > p), and Megatron's
+# first_last_layers_bf16 (the first and last layers keep bf16 rollout weights) on merged stages.
 LAYOUTS = [
     ({"num_layers": 2}, ((2, 1, 2), (1, 1)), dict(own_region_min_numel=1024, generate=True)),
     ({"num_layers": 2, "params_dtype": "bfloat16"}, ((2, 2, 1), (1, 1)), {}),
     ({"num_layers": 2, "add_bias_linear": True}, ((1, 1, 2), (2, 1)), {}),
     ({"num_layers": 2}, ((2, 1, 2), (1, 2)), {}),
+    ({"num_layers": 4, "params_dtype": "bfloat16"}, ((1, 2, 1), (1, 1)), dict(bf16_layers=(1, 2))),
 ]
 
 
 @pytest.mark.parametrize("arch_kw, layout, kwargs", LAYOUTS,
-                         ids=["t2d2-tg1-own-regions", "t2p2-tg1-bf16", "t1d2-tg2-bias", "t2d2-pg2-exchange"])
+                         ids=["t2d2-tg1-own-regions", "t2p2-tg1-bf16", "t1d2-tg2-bias", "t2d2-pg2-exchange",
+                              "p2-pg1-first-last-layers-bf16"])
 def test_fp8_rollout_weights(arch_kw, layout, kwargs):
     (t, p, d), (t_g, p_g) = layout
-    state, new_state, logits, fp8_logits = _references(tuple(sorted(arch_kw.items())), t_g)
+    bf16_layers = kwargs.get("bf16_layers", (0, 0))
+    state, new_state, logits, fp8_logits = _references(tuple(sorted(arch_kw.items())), t_g, bf16_layers)
+    fp8_layers = arch_kw["num_layers"] - sum(bf16_layers)
     runs = run_distributed(fp8_cases.fp8_engine_case, t * p * d, arch_kw, t_g, p_g, state, new_state,
                            tensor_model_parallel_size=t, pipeline_model_parallel_size=p, **kwargs)
     bf16 = arch_kw.get("params_dtype") == "bfloat16"
@@ -209,7 +229,8 @@ def test_fp8_rollout_weights(arch_kw, layout, kwargs):
             obs = r[phase]
             # After every switch, also after an SGD step: bit for bit the quantization of the unsharded weights'
             # rollout shard, scales included, for every QKV / proj / fc1 / fc2 of the rank's rollout stage.
-            assert obs["mismatches"] == [] and obs["compared"] == 4 * arch_kw["num_layers"] // p_g, \
+            # With first_last_layers_bf16, exactly the other layers' weights are FP8.
+            assert obs["mismatches"] == [] and obs["compared"] == 4 * fp8_layers // p_g, \
                 (rank, phase, obs["mismatches"], obs["compared"])
             # FP8 memory: exactly the FP8 tensors and scales while rolling out (pages: resident), none while
             # training.
@@ -241,6 +262,7 @@ def test_fp8_rollout_weights(arch_kw, layout, kwargs):
                 assert (obs["logits"] - logits[i]).abs().max() > 1e-3  # and it is FP8, not the training dtype
         # Bound once: every FP8 tensor and scale stays at its address across switches and the optimizer step.
         assert r["first"]["addresses"] == r["second"]["addresses"], rank
+        assert r["first"]["layers_in_bf16"] == list(bf16_layers)
     assert seen_logits >= 2
     if kwargs.get("own_region_min_numel"):
         # fc1 was gathered straight into its rollout layout (a strided region): read once by the quantization, then
@@ -268,6 +290,9 @@ def test_bad_fp8_inputs_fail_before_any_collective():
         "rollout_weights='fp8' cannot run decoder.layers.0.self_attention.linear_qkv.weight (OtherLinear) in FP8: "
         "only megatron-core's local-spec ColumnParallelLinear / RowParallelLinear have FP8 twins; use "
         "rollout_weights='model'",
+        "the model's config keeps layers in bf16 under rollout_weights='fp8' (first_last_layers_bf16), but "
+        "num_layers_at_start_in_bf16 (4) and num_layers_at_end_in_bf16 (1) must be integers ≥ 0 that sum to at "
+        "most num_layers (4)",
     ]
 
 
@@ -295,6 +320,21 @@ def test_recipe_flag_needs_the_canonical_engine():
         _validate("--rollout-fp8")
     with pytest.raises(ValueError, match="--rollout-fp8 needs the HybridEngine's rollout"):
         _validate("--rollout-fp8", "--hybrid-weight-mode", "canonical", "--no-hybrid-rollout")
+
+
+def test_recipe_first_last_layers_bf16_flags():
+    from megatron_hybrid.rl import rollout_fp8_config
+
+    fp8 = ("--rollout-fp8", "--hybrid-weight-mode", "canonical")
+    args = _validate(*fp8, "--num-layers", "4", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2")
+    assert rollout_fp8_config(args) == dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                                            num_layers_at_end_in_bf16=2)
+    assert rollout_fp8_config(_validate(*fp8)) == {}
+    with pytest.raises(ValueError, match="--first-last-layers-bf16 needs --rollout-fp8"):
+        _validate("--first-last-layers-bf16")
+    with pytest.raises(ValueError, match=r"--num-layers-at-start-in-bf16 \(-1\) and --num-layers-at-end-in-bf16 "
+                                         r"\(1\) must be ≥ 0"):
+        _validate(*fp8, "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1")
 
 
 def test_recipe_generates_with_fp8_and_measures_the_gap(tmp_path):

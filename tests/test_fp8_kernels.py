@@ -2,7 +2,9 @@
 (megatron_hybrid.inference.fused), against plain PyTorch.
 
 - Row quantization: bit for bit :func:`megatron_hybrid.fp8.quantize_reference` (values and scales), also for rows
-  longer than one pass holds, strided rows, zero rows and subnormal results; given scales and amax only.
+  longer than one pass holds, strided rows, zero rows and subnormal results; given scales and amax only; many
+  tensors in one launch (:class:`~megatron_hybrid.fp8_kernels.RowQuantizer`, the switch's
+  :class:`~megatron_hybrid.fp8.WeightQuantizer`).
 - The weight-only FP8 matrix multiply against the weight dequantized in fp32 and one fp32 matmul, with and without
   K split over programs: the tolerance is a few units of bfloat16's last place of the output (both sum the same
   exact products in fp32, in other orders, then round once).
@@ -57,6 +59,67 @@ def test_triton_quantize_rows_bit_for_bit(R, K, dtype):
     fp8_kernels.quantize_rows_into(x, None, amax, mode=fp8_kernels.AMAX)
     assert torch.equal(amax.cpu(), x.cpu().float().abs().amax(dim=1))
     assert torch.equal(row_scales(amax).cpu(), s_ref)
+
+
+@needs_triton
+@pytest.mark.usefixtures("triton_interpreter_fixes")
+@pytest.mark.parametrize("tile, rows, aligned", [(8, 1, True), (4, 2, False), (3, 1, True)],
+                         ids=["tiles-8", "tiles-4x2-unaligned", "tiles-3"])
+def test_triton_row_quantizer_bit_for_bit(tile, rows, aligned):
+    """One launch per (row length, dtype) over many tensors, through the table of addresses: each tensor's FP8
+    rows and scales are quantize_reference's, with partial tiles and rows of several lengths (two in one group),
+    an empty tensor and a tensor of rows with no elements (scale 1); rows on 16-byte boundaries (the kernel is told
+    so) and strided rows off them."""
+    K0 = 96 if aligned else 100
+    specs = [(6, K0, torch.bfloat16), (5, K0, torch.bfloat16), (7, 4096, torch.float32), (4, 20000, torch.bfloat16),
+             (0, K0, torch.bfloat16), (3, 0, torch.bfloat16)]
+    jobs, refs = [], []
+    for i, (R, K, dtype) in enumerate(specs):
+        x = _rows(R, K, dtype, 31 * i + R) if R and K else torch.zeros(R, K, dtype=dtype, device=TRITON_DEVICE)
+        if aligned:
+            x = x.clone()  # contiguous, at the allocator's (aligned) address
+            out = torch.full((R, K), float("nan"), device=TRITON_DEVICE).to(FP8_DTYPE)
+        else:
+            out = torch.full((R, K + 3), float("nan"), device=TRITON_DEVICE).to(FP8_DTYPE)[:, 1: K + 1]
+        scale = torch.full((R,), float("nan"), device=TRITON_DEVICE)
+        jobs.append((x, out, scale))
+        # (rows with no elements: amax 0, so scale 1, as quantize_rows_into writes; the reference needs K > 0)
+        refs.append(quantize_reference(x.cpu()) if K else (torch.empty(R, 0, dtype=FP8_DTYPE), torch.ones(R)))
+
+    def config(K):
+        return dict(fp8_kernels.tiles_config(K), TILE=tile, ROWS=rows)
+
+    quantizer = fp8_kernels.RowQuantizer(jobs, config_for=config)
+    assert len(quantizer.launches) == 3  # (K0, bf16), (4096, fp32), (20000, bf16)
+    assert [launch[4]["ALIGNED"] for launch in quantizer.launches] == [aligned] * 3
+    for run in range(2):  # a second run rewrites the same bits (the switch runs it at every switch)
+        quantizer.run()
+        for (x, out, scale), (q_ref, s_ref) in zip(jobs, refs):
+            assert torch.equal(scale.cpu(), s_ref), (x.shape, run)
+            assert torch.equal(out.cpu().view(torch.uint8), q_ref.view(torch.uint8)), (x.shape, run)
+
+
+@needs_triton
+@pytest.mark.usefixtures("triton_interpreter_fixes")
+def test_triton_weight_quantizer_groups_whole_rows():
+    """A binding's weights: pieces along dim 0 and single pieces (whichever their dim) go to the grouped kernel,
+    pieces that split rows go weight by weight; every weight equals quantize_reference of its whole tensor."""
+    from megatron_hybrid.aliased import Blocks
+    from megatron_hybrid.fp8 import WeightQuantizer
+
+    full = [_rows(12, 96, torch.bfloat16, s) for s in range(4)]
+    blocks = [Blocks([full[0][:5], full[0][5:]], 0, 1), Blocks([full[1]], 1, 1),
+              Blocks([full[2][:, :40], full[2][:, 40:]], 1, 1), Blocks([full[3][:6], full[3][6:]], 0, 2)]
+    targets = [(b, torch.empty(12, 96, device=TRITON_DEVICE).to(FP8_DTYPE), torch.empty(12, device=TRITON_DEVICE))
+               for b in blocks]
+    quantizer = WeightQuantizer(targets)
+    assert [t[0] for t in quantizer.per_weight] == [blocks[2]]
+    assert len(quantizer.grouped.jobs) == 2 + 1 + 4  # 2 pieces, 1 piece, 2 views of 2 interleaved chunks
+    quantizer.run()
+    for b, q, scale in targets:
+        q_ref, s_ref = quantize_reference(b.materialize().cpu())
+        assert torch.equal(scale.cpu(), s_ref)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @needs_triton

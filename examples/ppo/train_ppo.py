@@ -96,7 +96,8 @@ class Trainer:
             rl.load_value_model(a.reward_model_load, device=self.device)
 
         stage_kw = dict(device=self.device, sequence_parallel=a.sequence_parallel)  # every training-layout model
-        actor = rl.build_stage(self.arch, **stage_kw, moe_enable_routing_replay=a.moe_enable_routing_replay)
+        actor = rl.build_stage(self.arch, **stage_kw, moe_enable_routing_replay=a.moe_enable_routing_replay,
+                               **rl.rollout_fp8_config(a))  # --first-last-layers-bf16: read by the HybridEngine
         if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights
             rl.load_pretrained(actor, a.pretrained_checkpoint)
         self.reference = rl.build_reference(actor, self.arch, **stage_kw)

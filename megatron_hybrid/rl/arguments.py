@@ -174,6 +174,14 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "linear weights quantized to float8 e4m3 at every switch, FP8 matmuls; needs --hybrid-weight-mode "
                    "canonical. The rollout log-probs then come from the FP8 model: rollout_mismatch/* measures the "
                    "gap, --tis-imp-ratio-cap corrects for it")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="with --rollout-fp8: the first and last decoder layers keep bf16 rollout weights "
+                   "(Megatron-LM's FP8 flag of the same name: TransformerConfig.first_last_layers_bf16); a small "
+                   "model's FP8 error comes mostly from its first and last layers")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="with --first-last-layers-bf16: how many layers at the start keep bf16 (Megatron-LM's flag)")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="with --first-last-layers-bf16: how many layers at the end keep bf16 (Megatron-LM's flag)")
     g.add_argument("--reshard-bucket-size-mb", type=float, default=None,
                    help="HybridEngine gather bucket, MiB per dtype (default: the engine's, 1024 on a GPU, 32 on a "
                         "CPU)")
@@ -360,6 +368,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.rollout_fp8 and args.hybrid_weight_mode != "canonical":
         raise ValueError(f"--rollout-fp8 needs --hybrid-weight-mode canonical (got --hybrid-weight-mode "
                          f"{args.hybrid_weight_mode}): FP8 rollout weights are tensors rebuilt at every switch")
+    if args.first_last_layers_bf16 and not args.rollout_fp8:
+        raise ValueError("--first-last-layers-bf16 needs --rollout-fp8 (it says which rollout layers stay bf16; "
+                         "training is in the model's dtype)")
+    if args.first_last_layers_bf16:
+        start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
+        if start < 0 or end < 0 or start + end > args.num_layers:
+            raise ValueError(f"--num-layers-at-start-in-bf16 ({start}) and --num-layers-at-end-in-bf16 ({end}) must "
+                             f"be ≥ 0 and sum to at most --num-layers ({args.num_layers})")
     # Any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP gathers cannot serve).
     if world_size % (t_g * p_g):
         raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) × --rollout-pipeline-model-parallel-size "
@@ -483,3 +499,13 @@ def _validate_data_and_rewards(args: argparse.Namespace) -> None:
     if args.eval_prompt_data is not None and args.eval_interval is None:
         warnings.warn(f"--eval-prompt-data ({args.eval_prompt_data}) is ignored without --eval-interval",
                       stacklevel=3)
+
+
+def rollout_fp8_config(args: argparse.Namespace) -> dict:
+    """The actor's ``TransformerConfig`` fields that ``--first-last-layers-bf16`` sets (Megatron's FP8 convention,
+    which ``HybridEngine(rollout_weights="fp8")`` reads: :func:`megatron_hybrid.fp8.layers_in_bf16`); empty without
+    it."""
+    if not args.first_last_layers_bf16:
+        return {}
+    return dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+                num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16)

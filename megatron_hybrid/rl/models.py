@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,11 +72,13 @@ def architecture_from_args(args: argparse.Namespace, vocab_size: int) -> GPTArch
 
 
 def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torch.device,
-                sequence_parallel: bool = False, moe_enable_routing_replay: bool = False) -> torch.nn.Module:
+                sequence_parallel: bool = False, moe_enable_routing_replay: bool = False,
+                **config_overrides: Any) -> torch.nn.Module:
     """This rank's stage of a GPTModel on Megatron's training groups, every parameter in ``arch.dtype``; with a
     :class:`ValueHead` if asked; with Megatron's sequence parallelism if asked (``--sequence-parallel``, TP > 1);
     with a ``RouterReplay`` in every MoE router if asked (``--moe-enable-routing-replay``, the actor's: its passes
-    then route as the rollout's record says, :mod:`.routing`).
+    then route as the rollout's record says, :mod:`.routing`). ``config_overrides``: further ``TransformerConfig``
+    fields (the actor's :func:`~megatron_hybrid.rl.arguments.rollout_fp8_config`).
 
     The config carries megatron-core's ``finalize_model_grads`` (DP all-reduce, and the tied embedding's gradient
     summed over the first and last stages), as Megatron-LM's training loop sets it.
@@ -92,7 +95,8 @@ def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torc
     config = arch.transformer_config(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                                      pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                                      sequence_parallel=sequence_parallel,
-                                     moe_enable_routing_replay=moe_enable_routing_replay, **experts)
+                                     moe_enable_routing_replay=moe_enable_routing_replay, **experts,
+                                     **config_overrides)
     config.finalize_model_grads_func = finalize_model_grads
     model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if value_head and ps.is_pipeline_last_stage():
