@@ -69,6 +69,9 @@ fixed, top-p vs greedy), and for a shape with targets of its own (``TARGETS``) w
         --variants greedy --out /tmp/fp8.json --append --profile-json /tmp/fp8_kernels.json
     python3 bench/generate.py --shape llama3-8b --methods ours-fp8 --batch 32 128 256 --new-tokens 128 \
         --variants greedy --out /tmp/fp8.json --append --profile-json /tmp/fp8_kernels.json
+    # the same with the first and the last layer in bf16 (Megatron's first_last_layers_bf16), rows of their own
+    python3 bench/generate.py --shape llama3-8b --methods ours-fp8 --fp8-layers-in-bf16 1 1 --batch 256 32 \
+        --new-tokens 128 --variants greedy --out /tmp/fp8_first_last_bf16.json
 """
 
 from __future__ import annotations
@@ -230,8 +233,17 @@ def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.devi
     counts = param_counts(arch)
     assert sum(counts.values()) == sum(p.numel() for p in model.parameters()), (counts, "the roofline's count")
     fp8 = method == "ours-fp8"
-    engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical" if fp8 else args.weight_mode,
-                          rollout_weights="fp8" if fp8 else "model", bucket_size_mb=args.bucket_size_mb)
+    config = model.config
+    first, last = args.fp8_layers_in_bf16 if fp8 else (0, 0)
+    # Megatron's first_last_layers_bf16, which the engine reads at construction (the layers keep bf16 weights)
+    config.first_last_layers_bf16 = bool(first or last)
+    config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16 = first, last
+    try:
+        engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical" if fp8 else args.weight_mode,
+                              rollout_weights="fp8" if fp8 else "model", bucket_size_mb=args.bucket_size_mb)
+    finally:
+        config.first_last_layers_bf16, config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16 = \
+            False, 1, 1
     P, vocab = args.prompt_len, arch.vocab_size
     longest = 7 * P // 4 + max(max(args.new_tokens), 2 * args.new_tokens[0])
     moe = arch.num_experts is not None
@@ -283,6 +295,7 @@ def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.devi
                          "digest": digests[-1], **({"digests": digests} if len(set(digests)) > 1 else {})})
             report = engine.communication_report()  # rolling out: the rollout weights' bytes now
             rows[-1].update(weight_mode=engine.weight_mode, rollout_weights=engine.rollout_weights,
+                            fp8_layers_in_bf16=report["fp8_layers_in_bf16"],
                             **{k: report[k] for k in ("fp8_bytes_mapped", "canonical_bytes_mapped",
                                                       "switch_peak_bytes_mapped") if k in report})
             if moe:
@@ -573,6 +586,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--out", required=True, help="JSON list of rows")
     ap.add_argument("--append", action="store_true",
                     help="add the rows to those in --out (if it exists); targets over all of them")
+    ap.add_argument("--fp8-layers-in-bf16", nargs=2, type=int, default=[0, 0], metavar=("FIRST", "LAST"),
+                    help="ours-fp8: the first FIRST and last LAST layers keep bf16 rollout weights (Megatron's "
+                    "first_last_layers_bf16); write these rows to their own --out")
     ap.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
                     help="print a torch.profiler table of one more call of these variants (GPU)")
     ap.add_argument("--profile-json", default=None,

@@ -17,6 +17,9 @@
 #   gen8b_unfused
 #               the bf16 rows again with GenerationConfig(fused_decoder=False): the kernels per layer and decode
 #               step before the fusion        -> generate_fp8_unfused_h200.json, generate_fp8_unfused_kernels_h200.json
+#   gen8b_fp8_first_last
+#               the FP8 rows again with the first and the last layer in bf16 (--fp8-layers-in-bf16 1 1)
+#                                                                  -> generate_fp8_first_last_bf16_h200.json
 # Each step has its own time limit (the *_LIMIT variables; their defaults sum to 560 s); logs and results go to $OUT.
 # STEPS="gen8b_bf16 gen8b_fp8" GEN8B_LIMIT=270 runs a subset with more time (e.g. the 8B runs as a second call).
 set -u
@@ -50,6 +53,9 @@ for s in ${STEPS:-kernels exact switch gen1b gen8b_bf16 gen8b_fp8}; do
         --runs 3 --shape llama3-8b --batch 256 32 --methods ours --fused-decoder off \
         --out "$OUT/generate_fp8_unfused_h200.json" --profile-json "$OUT/generate_fp8_unfused_kernels_h200.json" ;;
     gen8b_fp8) step gen8b_fp8 "${GEN8B_LIMIT:-105}" "${GEN8B[@]}" --methods ours-fp8 ;;
+    gen8b_fp8_first_last) step gen8b_fp8_first_last "${GEN8B_LIMIT:-105}" python3 bench/generate.py --new-tokens 128 \
+        --variants greedy --runs 3 --shape llama3-8b --batch 256 32 --methods ours-fp8 --fp8-layers-in-bf16 1 1 \
+        --out "$OUT/generate_fp8_first_last_bf16_h200.json" ;;
   esac
 done
 # The device tool returns at most 8 files: the logs travel as one archive.
