@@ -176,8 +176,7 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "gap, --tis-imp-ratio-cap corrects for it")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="with --rollout-fp8: the first and last decoder layers keep bf16 rollout weights "
-                   "(Megatron-LM's FP8 flag of the same name: TransformerConfig.first_last_layers_bf16); a small "
-                   "model's FP8 error comes mostly from its first and last layers")
+                   "(Megatron-LM's FP8 flag of the same name: TransformerConfig.first_last_layers_bf16)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
                    help="with --first-last-layers-bf16: how many layers at the start keep bf16 (Megatron-LM's flag)")
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
