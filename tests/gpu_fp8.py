@@ -2,7 +2,7 @@
 Not collected by pytest (needs a GPU for most of it; ``--smoke`` runs the CPU part).
 
     python3 tests/gpu_fp8.py --output /tmp/gpu_fp8.json      # one GPU
-    python3 tests/gpu_fp8.py --smoke                          # the CPU part (part 1 on the CPU; 2 and 3 skipped)
+    python3 tests/gpu_fp8.py --smoke                          # the CPU part (part 1 on the CPU; 2 to 4 skipped)
 
 A small Llama-shaped bf16 model (4 layers, hidden 1024, 16 heads / 8 KV groups, ffn 2816, vocabulary 32,000: every
 dimension a multiple of 16, as ``torch._scaled_mm`` wants) in a ``HybridEngine(..., weight_mode="canonical",
@@ -25,6 +25,9 @@ rollout_weights="fp8")`` (rollout layout TP = PP = 1). Checked:
    - each graph step: for every captured graph (decode and prefill), the replayed logits equal an eager run of the
      same step from the same state (inputs and cache), bit for bit (as tests/gpu_inference.py checks bf16 steps).
 3. the same two for the training dtype (``rollout_weights="model"``), the control.
+4. FP8 with the first and the last layer in bf16 (Megatron's ``first_last_layers_bf16`` in the model's config):
+   exactly the other layers' weights are FP8, equal to ``quantize_reference``; its graphs replay eager runs bit
+   for bit. The fused decoder then hands a pre-quantized input only to the FP8 layers' linears.
 
 Prints one JSON summary; exits 1 when a check fails. ``--output PATH`` writes it too.
 """
@@ -85,7 +88,8 @@ def check_quantization(engine) -> dict[str, Any]:
     wrong_set, device_mismatch, cpu_mismatch, compared = [], [], [], 0
     for name, param in named_parameters(engine.rollout_chunks):
         entry = engine.binding.fp8.get(param)
-        if (entry is not None) != is_target(name):
+        if (entry is not None) != is_target(name, num_layers=engine.config.num_layers,
+                                            bf16_layers=engine.fp8_layers_in_bf16):
             wrong_set.append(name)
             continue
         if entry is None:
@@ -276,9 +280,22 @@ def run(smoke: bool) -> dict[str, Any]:
                     part = part_graphs(model, arch.vocab_size, weights)
                     summary[f"{weights}_graphs"] = part
                     checks.update({f"{weights}: {k}": v for k, v in part["checks"].items()})
+                config = model.config  # part 4: Megatron's first_last_layers_bf16, read by the engine
+                config.first_last_layers_bf16 = True
+                config.num_layers_at_start_in_bf16 = config.num_layers_at_end_in_bf16 = 1
+                try:
+                    quantized = part_quantization(model, arch.vocab_size, device)
+                    graphs = part_graphs(model, arch.vocab_size, "fp8")
+                finally:
+                    config.first_last_layers_bf16 = False
+                summary["fp8_first_last_bf16"] = {"quantization": quantized, "graphs": graphs}
+                checks.update({f"fp8 first+last bf16: {k}": v for k, v in quantized["checks"].items()})
+                checks.update({f"fp8 first+last bf16: {k}": v for k, v in graphs["checks"].items()})
+                # 2 of the 4 layers' weights are FP8 (4 linears each)
+                checks["fp8 first+last bf16: 8 FP8 weights"] = quantized["first_switch"]["compared"] == 8
             else:
-                summary["skipped"].append("parts 2 and 3 (CUDA graphs against eager): need a GPU")
-                print("gpu_fp8: CUDA graphs need a GPU: parts 2 and 3 skipped", file=sys.stderr)
+                summary["skipped"].append("parts 2 to 4 (CUDA graphs against eager): need a GPU")
+                print("gpu_fp8: CUDA graphs need a GPU: parts 2 to 4 skipped", file=sys.stderr)
     finally:
         dist.destroy_process_group()
     summary["checks"] = checks
