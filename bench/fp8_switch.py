@@ -166,12 +166,7 @@ def sweep_configs(K: int) -> list[dict]:
         for chunk, warps, stages in ((4096, 4, 1), (4096, 4, 2), (4096, 4, 3), (2048, 4, 2), (2048, 2, 3),
                                      (8192, 8, 2), (4096, 8, 2)):
             out.append(dict(ONE_PASS=False, BLOCK=chunk, ROWS=1, num_warps=warps, TILE=1024, STAGES=stages))
-    seen, unique = set(), []
-    for c in out:
-        if json.dumps(c, sort_keys=True) not in seen:
-            seen.add(json.dumps(c, sort_keys=True))
-            unique.append(c)
-    return unique
+    return list({json.dumps(c, sort_keys=True): c for c in out}.values())  # the default once, first
 
 
 def probe_mapping(device: torch.device, nbytes: int, chunks: int, rounds: int) -> dict[str, Any]:

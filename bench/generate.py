@@ -233,17 +233,20 @@ def bench_ours(arch: GPTArchitecture, model: torch.nn.Module, device: torch.devi
     counts = param_counts(arch)
     assert sum(counts.values()) == sum(p.numel() for p in model.parameters()), (counts, "the roofline's count")
     fp8 = method == "ours-fp8"
+    # Megatron's first_last_layers_bf16, which the engine reads at construction (those layers keep bf16 weights);
+    # the model's own values come back after it
     config = model.config
+    fields = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+    saved = [getattr(config, f) for f in fields]
     first, last = args.fp8_layers_in_bf16 if fp8 else (0, 0)
-    # Megatron's first_last_layers_bf16, which the engine reads at construction (the layers keep bf16 weights)
-    config.first_last_layers_bf16 = bool(first or last)
-    config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16 = first, last
+    for field, value in zip(fields, (bool(first or last), first, last)):
+        setattr(config, field, value)
     try:
         engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical" if fp8 else args.weight_mode,
                               rollout_weights="fp8" if fp8 else "model", bucket_size_mb=args.bucket_size_mb)
     finally:
-        config.first_last_layers_bf16, config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16 = \
-            False, 1, 1
+        for field, value in zip(fields, saved):
+            setattr(config, field, value)
     P, vocab = args.prompt_len, arch.vocab_size
     longest = 7 * P // 4 + max(max(args.new_tokens), 2 * args.new_tokens[0])
     moe = arch.num_experts is not None

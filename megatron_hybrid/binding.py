@@ -18,7 +18,7 @@ fills them. Three kinds of binding, one class per weight mode deciding between t
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -69,16 +69,15 @@ class Binding:
     an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors (and the FP8 ones).
 
     ``rollout_weights``: ``"fp8"`` gives the :func:`~megatron_hybrid.fp8.is_target` weights FP8 tensors (the
-    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`), except
-    in the ``fp8_bf16_layers = (first, last)`` layers at either end of the model's ``num_layers``
-    (:func:`~megatron_hybrid.fp8.layers_in_bf16`), whose twins compute in the training dtype.
+    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`) in the
+    decoder layers ``fp8_layers`` (numbered model-wide; all when None). The other layers' twins compute in the
+    training dtype (:func:`~megatron_hybrid.fp8.layers_in_bf16`).
     """
 
     mode = ""
 
     def __init__(self, chunks: list[torch.nn.Module], placements: Placements, *,
-                 rollout_weights: str = "model", fp8_bf16_layers: tuple[int, int] = (0, 0),
-                 num_layers: int = 0) -> None:
+                 rollout_weights: str = "model", fp8_layers: Optional[range] = None) -> None:
         self.chunks, self.placement = chunks, placements
         self.table = BlockTable()
         self.fp8 = Fp8Table()
@@ -93,7 +92,7 @@ class Binding:
                 placement = placements.of(name)
                 blocks = placement.blocks(name)
                 new = placeholder(prm)
-                if rollout_weights == "fp8" and is_target(name, num_layers=num_layers, bf16_layers=fp8_bf16_layers):
+                if rollout_weights == "fp8" and is_target(name, layers=fp8_layers):
                     # Only the quantization reads the blocks: the peers' slots among them are not kept.
                     quantized.setdefault(id(placement), []).append((new, blocks))
                 elif len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:

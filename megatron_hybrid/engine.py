@@ -214,8 +214,7 @@ class HybridEngine:
         self.plan, self.member_index = self.plans["dense"]
         self.fp8_layers_in_bf16 = layers_in_bf16(self.config) if rollout_weights == "fp8" else (0, 0)
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement, rollout_weights=rollout_weights,
-                                             fp8_bf16_layers=self.fp8_layers_in_bf16,
-                                             num_layers=self.config.num_layers)
+                                             fp8_layers=self.fp8_layers)
         self.mode = "training"
         self._fingerprint: Optional[int] = None
         self._offload: Optional[HostOffload] = None
@@ -326,6 +325,13 @@ class HybridEngine:
     def rollout_model(self) -> Union[torch.nn.Module, list[torch.nn.Module]]:
         """The megatron-core model of the rollout layout (a list when the training model was a list)."""
         return self.rollout_chunks if len(self.chunks) > 1 else self.rollout_chunks[0]
+
+    @property
+    def fp8_layers(self) -> range:
+        """The decoder layers (numbered model-wide) whose rollout weights are FP8 under ``rollout_weights="fp8"``:
+        all but the :func:`~megatron_hybrid.fp8.layers_in_bf16` ones at either end."""
+        first, last = self.fp8_layers_in_bf16
+        return range(first, self.config.num_layers - last)
 
     def _fingerprint_now(self) -> int:
         return sum(p._version for p in self._train_params.values())

@@ -56,16 +56,12 @@ _TARGET = re.compile(r"(^|\.)layers\.(?P<layer>\d+)\.(self_attention\.linear_(qk
                      r"\.weight$")
 
 
-def is_target(name: str, *, num_layers: int = 0, bf16_layers: tuple[int, int] = (0, 0)) -> bool:
+def is_target(name: str, *, layers: Optional[range] = None) -> bool:
     """Whether parameter ``name`` is a weight that FP8 rollout weights quantize: a dense layer's linear weight
-    (global or chunk-local name) and, with ``bf16_layers = (first, last)`` (:func:`layers_in_bf16`), not in the
-    first ``first`` or the last ``last`` of the model's ``num_layers`` decoder layers (a global name: layers
-    numbered model-wide)."""
+    (global or chunk-local name) and, with ``layers`` (the decoder layers whose weights are FP8, numbered
+    model-wide: ``HybridEngine.fp8_layers``, all but :func:`layers_in_bf16`; a global name), in one of them."""
     match = _TARGET.search(name)
-    if match is None:
-        return False
-    first, last = bf16_layers
-    return first <= int(match["layer"]) < num_layers - last if first or last else True
+    return match is not None and (layers is None or int(match["layer"]) in layers)
 
 
 def layers_in_bf16(config) -> tuple[int, int]:

@@ -154,9 +154,9 @@ class RowQuantizer:
             scale.fill_(1.0)
         for table, x_like, out_like, K, c in self.launches:
             grid = (c["TILE"] // c["ROWS"], table.shape[0])
-            _quantize_tiles_kernel[grid](table, x_like, out_like, K, FP8_MAX, ONE_PASS=c["ONE_PASS"], ROWS=c["ROWS"],
-                                         BLOCK=c["BLOCK"], ALIGNED=c["ALIGNED"], STAGES=c.get("STAGES", 1),
-                                         num_warps=c["num_warps"])
+            _quantize_tiles_kernel[grid](table, x_like, out_like, K, FP8_MAX, COLUMNS=self.COLUMNS,
+                                         ONE_PASS=c["ONE_PASS"], ROWS=c["ROWS"], BLOCK=c["BLOCK"],
+                                         ALIGNED=c["ALIGNED"], STAGES=c.get("STAGES", 1), num_warps=c["num_warps"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,14 +296,14 @@ if HAVE_TRITON:
                             rows, rows < R, K, fp8_max, MODE, ONE_PASS, ROWS, BLOCK, 1)
 
     @triton.jit
-    def _quantize_tiles_kernel(table_ptr, x_like, out_like, K, fp8_max, ONE_PASS: tl.constexpr,
-                               ROWS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                               STAGES: tl.constexpr):
+    def _quantize_tiles_kernel(table_ptr, x_like, out_like, K, fp8_max, COLUMNS: tl.constexpr,
+                               ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                               ALIGNED: tl.constexpr, STAGES: tl.constexpr):
         # Program (p, t): rows p*ROWS .. p*ROWS + ROWS-1 of tile t, whose table row holds the addresses of its
         # first row (input, FP8 output, scale), the row strides and its row count (see RowQuantizer). ALIGNED:
         # every address is a multiple of 16 bytes and every row stride of 16 elements, which the compiler cannot
         # see in addresses loaded from memory; told so, it loads and stores 16 bytes at a time.
-        entry = table_ptr + tl.program_id(1).to(tl.int64) * 6  # RowQuantizer.COLUMNS
+        entry = table_ptr + tl.program_id(1).to(tl.int64) * COLUMNS
         x_ptr = tl.load(entry).to(tl.pointer_type(x_like.dtype.element_ty))
         x_stride = tl.load(entry + 1)
         out_ptr = tl.load(entry + 2).to(tl.pointer_type(out_like.dtype.element_ty))

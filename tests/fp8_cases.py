@@ -76,7 +76,8 @@ def _fp8_mismatches(engine, state: dict, bf16_layers: tuple) -> tuple[list[str],
         for name, p in chunk.named_parameters():
             key = global_name(name, off)
             entry = engine.binding.fp8.get(p)
-            if (entry is not None) != is_target(key, num_layers=engine.config.num_layers, bf16_layers=bf16_layers):
+            if (entry is not None) != is_target(key, layers=range(bf16_layers[0], engine.config.num_layers
+                                                                 - bf16_layers[1])):
                 bad.append(f"{key}: FP8 {entry is not None}")
                 continue
             if entry is None:

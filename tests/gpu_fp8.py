@@ -88,8 +88,7 @@ def check_quantization(engine) -> dict[str, Any]:
     wrong_set, device_mismatch, cpu_mismatch, compared = [], [], [], 0
     for name, param in named_parameters(engine.rollout_chunks):
         entry = engine.binding.fp8.get(param)
-        if (entry is not None) != is_target(name, num_layers=engine.config.num_layers,
-                                            bf16_layers=engine.fp8_layers_in_bf16):
+        if (entry is not None) != is_target(name, layers=engine.fp8_layers):
             wrong_set.append(name)
             continue
         if entry is None:

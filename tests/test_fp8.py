@@ -184,9 +184,9 @@ def test_first_last_layers_bf16_keep_their_weights():
     """Megatron's first_last_layers_bf16 (TransformerConfig) names the layers at either end whose rollout weights
     stay in the training dtype; global names count layers model-wide."""
     names = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(5)]
-    assert [is_target(n, num_layers=5, bf16_layers=(1, 2)) for n in names] == [False, True, True, False, False]
-    assert all(is_target(n, num_layers=5) for n in names)
-    assert not is_target("decoder.layers.2.mlp.linear_fc1.bias", num_layers=5, bf16_layers=(1, 2))
+    assert [is_target(n, layers=range(1, 5 - 2)) for n in names] == [False, True, True, False, False]
+    assert all(is_target(n) for n in names)
+    assert not is_target("decoder.layers.2.mlp.linear_fc1.bias", layers=range(1, 5 - 2))
     config = types.SimpleNamespace(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
                                    num_layers_at_end_in_bf16=1)
     assert layers_in_bf16(config) == (2, 1)
