@@ -345,11 +345,17 @@ class ExchangePlacement(Placement):
         return Blocks(views, info.dim if info.sharded else 0, 1)
 
     def peer_ranges(self, name: str) -> list[tuple[str, int, int]]:
+        """The received pieces that rollout parameter ``name`` views directly: one piece, or several that
+        :meth:`blocks` merged into one view because they arrived back to back (SwiGLU fc1's gate and up parts from
+        one sender); empty where it is the own tensor or computed from several views."""
         runs = self.exchange.runs[self.rank][self.keys[name]]
-        if len(runs) != 1 or runs[0].piece is None:
-            return []  # the own tensor, or computed from several views
-        dtype, off = self._offsets[runs[0].piece]
-        return [(dtype, off, off + self.exchange.pieces[runs[0].piece].numel)]
+        if any(run.piece is None for run in runs) or len(self.blocks(name).views) != 1:
+            return []
+        out = []
+        for run in runs:
+            dtype, off = self._offsets[run.piece]
+            out.append((dtype, off, off + self.exchange.pieces[run.piece].numel))
+        return out
 
 
 class EngineRolloutMemory:

@@ -191,7 +191,8 @@ def pair_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, ref: dict, *, vpp
                 engine.switch_to_training()
                 if mode == "aliased":
                     runs[phase]["resident_after"] = present_bytes_in(engine.placement.spans())
-            runs["expected_bytes"] = missing_by_ids(engine, full_shapes, tied=True)
+            runs["expected_bytes"] = missing_by_ids(
+                engine, full_shapes, tied=not swap_test_arch(**arch_kw).untie_embeddings_and_output_weights)
             runs["exchange"] = engine.layout.exchange
             runs["arrangement"] = (engine.rollout_tp_rank, engine.rollout_pp_rank, engine.rollout_replica)
             engine.close()

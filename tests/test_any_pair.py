@@ -94,6 +94,19 @@ def test_more_pairs(train, rollout, arch_kw):
     _check(runs, ref, expect_exchange=True)
 
 
+def test_tp_up_pp_down_canonical_swiglu_biases():
+    """The pair that issue 34 found wrong: TP 2 × PP 2 → TP 4 × PP 1 in canonical mode, with SwiGLU, LayerNorm,
+    QKV and linear biases, 4 query groups and untied embeddings. A rank misses the other stage's fc1 (bias) whole;
+    its gate and up parts arrive from one sender back to back and become one view of the receive buffer, which
+    canonical mode released as transient after the switch (zeros on CPU) because only single-piece views were
+    kept."""
+    arch_kw = {"num_layers": 4, "swiglu": True, "add_qkv_bias": True, "untie_embeddings_and_output_weights": True}
+    ref = _reference(tuple(sorted(arch_kw.items())))
+    runs = run_distributed(cases.pair_case, WORLD, arch_kw, 4, 1, ref, tensor_model_parallel_size=2,
+                           pipeline_model_parallel_size=2)
+    _check(runs, ref, expect_exchange=True)
+
+
 @pytest.mark.parametrize("train,rollout", [((2, 1), (4, 1)), ((1, 1), (2, 1))], ids=["2,1-4,1", "1,1-2,1"])
 def test_wider_rollout_tp_with_sorted_groups(train, rollout):
     """``new_group`` forced to sort ranks (torch < 2.13): rollout TP above training TP still works; where the sorted
