@@ -226,6 +226,77 @@ def test_recipe_exits_with_the_message():
     assert done.stderr.splitlines()[-1] == "train_ppo.py: error: --top-p (1.5) must be in [0, 1] (0 or 1: off)"
 
 
+def _fake_gpus(monkeypatch, count: int) -> None:
+    """This process sees ``count`` GPUs (the CPU wheel's CUDA functions, faked), until ``CUDA_VISIBLE_DEVICES`` is
+    set empty, as the CUDA runtime would read it before its first call."""
+    import torch
+
+    def visible() -> int:
+        return 0 if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible() > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", visible)
+
+
+def test_more_ranks_than_gpus_is_named_with_the_launches_that_work(monkeypatch, capsys):
+    """Issue 43: the README's 4-rank command on a machine with one GPU died in torch.cuda.set_device on three ranks
+    ('invalid device ordinal'). Now the recipe exits with the usage error before any process group."""
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # recorded, so that the test's end restores the environment
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(sys, "argv", ["examples/ppo/train_ppo.py"])
+    import runpy
+
+    recipe = runpy.run_path(str(ROOT / "examples" / "ppo" / "train_ppo.py"), run_name="train_ppo")
+    with pytest.raises(SystemExit) as exit_:
+        recipe["parse_args"]([])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == (
+        "train_ppo.py: error: 4 ranks run on this node (torchrun --nproc_per_node 4) but 1 GPU is visible "
+        "(torch.cuda.device_count() = 1): every rank needs a GPU of its own. Either run one rank per GPU, with "
+        "parallel sizes whose product fits 1 rank: `torchrun --nproc_per_node 1 examples/ppo/train_ppo.py "
+        "--tensor-model-parallel-size 1 --rollout-tensor-model-parallel-size 1 ...`; or keep 4 ranks on the CPU "
+        "(gloo): `torchrun --nproc_per_node 4 examples/ppo/train_ppo.py ... --device cpu`"), error
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    # The suggested one-GPU launch passes the same check; --device cpu hides the GPUs and takes the CPU.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert recipe["parse_args"](["--tensor-model-parallel-size", "1"]).device is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    recipe["parse_args"](["--device", "cpu"])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    import torch
+
+    assert not torch.cuda.is_available()
+
+
+def test_device_flag_errors(monkeypatch):
+    from megatron_hybrid.rl.initialize import select_device
+
+    _fake_gpus(monkeypatch, 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    args = argparse.Namespace(device="cuda", tensor_model_parallel_size=2, rollout_tensor_model_parallel_size=1)
+    with pytest.raises(ValueError, match=r"--device cuda: no GPU is visible"):
+        select_device(args)
+    assert select_device(argparse.Namespace(device=None), local_world_size=8) == "cpu"  # no GPU: the CPU, any count
+    _fake_gpus(monkeypatch, 8)
+    assert select_device(args, local_world_size=8) == "cuda"
+    with pytest.raises(ValueError, match=r"^16 ranks run on this node .* but 8 GPUs are visible .*"
+                                         r"--nproc_per_node 8 \S+ --tensor-model-parallel-size 2 "):
+        select_device(args, local_world_size=16)
+    # CUDA read its device list before the flag: hiding the GPUs would not take; say what to do instead.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"set CUDA_VISIBLE_DEVICES= in the launch's environment"):
+        select_device(argparse.Namespace(device="cpu"))
+
+
 # ---------------------------------------------------------------- 2. a stalled rank ends the job in time
 
 TIMEOUT_S = 3.0  # --distributed-timeout-minutes 0.05

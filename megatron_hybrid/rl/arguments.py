@@ -20,6 +20,7 @@ import warnings
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
 from ..models import GPTArchitecture
 from .data import data_file_error
+from .initialize import select_device
 from .models import MOE_FLAGS, architecture_from_args
 from .pretrained import model_args_from_checkpoint
 from .rewards import load_callable, resolved_reward_type, reward_fn_style
@@ -103,6 +104,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "are split over (MoE models)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="tensor-parallel size of each "
                    "routed expert (MoE models; default: --tensor-model-parallel-size)")
+    g.add_argument("--device", choices=["cuda", "cpu"], default=None, help="where the ranks run (default: one GPU "
+                   "per rank where GPUs are visible, else the CPU). cpu hides the GPUs from this process before "
+                   "torch initialises CUDA (as CUDA_VISIBLE_DEVICES= does): gloo on the CPU, e.g. 4 ranks of the "
+                   "built-in demo on a machine with one GPU")
     # A float, unlike Megatron-LM's int: short timeouts (tests, quick failure on a small job) are fractions.
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="timeout of every collective, on every process group (fractions allowed); raise it above "
@@ -426,6 +431,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "
                          "(pip install tensorboard)")
     _validate_data_and_rewards(args)
+    select_device(args)
 
 
 #: The expert-parallel flags and their defaults (anything else on a dense model is an error).

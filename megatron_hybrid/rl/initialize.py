@@ -7,8 +7,10 @@ import argparse
 import contextlib
 import datetime
 import os
+import math
 import random
-from typing import Iterator
+import sys
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,44 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from ..patches import cpu_gloo
 from . import phases
+
+
+def select_device(args: argparse.Namespace, *, local_world_size: Optional[int] = None) -> str:
+    """Apply ``--device`` and check that every rank of this node gets a GPU of its own; returns ``"cuda"`` or
+    ``"cpu"``. Call it before anything touches CUDA (argument parsing does): ``--device cpu`` hides the GPUs from
+    this process (``CUDA_VISIBLE_DEVICES=``), so :func:`initialize` takes gloo and megatron-core's CPU patches.
+
+    ``ValueError`` (before any collective) when more ranks run on this node (``local_world_size``, default torchrun's
+    ``LOCAL_WORLD_SIZE``) than GPUs are visible, naming both counts and the two launches that work; when
+    ``--device cuda`` finds no GPU; and when ``--device cpu`` comes after CUDA already read its device list.
+    """
+    device = getattr(args, "device", None)
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():  # the CUDA runtime read CUDA_VISIBLE_DEVICES before the flag could set it
+            raise ValueError("--device cpu: CUDA was initialised in this process before the flag could hide the "
+                             "GPUs; set CUDA_VISIBLE_DEVICES= in the launch's environment instead")
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        if device == "cuda":
+            raise ValueError("--device cuda: no GPU is visible to this process (torch.cuda.device_count() = 0; "
+                             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch "
+                             f"{torch.__version__})")
+        return "cpu"
+    local = local_world_size if local_world_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local > gpus:
+        script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train_ppo.py"
+        t = math.gcd(args.tensor_model_parallel_size, gpus)
+        raise ValueError(
+            f"{local} ranks run on this node (torchrun --nproc_per_node {local}) but {gpus} GPU"
+            f"{'s are' if gpus > 1 else ' is'} visible (torch.cuda.device_count() = {gpus}): every rank needs a GPU "
+            f"of its own. Either run one rank per GPU, with parallel sizes whose product fits {gpus} rank"
+            f"{'s' if gpus > 1 else ''}: `torchrun --nproc_per_node {gpus} {script} --tensor-model-parallel-size "
+            f"{t} --rollout-tensor-model-parallel-size {math.gcd(args.rollout_tensor_model_parallel_size, t)} "
+            f"...`; or keep {local} ranks on the CPU (gloo): `torchrun --nproc_per_node {local} {script} ... "
+            "--device cpu`")
+    return "cuda"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 43, step 3: the README's main command on a machine with GPUs, as the device tool runs it (repository root,
+# megatron-core's wheel carried in .whl/, no install of this package). Logs go to $OUT:
+#   four_ranks     torchrun --nproc_per_node 4 examples/ppo/train_ppo.py         (more ranks than GPUs: the clear error)
+#   four_ranks_cpu the same with --device cpu                                    (4 gloo ranks; the reward's rise)
+#   one_gpu        torchrun --nproc_per_node 1 ... --tensor-model-parallel-size 1 (one rank on the GPU)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+ln -sfn "$PWD/patches" megatron_hybrid/patches
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
+python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__,
+'visible GPUs', torch.cuda.device_count())" >> "$OUT/gpus.txt" 2>&1
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: rc=$? $((SECONDS - t0)) s: $*" | tee -a "$OUT/steps.txt"
+}
+step four_ranks 120 torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --no-progress
+step four_ranks_cpu 300 torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --device cpu --no-progress
+step one_gpu 300 torchrun --nproc_per_node 1 examples/ppo/train_ppo.py --tensor-model-parallel-size 1 --no-progress
+grep -h "error:\|mean reward" "$OUT"/four_ranks.txt "$OUT"/four_ranks_cpu.txt "$OUT"/one_gpu.txt | sort -u
