@@ -74,6 +74,7 @@ def _check(runs: list, ref: dict, *, expect_exchange=None):
 
 
 @pytest.mark.parametrize("train,rollout", MEGATRON_PAIRS, ids=lambda x: ",".join(map(str, x)))
+@pytest.mark.slow
 def test_megatron_swap_pairs(train, rollout):
     (t, p), (t_g, p_g) = train, rollout
     arch_kw = {"num_layers": _layers(p, p_g)}
@@ -85,6 +86,7 @@ def test_megatron_swap_pairs(train, rollout):
 
 @pytest.mark.parametrize("train,rollout,arch_kw", MORE_PAIRS, ids=lambda x: ",".join(map(str, x))
                          if isinstance(x, tuple) else "")
+@pytest.mark.slow
 def test_more_pairs(train, rollout, arch_kw):
     (t, p, vpp), (t_g, p_g) = train, rollout
     arch_kw = {"num_layers": _layers(p, p_g, vpp), **arch_kw}
@@ -94,6 +96,7 @@ def test_more_pairs(train, rollout, arch_kw):
     _check(runs, ref, expect_exchange=True)
 
 
+@pytest.mark.slow
 def test_tp_up_pp_down_canonical_swiglu_biases():
     """The pair that issue 34 found wrong: TP 2 × PP 2 → TP 4 × PP 1 in canonical mode, with SwiGLU, LayerNorm,
     QKV and linear biases, 4 query groups and untied embeddings. A rank misses the other stage's fc1 (bias) whole;
@@ -108,6 +111,7 @@ def test_tp_up_pp_down_canonical_swiglu_biases():
 
 
 @pytest.mark.parametrize("train,rollout", [((2, 1), (4, 1)), ((1, 1), (2, 1))], ids=["2,1-4,1", "1,1-2,1"])
+@pytest.mark.slow
 def test_wider_rollout_tp_with_sorted_groups(train, rollout):
     """``new_group`` forced to sort ranks (torch < 2.13): rollout TP above training TP still works; where the sorted
     groups cannot keep every rollout shard inside the own training shard, the missing bytes are planned and moved."""

@@ -218,6 +218,7 @@ def test_check_number_bounds():
         check_number("--x", 1.0, lt=1)
 
 
+@pytest.mark.slow
 def test_recipe_exits_with_the_message():
     """The recipe turns the ValueError into argparse's usage error (exit 2), before any process group."""
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "ppo" / "train_ppo.py"), "--top-p", "1.5"],
@@ -313,6 +314,7 @@ def stall_rank_1(prompts: list[list[int]], responses: list[list[int]]) -> list[f
     return [0.0] * len(responses)
 
 
+@pytest.mark.slow
 def test_stalled_rank_ends_the_recipe_within_the_timeout(tmp_path):
     """Rank 1 stalls in its reward function; rank 0 goes on into the log-prob pass and waits in Megatron's
     tensor-parallel group, which must give up after --distributed-timeout-minutes (a fraction of a minute)."""

@@ -37,6 +37,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp1xdp2", "tp1xpp2"])
+@pytest.mark.slow
 def test_checkpoint_loads_at_another_layout_bit_for_bit(saved, pp):
     directory, originals = saved
     runs = run_distributed(checkpoint_cases.reshard_load_case, 2, str(directory), pipeline_model_parallel_size=pp)
@@ -68,6 +69,7 @@ def test_checkpoint_loads_at_another_layout_bit_for_bit(saved, pp):
                        for k, v in loaded["actor"]["main"].items())
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_during_a_save_leaves_latest_at_the_previous_iteration(tmp_path):
     from megatron_hybrid.rl.checkpoint import LATEST, check_checkpoint
 

@@ -230,6 +230,7 @@ def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_tools_convert_then_verify(hf_models, tmp_path):
     src = hf_models[("qwen3", True)]
     mg = tmp_path / "mg"
@@ -248,6 +249,7 @@ def test_tools_convert_then_verify(hf_models, tmp_path):
     assert "FAIL" in done.stdout
 
 
+@pytest.mark.slow
 def test_help_has_examples():
     done = _tool("convert_checkpoint.py", "--help")
     assert done.returncode == 0 and "examples:" in done.stdout and "hf-to-megatron" in done.stdout
@@ -257,6 +259,7 @@ def test_help_has_examples():
     assert done.returncode == 0 and "examples:" in done.stdout and "--family llama" in done.stdout
 
 
+@pytest.mark.slow
 def test_make_tiny_hf_model(tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -274,6 +277,7 @@ def test_make_tiny_hf_model(tmp_path: Path):
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
+@pytest.mark.slow
 def test_make_random_model_like(tmp_path: Path):
     from transformers import AutoTokenizer
 
@@ -695,6 +699,7 @@ def test_verify_checks_its_inputs_first(hf_models, sharded_copy, tmp_path, capsy
         assert capsys.readouterr().err.splitlines()[-1] == f"verify_checkpoint.py: error: {message}"
 
 
+@pytest.mark.slow
 def test_cli_failure_is_one_line(tmp_path):
     """As a user sees it: exit status 1, one line on stderr, no traceback."""
     bad = tmp_path / "hf"
@@ -906,6 +911,7 @@ def _write_llama(directory: Path, *, vocab: int, hidden: int) -> int:
     return vocab * hidden * 4
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_largest_tensor(tmp_path):
     """Bench's bound (peak ≤ 1.5 × largest tensor + a fixed overhead), on a 200 MB embedding: the overhead is the
     peak of converting a tiny model, and streaming should keep the growth far below even 0.5 × the tensor."""

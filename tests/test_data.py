@@ -381,6 +381,7 @@ def test_arithmetic_task_generator(tokenizer_dir, tmp_path, monkeypatch, capsys)
     assert "examples/tasks/arithmetic.py --output-dir" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_recipe_with_prompt_data_and_held_out_accuracy(tokenizer_dir, tmp_path, monkeypatch):
     data = tmp_path / "data"
     monkeypatch.setattr(sys, "argv", [GENERATOR, "--output-dir", str(data), "--num-train", "16", "--num-test", "6",

@@ -29,6 +29,7 @@ MATRIX = {
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.slow
 def test_five_steps_through_the_engine_are_bit_identical(name):
     (t, p), cfg = MATRIX[name]
     if cfg.rollout[0] > t and not compat.NEW_GROUP_KEEPS_ORDER:
@@ -59,6 +60,7 @@ def test_sequence_parallel_training_logits_match_the_rollout():
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["no-offload", "offload"])
+@pytest.mark.slow
 def test_memory_is_ddps_buffer_plus_the_peers_slots(offload):
     mib = 2**20
     for r in run_distributed(cases.memory_case, 2, offload, tensor_model_parallel_size=2):

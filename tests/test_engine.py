@@ -76,6 +76,7 @@ FP32 = dict(rtol=1e-4, atol=1e-5)
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"t{l[0][0]}p{l[0][1]}d{l[0][2]}-tg{l[1][0]}pg{l[1][1]}")
+@pytest.mark.slow
 def test_layouts(layout, mode):
     _check({}, layout, mode, logits_tol=FP32)
 
@@ -117,6 +118,7 @@ def test_weightless_parameters_own_no_memory_even_where_constructors_initialise(
 
 @pytest.mark.parametrize("layout", [((2, 1, 4), (1, 1)), ((4, 1, 2), (2, 1)), ((4, 2, 1), (2, 2))],
                          ids=["t2p1d4-tg1", "t4p1d2-tg2", "t4p2d1-tg2pg2"])
+@pytest.mark.slow
 def test_canonical_own_regions(layout):
     # With the size threshold lowered, every dim-0 tensor gets a region of its own: QKV and the embeddings stacked,
     # SwiGLU's fc1 strided (gathered part by part straight into its rollout layout). Weights bit for bit, bytes
@@ -130,6 +132,7 @@ def test_canonical_own_regions(layout):
 
 @pytest.mark.parametrize("layout", [((2, 2, 2), (1, 1)), ((4, 2, 1), (2, 2)), ((1, 2, 4), (1, 1)), ((1, 4, 2), (1, 1))],
                          ids=["t2p2d2-tg1", "t4p2-tg2pg2", "t1p2d4-pg1", "t1p4d2-pg1"])
+@pytest.mark.slow
 def test_tied_embeddings_qkv_bias(layout):
     # p_g < p with tied embeddings: the last stage's ranks hold the rollout embedding as their tied output layer,
     # so expected_missing_bytes counts it as held and the switch must not send it to them.
@@ -137,6 +140,7 @@ def test_tied_embeddings_qkv_bias(layout):
            logits_tol=FP32)
 
 
+@pytest.mark.slow
 def test_bf16_ddp():
     # bf16 weights, Megatron DDP wrapper. Weights: exact. Logits: bf16 matmuls round each partial sum to
     # 8 mantissa bits, so a different TP split differs by a few bf16 ulps of values ~0.5: 3e-2 absolute.
@@ -150,6 +154,7 @@ def test_bad_inputs_fail_before_any_collective():
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.slow
 def test_extra_memory_is_the_peers_slots_only(mode):
     # ~10 MB of weights per rank at TP=2; rollout TP=1 receives the other half (19 MB). Canonical mode also holds
     # the rebuilt rollout shard while rolling out. Both must be given back at the switch to training.
@@ -191,6 +196,7 @@ def test_extra_memory_is_the_peers_slots_only(mode):
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.slow
 def test_memory_exchange_layout(mode):
     """An exchange layout (t = 2 → t_g = 1 with p_g = 2: TP down, PP up): the training tensors never move, the
     received pieces are the only rollout memory in aliased mode (views of them and of the own shards, no second copy
@@ -213,6 +219,7 @@ def test_memory_exchange_layout(mode):
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.slow
 def test_virtual_pipeline_chunks(mode):
     state = _reference(())[0]
     runs = run_distributed(cases.chunks_case, 4, state, mode, tensor_model_parallel_size=2,
@@ -224,6 +231,7 @@ def test_virtual_pipeline_chunks(mode):
             assert torch.equal(r["train"][name], w), name
 
 
+@pytest.mark.slow
 def test_aligned_slots():
     _check({}, ((2, 2, 2), (1, 1)), "aliased", logits_tol=FP32, exact_bytes=False, align_slots=True)
 
@@ -242,6 +250,7 @@ def test_bound_once_lifecycle():
 
 
 @pytest.mark.parametrize("inherit", [False, True], ids=["timeout-argument", "training-groups-timeout"])
+@pytest.mark.slow
 def test_stalled_rank_fails_the_others_within_the_timeout(inherit):
     stall, timeout = 20.0, 3.0
     first, _ = run_distributed(cases.stall_case, 2, stall, timeout, inherit, tensor_model_parallel_size=2)
@@ -275,6 +284,7 @@ def test_constructor_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.slow
 def test_rollout_model_keeps_every_gpt_argument(mode):
     for r in run_distributed(cases.fidelity_case, 2, mode, tensor_model_parallel_size=2):
         # fp32 over 2,100 positions, TP=2 vs TP=1 summation orders: ~1e-6 relative; the bug (rotary frequencies
@@ -303,6 +313,7 @@ def test_engine_rollout_memory_provider_backs_between_switches():
     assert r["after_close"] == r["nbytes"], r
 
 
+@pytest.mark.slow
 def test_generate_fails_within_the_engine_timeout():
     # The agreement on generate()'s inputs is the call's first collective: on the engine's world-sized group, with
     # the engine's timeout (3 s), not on the world group (300 s in the test harness).

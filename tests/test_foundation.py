@@ -5,6 +5,7 @@ The sharded run must match a single-rank run of the same model and data.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -110,6 +111,7 @@ def _initial_weights():
                            pp_group=ps.get_pipeline_model_parallel_group())
 
 
+@pytest.mark.slow
 def test_gpt_tp2_pp2_1f1b_matches_single_rank():
     init = run_distributed(_initial_weights, 1)[0]
     ref = run_distributed(_train, 1, init)[0]

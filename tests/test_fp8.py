@@ -204,17 +204,20 @@ def _references(arch_items: tuple, rollout_tp: int, bf16_layers: tuple = (0, 0))
 # merged stages in bf16, TP widened (sub-blocks of the own shard), an exchange layout (p_g > p), and Megatron's
 # first_last_layers_bf16 (the first and last layers keep bf16 rollout weights) on merged stages.
 LAYOUTS = [
-    ({"num_layers": 2}, ((2, 1, 2), (1, 1)), dict(own_region_min_numel=1024, generate=True)),
-    ({"num_layers": 2, "params_dtype": "bfloat16"}, ((2, 2, 1), (1, 1)), {}),
-    ({"num_layers": 2, "add_bias_linear": True}, ((1, 1, 2), (2, 1)), {}),
-    ({"num_layers": 2}, ((2, 1, 2), (1, 2)), {}),
-    ({"num_layers": 4, "params_dtype": "bfloat16"}, ((1, 2, 1), (1, 1)), dict(bf16_layers=(1, 2))),
+    pytest.param({"num_layers": 2}, ((2, 1, 2), (1, 1)), dict(own_region_min_numel=1024, generate=True),
+                 id="t2d2-tg1-own-regions", marks=pytest.mark.slow),
+    pytest.param({"num_layers": 2, "params_dtype": "bfloat16"}, ((2, 2, 1), (1, 1)), {}, id="t2p2-tg1-bf16",
+                 marks=pytest.mark.slow),
+    pytest.param({"num_layers": 2, "add_bias_linear": True}, ((1, 1, 2), (2, 1)), {}, id="t1d2-tg2-bias",
+                 marks=pytest.mark.slow),
+    pytest.param({"num_layers": 2}, ((2, 1, 2), (1, 2)), {}, id="t2d2-pg2-exchange", marks=pytest.mark.slow),
+    # The fast tier's FP8 switch.
+    pytest.param({"num_layers": 4, "params_dtype": "bfloat16"}, ((1, 2, 1), (1, 1)), dict(bf16_layers=(1, 2)),
+                 id="p2-pg1-first-last-layers-bf16"),
 ]
 
 
-@pytest.mark.parametrize("arch_kw, layout, kwargs", LAYOUTS,
-                         ids=["t2d2-tg1-own-regions", "t2p2-tg1-bf16", "t1d2-tg2-bias", "t2d2-pg2-exchange",
-                              "p2-pg1-first-last-layers-bf16"])
+@pytest.mark.parametrize("arch_kw, layout, kwargs", LAYOUTS)
 def test_fp8_rollout_weights(arch_kw, layout, kwargs):
     (t, p, d), (t_g, p_g) = layout
     bf16_layers = kwargs.get("bf16_layers", (0, 0))
@@ -337,6 +340,7 @@ def test_recipe_first_last_layers_bf16_flags():
         _validate(*fp8, "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1")
 
 
+@pytest.mark.slow
 def test_recipe_generates_with_fp8_and_measures_the_gap(tmp_path):
     # 2 ranks: training TP=2, rollout TP=1 in FP8. The rollout log-probs come from the FP8 model, the actor's from
     # the training dtype (fp32): rollout_mismatch/* shows the gap that fp32 alone keeps below 1e-5

@@ -30,8 +30,7 @@ def test_generation_matches_golden():
     _check(golden.GENERATION_FILE, golden.generation_inputs(), outputs, golden.check_generation)
 
 
-@pytest.mark.slow
-def test_recipe_matches_golden():
+def test_recipe_matches_golden():  # the fast tier's recipe step
     _check(golden.RECIPE_FILE, golden.recipe_inputs(), golden.compute_recipe(1), golden.check_recipe)
 
 

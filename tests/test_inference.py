@@ -61,6 +61,7 @@ def _layout_id(v) -> str:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
+@pytest.mark.slow
 def test_greedy_matches_training_layout(layout, state, stops):
     _check_greedy(layout, state, stops, {})
 
@@ -80,6 +81,7 @@ def learned_state_and_stops() -> tuple[dict, list[int]]:
 # greedy tokens. t_g < t and t_g > t (with mixed steps), one of each weight mode, on 2 ranks.
 @pytest.mark.parametrize("layout", [((2, 1, 1), (1, 1), "canonical", 12, 2, None),
                                     ((1, 1, 2), (2, 1), "aliased", 6, 4, 64)], ids=_layout_id)
+@pytest.mark.slow
 def test_greedy_matches_training_layout_with_learned_positions(layout, learned_state_and_stops):
     _check_greedy(layout, *learned_state_and_stops, LEARNED_POSITIONS)
 
@@ -89,6 +91,7 @@ def test_greedy_matches_training_layout_with_learned_positions(layout, learned_s
 # rollout stages (the first hands on the residual stream, the last ends with the final norm) and at t_g > t
 # (row-parallel linears all-reduce inside the fused layer).
 @pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[3]], ids=_layout_id)
+@pytest.mark.slow
 def test_fused_decoder_matches_training_layout(layout, state, stops):
     runs = _check_greedy(layout, state, stops, {}, {"fused_decoder": True})
     assert all(r["report"]["fused_decoder"] for r in runs)
@@ -99,6 +102,7 @@ def test_fused_decoder_matches_training_layout(layout, state, stops):
 QKV_BIAS = {"add_qkv_bias": True, "num_layers": 2}
 
 
+@pytest.mark.slow
 def test_greedy_matches_training_layout_with_qkv_bias():
     state = run_distributed(engine_cases.reference, 1, QKV_BIAS)[0][0]
     _check_greedy(LAYOUTS[1], state, _stop_tokens(state, QKV_BIAS), QKV_BIAS)
@@ -168,6 +172,7 @@ def _expected(logits: list[float], temperature: float, top_k: int, top_p: float)
     return out
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_shared_and_follows_the_softmax(state):
     num_samples = 4000
     runs = run_distributed(cases.sampling_case, 2, 2, state, num_samples, tensor_model_parallel_size=2)
@@ -349,6 +354,7 @@ def test_rotary_embedding_is_megatrons_bit_for_bit():
     assert run_distributed(cases.rotary_case, 1)[0]
 
 
+@pytest.mark.slow
 def test_graph_bucketing_pads_batch_and_length(state, stops):
     """Decode steps as the CUDA graphs run them (batch and attended length rounded up to buckets), on two
     pipeline stages; here eager, on the CPU."""

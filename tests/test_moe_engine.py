@@ -52,6 +52,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(_LAYOUTS))
+@pytest.mark.slow
 def test_moe_switch_is_exact_and_moves_only_missing_bytes(name):
     (t, p, e, et), (t_g, p_g, e_g, et_g), arch_kw, sp = _LAYOUTS[name]
     ref = _reference(arch_kw)
@@ -121,6 +122,7 @@ def test_bad_expert_layouts_are_value_errors_before_any_collective():
         RolloutLayout(1, 1, **_BAD[-1][0])
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_buffers_are_the_own_slots_of_both_planes():
     """DDP with the distributed optimizer keeps a routed expert's parameters in buffers of their own (over the
     expert data-parallel group): each buffer moves, whole, into the own slot of its plane's gather (dense over the

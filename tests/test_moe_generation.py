@@ -74,6 +74,7 @@ def test_greedy_generation_equals_recompute(arch_kw, grouped, mixed):
 
 
 @pytest.mark.parametrize("bucketed", [False, True], ids=["eager", "graph_buckets"])
+@pytest.mark.slow
 def test_expert_parallel_replicas_step_in_lockstep(bucketed):
     # Call 1: rank 0 has 5 prompts, rank 1 two (it finishes first and steps idle); call 2: rank 1 has none.
     # eager: the experts' own MLPs (the aliased weight mode's path); graph_buckets: grouped GEMMs, the steps as CUDA

@@ -3,6 +3,8 @@ not arrive, with the phase each of them is in (issue 22, item 3): gloo alone say
 
 from __future__ import annotations
 
+import pytest
+
 from tests import phase_cases
 from tests.harness import run_distributed
 
@@ -30,6 +32,7 @@ def test_message_names_the_phase_the_timeout_and_the_late_ranks():
         "collectives in it)")
 
 
+@pytest.mark.slow
 def test_stalled_rank_is_named_in_the_timeout():
     first, second = run_distributed(phase_cases.stalled_rank_case, 2, 4.0, 2.0)
     assert first.startswith("PhaseTimeout: phase 'train step > reward' (step 3) failed on rank 0 (RuntimeError: "), first

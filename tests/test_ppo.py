@@ -219,6 +219,7 @@ def _rise(history, k=3):
     return first, last
 
 
+@pytest.mark.slow
 def test_ppo_reward_rises(tmp_path):
     history = _run(["--train-iters", "12"], tmp_path)
     first, last = _rise(history)
@@ -228,6 +229,7 @@ def test_ppo_reward_rises(tmp_path):
     assert {"step", "reward_mean", "kl", "entropy", "switch_seconds", "switch_bytes"} <= history[0].keys()
 
 
+@pytest.mark.slow
 def test_grpo_reward_rises(tmp_path):
     history = _run(["--algorithm", "grpo", "--num-samples-per-prompt", "4", "--train-iters", "12"], tmp_path)
     first, last = _rise(history)
@@ -242,6 +244,7 @@ def _same(a, b):
     return {k: v for k, v in a.items() if not _timing(k)} == {k: v for k, v in b.items() if not _timing(k)}
 
 
+@pytest.mark.slow
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     # bf16 with fp32 main parameters and a warmup + cosine schedule: the checkpoint must carry both exactly.
     common = ["--offload-reference", "--kl-ctl-type", "adaptive", "--kl-target", "0.01", "--kl-horizon", "100",
@@ -261,6 +264,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2xdp2", "tp2xpp2"])
+@pytest.mark.slow
 def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp, tmp_path):
     # Rollout TP=1 (× PP=1): from TP=2 × DP=2 a micro-DP gather; from TP=2 × PP=2 also the cross-stage path.
     argv = ["--train-iters", "2", "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "4"]
@@ -279,6 +283,7 @@ def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp, tmp_p
 PHASES = ("generation", "switch", "actor_log_probs", "reference_log_probs", "critic_values", "update")
 
 
+@pytest.mark.slow
 def test_metrics_timing_mismatch_and_tensorboard(tmp_path):
     # 2 ranks: training TP=2, rollout TP=1 (a micro-DP gather); sampling at T = 0.7, so the rollout's log-probs
     # must be tempered to match; TIS on with a cap that ratios near 1 never reach (the same training). Learned
@@ -321,6 +326,7 @@ def test_metrics_timing_mismatch_and_tensorboard(tmp_path):
             assert [e.value for e in scalars] == pytest.approx(logged, rel=1e-6)  # float32 in the event file
 
 
+@pytest.mark.slow
 def test_reward_function_and_reward_model(tmp_path):
     history = _run(["--train-iters", "1", "--reward-fn", "tests.ppo_cases:constant_reward"], tmp_path / "fn")
     assert history[0]["reward_mean"] == 0.5

@@ -37,6 +37,7 @@ def _check_built(runs: list[dict], flags: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.slow
 def test_engine_gives_the_metrics_of_training_layout_generation(name, tmp_path):
     # Training TP=2 × DP=2, rollout TP=1; the distributed optimizer built before the engine, passed to it.
     flags = CONFIGS[name]
@@ -56,6 +57,7 @@ def test_engine_gives_the_metrics_of_training_layout_generation(name, tmp_path):
         assert _trained(a) == _trained(b), {k: (a[k], b.get(k)) for k in _trained(a) if a[k] != b.get(k)}
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_at_tp2_resumes_at_tp2_exactly_and_at_tp1(tmp_path):
     # 2 ranks: TP=2 (sequence parallelism, distributed optimizer over DP=1) → TP=1 × DP=2, where the distributed
     # optimizer shards each state over 2 ranks that the TP=2 run did not have.

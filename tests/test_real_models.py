@@ -84,6 +84,7 @@ def _train(mg: Path, tmp_path: Path, *extra: str) -> dict:
                            str(tmp_path / "logs"), TOKENS, 128, tensor_model_parallel_size=2)[0]
 
 
+@pytest.mark.slow
 def test_grpo_llama_tied_pretrained_to_hf(models, tmp_path):
     hf, mg = models["llama"]
     r = _train(mg, tmp_path, "--algorithm", "grpo", "--num-samples-per-prompt", "2", "--export-hf-interval", "2")
@@ -95,6 +96,7 @@ def test_grpo_llama_tied_pretrained_to_hf(models, tmp_path):
     assert _hf_logits(tmp_path / "export" / "iter_0000002").sub(r["logits"]).abs().max() > 1e-3  # step 2 ≠ 3
 
 
+@pytest.mark.slow
 def test_ppo_qwen2_untied_qkv_bias_pretrained_to_hf(models, tmp_path):
     hf, mg = models["qwen2"]
     r = _train(mg, tmp_path, "--algorithm", "ppo")
@@ -111,6 +113,7 @@ def test_actor_reference_and_critic_start_from_the_checkpoint(models):
         assert r["critic"] == ["output_layer.bias", "output_layer.weight"]  # only the value head is new
 
 
+@pytest.mark.slow
 def test_export_from_pipeline_stages_is_bit_exact_and_atomic(models, tmp_path):
     """TP=1 × PP=2 with tied embeddings (the last stage holds a copy): the untrained export is the original bit
     for bit; a rank whose write fails fails the export on every rank and leaves nothing behind."""
@@ -193,6 +196,7 @@ def moe_model(tmp_path_factory) -> tuple[Path, Path]:
     return hf, mg
 
 
+@pytest.mark.slow
 def test_grpo_qwen3_moe_at_ep2_rollout_ep1_learns_and_exports_to_hf(moe_model, tmp_path):
     """Qwen3-MoE saved by transformers → converter → GRPO on 4 ranks: training TP=2 (sequence parallel) × DP=2,
     the experts over EP=2 × expert TP=2 (an EP group spans both DP replicas), generating at TP=1 × EP=1 × expert

@@ -40,6 +40,7 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
 
 
+@pytest.mark.slow
 def test_update_equals_fp64_adamw_step():
     runs = run_distributed(rl_cases.optimizer_step_case, 8, tensor_model_parallel_size=2,
                            pipeline_model_parallel_size=2)

@@ -18,6 +18,7 @@ def _errors(argv: list[str]) -> list[str]:
     return run_distributed(fault_cases.recipe_error_case, 4, argv, tensor_model_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_non_finite_reward_stops_before_the_save_and_a_damaged_checkpoint_names_its_file(tmp_path):
     ckpt = tmp_path / "ckpt"
     errors = _errors(SHORT + ["--reward-fn", "tests.fault_cases:nan_on_second_call", "--save", str(ckpt),
@@ -52,6 +53,7 @@ TINY = ["--train-iters", "2", "--global-batch-size", "4", "--micro-batch-size", 
     # A subnormal temperature: the tempered logits overflow.
     ("--temperature", "1e-39", 1, "the actor's log-probs are not finite"),
 ], ids=["lr", "kl-coef", "temperature"])
+@pytest.mark.slow
 def test_non_finite_step_names_the_quantity_and_the_flags_that_scale_it(flag, value, step, quantity, tmp_path):
     """Issue 22: values that pass the checks and end in a non-finite step. The failure names the step, the
     quantity and the flags that scale it, on every rank; nothing of the step is saved."""
@@ -69,6 +71,7 @@ def test_non_finite_step_names_the_quantity_and_the_flags_that_scale_it(flag, va
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1\n"
 
 
+@pytest.mark.slow
 def test_load_at_or_past_train_iters_says_why_no_step_ran(tmp_path):
     """Issue 22: ``--load`` of a checkpoint at iteration 1 with ``--train-iters 1`` printed "no steps run" and no
     reason."""
@@ -88,6 +91,7 @@ def test_load_at_or_past_train_iters_says_why_no_step_ran(tmp_path):
     ("miscounts_on_rank_2", "step 1: --reward-fn tests.fault_cases:miscounts_on_rank_2 returned 7 values for 8 "
                             "responses (rank 2); the run stops"),
 ], ids=["raises", "miscounts"])
+@pytest.mark.slow
 def test_failing_reward_function_stops_every_rank(fn, message, tmp_path):
     errors = _errors(SHORT + ["--reward-fn", f"tests.fault_cases:{fn}", "--save", str(tmp_path / "ckpt"),
                               "--save-interval", "1"])

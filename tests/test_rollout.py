@@ -14,6 +14,7 @@ LAYOUTS = [((2, 1, 2), (1, 1)), ((2, 2, 1), (1, 1)), ((2, 2, 2), (1, 2)), ((2, 1
 
 @pytest.mark.parametrize("layout,uneven", [(l, i % 2 == 1) for i, l in enumerate(LAYOUTS)],
                          ids=lambda v: str(v) if isinstance(v, bool) else f"t{v[0][0]}p{v[0][1]}d{v[0][2]}-tg{v[1][0]}pg{v[1][1]}")
+@pytest.mark.slow
 def test_greedy_generation_matches_training_layout(layout, uneven):
     (t, p, d), (t_g, p_g) = layout
     state = _reference(())[0]

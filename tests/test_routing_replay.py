@@ -42,6 +42,7 @@ def test_record_merges_pipeline_stages():
         assert r["differ"] == 0 and r["unfilled"] == 0
 
 
+@pytest.mark.slow
 def test_replay_routes_training_as_the_rollout_did():
     r0, r1 = run_distributed(cases.replay_case, 2, ARCH, count=8, new_tokens=12, seed=3,
                              micro_batch_size=3, tensor_model_parallel_size=2)
@@ -73,6 +74,7 @@ def test_flag_needs_an_moe_model():
         validate_args(args, 4)  # no process group exists: a usage error, before any
 
 
+@pytest.mark.slow
 def test_recipe_replays_routing():
     # The recipe at TP=2 (sequence-parallel) on 2 ranks, rollout TP=1, bf16: the actor's log-prob pass routes every
     # recorded token as the rollout did; the metrics are logged.
