@@ -262,36 +262,48 @@ class GPTArchitecture:
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
-    def layer_spec(self, transformer_impl: str = "local"):
-        """Megatron's GPT layer spec: ``local`` (plain PyTorch) or ``transformer_engine``."""
+    def layer_spec(self, transformer_impl: str = "local", *, attention_backend: str = "local"):
+        """Megatron's GPT layer spec: ``local`` (plain PyTorch) or ``transformer_engine``; the local spec's core
+        attention is ``attention_backend``'s (:mod:`megatron_hybrid.core_attention`: ``local``, ``sdpa``,
+        ``flex`` or ``auto``)."""
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
+        from .core_attention import check_attention_backend, with_core_attention
+
+        check_attention_backend(attention_backend)
         # Every layer's spec: with experts, each layer is an MoE layer (mixed layers go through build()'s block spec).
         moe = {} if self.num_experts is None else dict(num_experts=self.num_experts, moe_grouped_gemm=False)
         if transformer_impl == "transformer_engine":
+            if attention_backend != "local":  # TE's spec has TE's attention, chosen by TE's own settings
+                raise ValueError(f"attention_backend ({attention_backend!r}) is for transformer_impl 'local'; "
+                                 "transformer_impl 'transformer_engine' takes 'local' (its own attention)")
             return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_layernorm, **moe)
         if transformer_impl != "local":
             raise ValueError(f"transformer_impl ({transformer_impl!r}) must be 'local' or 'transformer_engine'")
-        return specs.get_gpt_layer_local_spec(normalization=self.normalization, qk_layernorm=self.qk_layernorm,
-                                              **moe)
+        return with_core_attention(specs.get_gpt_layer_local_spec(normalization=self.normalization,
+                                                                  qk_layernorm=self.qk_layernorm, **moe),
+                                   attention_backend)
 
     def build(self, config=None, *, pre_process: bool = True, post_process: bool = True, pg_collection=None,
               transformer_impl: str = "local", tensor_model_parallel_size: int = 1,
               pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-              expert_tensor_parallel_size: Optional[int] = None, vp_stage: Optional[int] = None):
-        """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`.
+              expert_tensor_parallel_size: Optional[int] = None, vp_stage: Optional[int] = None,
+              attention_backend: str = "local"):
+        """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`; the core attention
+        is ``attention_backend``'s (:meth:`layer_spec`).
 
         With experts it applies :func:`megatron_hybrid.patches.moe.moe_router_without_te` first; with dense and
         MoE layers mixed (``moe_layer_freq``) the stage's layers come from megatron-core's decoder block spec.
         """
         from .compat import build_gpt_model, gpt_decoder_block_spec  # megatron-core only where a model is built
+        from .core_attention import with_core_attention
 
         if config is None:
             config = self.transformer_config(tensor_model_parallel_size=tensor_model_parallel_size,
                                              pipeline_model_parallel_size=pipeline_model_parallel_size,
                                              expert_model_parallel_size=expert_model_parallel_size,
                                              expert_tensor_parallel_size=expert_tensor_parallel_size)
-        spec = self.layer_spec(transformer_impl)
+        spec = self.layer_spec(transformer_impl, attention_backend=attention_backend)
         if self.num_experts is not None:
             from .patches.moe import moe_router_without_te
 
@@ -302,6 +314,8 @@ class GPTArchitecture:
                     config, use_transformer_engine=transformer_impl == "transformer_engine",
                     normalization=self.normalization, vp_stage=vp_stage,
                     pp_rank=pp.rank() if pp is not None else None)
+                if attention_backend != "local":  # the local spec's layers (layer_spec refused it for TE's)
+                    spec = with_core_attention(spec, attention_backend)
         kwargs = dict(
             config=config,
             transformer_layer_spec=spec,

@@ -17,6 +17,7 @@ import torch
 
 from . import compat
 from .aliased import make_aliased, placeholder, supports_blocks
+from .core_attention import with_local_core_attention
 from .fp8 import is_target, make_fp8
 from .layout import ExpertLayout, ParallelLayout
 
@@ -130,6 +131,11 @@ def _rebuild_gpt(train: torch.nn.Module, config, pre: bool, post: bool, vp_stage
         spec = compat.gpt_decoder_block_spec(config, use_transformer_engine=False,
                                              normalization=config.normalization, vp_stage=vp_stage,
                                              pp_rank=pp_rank)
+    else:
+        # The training model's --attention-backend is a training choice: generation steps run the rollout's own
+        # kernels (inference.attention), any other forward of the rollout model (megatron-core's static engine)
+        # megatron-core's DotProductAttention, as before the choice existed; flex would be compiled there.
+        spec = with_local_core_attention(spec)
     kwargs = dict(config=config, transformer_layer_spec=spec,
                   vocab_size=train.vocab_size, max_sequence_length=train.max_sequence_length,
                   pre_process=pre, post_process=post, fp16_lm_cross_entropy=train.fp16_lm_cross_entropy,

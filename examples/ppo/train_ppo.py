@@ -95,7 +95,8 @@ class Trainer:
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
 
-        stage_kw = dict(device=self.device, sequence_parallel=a.sequence_parallel)  # every training-layout model
+        stage_kw = dict(device=self.device, sequence_parallel=a.sequence_parallel,  # every training-layout model
+                        attention_backend=a.attention_backend)
         actor = rl.build_stage(self.arch, **stage_kw, moe_enable_routing_replay=a.moe_enable_routing_replay,
                                **rl.rollout_fp8_config(a))  # --first-last-layers-bf16: read by the HybridEngine
         if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights

@@ -18,6 +18,7 @@ import os
 import warnings
 
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
+from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
 from ..models import GPTArchitecture
 from .data import data_file_error
 from .initialize import select_device
@@ -115,6 +116,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--sequence-parallel", action="store_true", help="split the norms' and dropouts' activations "
                    "along the sequence over the tensor-parallel group in training (needs TP > 1; the rollout model "
                    "runs without it); actor, reference and critic")
+    # Megatron-LM's Transformer Engine values parse too, so that validate_args can say why they are refused.
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS + TRANSFORMER_ENGINE_BACKENDS, default="local",
+                   help="the training models' core attention (actor, reference, critic; the rollout keeps its own): "
+                   "local (megatron-core's DotProductAttention), sdpa (torch's scaled_dot_product_attention: flash, "
+                   "cuDNN and memory-efficient kernels on a GPU), flex (torch's flex_attention, compiled; GPU only "
+                   "for training) or auto (sdpa for now). Megatron-LM's flash, fused and unfused need Transformer "
+                   "Engine and are refused")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard the optimizer's states and "
                    "fp32 main parameters over data-parallel ranks (megatron-core's DistributedOptimizer); actor "
                    "and critic")
@@ -431,7 +439,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "
                          "(pip install tensorboard)")
     _validate_data_and_rewards(args)
-    select_device(args)
+    device_type = select_device(args)
+    try:  # on the device the ranks train on: flex has no CPU backward
+        check_attention_backend(args.attention_backend, device_type=device_type)
+    except ValueError as error:
+        raise ValueError(with_flag_names(str(error), vars(args))) from None
 
 
 #: The expert-parallel flags and their defaults (anything else on a dense model is an error).

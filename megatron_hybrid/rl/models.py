@@ -73,12 +73,13 @@ def architecture_from_args(args: argparse.Namespace, vocab_size: int) -> GPTArch
 
 def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torch.device,
                 sequence_parallel: bool = False, moe_enable_routing_replay: bool = False,
-                **config_overrides: Any) -> torch.nn.Module:
+                attention_backend: str = "local", **config_overrides: Any) -> torch.nn.Module:
     """This rank's stage of a GPTModel on Megatron's training groups, every parameter in ``arch.dtype``; with a
     :class:`ValueHead` if asked; with Megatron's sequence parallelism if asked (``--sequence-parallel``, TP > 1);
     with a ``RouterReplay`` in every MoE router if asked (``--moe-enable-routing-replay``, the actor's: its passes
-    then route as the rollout's record says, :mod:`.routing`). ``config_overrides``: further ``TransformerConfig``
-    fields (the actor's :func:`~megatron_hybrid.rl.arguments.rollout_fp8_config`).
+    then route as the rollout's record says, :mod:`.routing`); its core attention ``attention_backend``'s
+    (``--attention-backend``, :mod:`megatron_hybrid.core_attention`). ``config_overrides``: further
+    ``TransformerConfig`` fields (the actor's :func:`~megatron_hybrid.rl.arguments.rollout_fp8_config`).
 
     The config carries megatron-core's ``finalize_model_grads`` (DP all-reduce, and the tied embedding's gradient
     summed over the first and last stages), as Megatron-LM's training loop sets it.
@@ -98,7 +99,8 @@ def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torc
                                      moe_enable_routing_replay=moe_enable_routing_replay, **experts,
                                      **config_overrides)
     config.finalize_model_grads_func = finalize_model_grads
-    model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    model = arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                       attention_backend=attention_backend)
     if value_head and ps.is_pipeline_last_stage():
         model.output_layer = ValueHead(arch.hidden_size, arch.dtype,
                                        tp_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None)
@@ -154,17 +156,19 @@ def load_parameters(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
 
 
 def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
-                    sequence_parallel: bool = False) -> torch.nn.Module:
+                    sequence_parallel: bool = False, attention_backend: str = "local") -> torch.nn.Module:
     """A frozen copy of the actor's stage (``actor`` plain or DDP-wrapped): the KL reference policy."""
-    reference = build_stage(arch, device=device, sequence_parallel=sequence_parallel).requires_grad_(False).eval()
+    reference = build_stage(arch, device=device, sequence_parallel=sequence_parallel,
+                            attention_backend=attention_backend).requires_grad_(False).eval()
     copy_weights(reference, unwrap_model(actor))
     return reference
 
 
 def build_critic(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
-                 sequence_parallel: bool = False) -> torch.nn.Module:
+                 sequence_parallel: bool = False, attention_backend: str = "local") -> torch.nn.Module:
     """A value model started from the actor's trunk (its value head from zero), not yet wrapped."""
-    critic = build_stage(arch, value_head=True, device=device, sequence_parallel=sequence_parallel)
+    critic = build_stage(arch, value_head=True, device=device, sequence_parallel=sequence_parallel,
+                         attention_backend=attention_backend)
     copy_weights(critic, unwrap_model(actor), skip_missing=True)
     return critic
 
