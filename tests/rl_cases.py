@@ -170,3 +170,47 @@ def offload_case() -> dict:
                         "same": all(torch.equal(t, s) for t, s in zip(states + mains, saved))}
     engine.close()
     return report
+
+
+def _uneven_batch(seed: int, num: int):
+    """``num`` sequences whose responses have 1 to NEW tokens (drawn): micro-batches of unequal token counts."""
+    from megatron_hybrid import rl
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, VOCAB, (num, PROMPT), generator=g).tolist()
+    responses = [torch.randint(0, VOCAB, (int(torch.randint(1, NEW + 1, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(num)]
+    return rl.make_batch(prompts, responses, max_new_tokens=NEW, seq_length=PROMPT + NEW, device=torch.device("cpu"))
+
+
+def token_mean_gradient_case(micro_batch_size: int, *, sequences: int = 8) -> dict:
+    """The fp32 main gradients of one :func:`megatron_hybrid.rl.update` on the same ``sequences`` uneven sequences,
+    split over the data-parallel ranks (in rank order) and into micro-batches of ``micro_batch_size``; the loss is
+    the recipe's kind, a token mean per micro-batch (the NLL). Also each micro-batch's token count and mean NLL."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+
+    dp_group = megatron_groups()[2]
+    per_rank = sequences // dp_group.size()
+    args = recipe_args("--tensor-model-parallel-size", "1", "--global-batch-size", str(sequences),
+                       "--micro-batch-size", str(micro_batch_size))
+    torch.manual_seed(5)  # the same initial weights on every layout
+    trained = rl.setup_model_and_optimizer(rl.build_stage(rl.architecture_from_args(args, VOCAB),
+                                                          device=torch.device("cpu")), args)
+    passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, micro_batch_size, VOCAB))
+    whole = _uneven_batch(11, sequences)
+    lo = dp_group.rank() * per_rank
+    mine = rl.Batch(whole.tokens_BS[lo: lo + per_rank], whole.index_BN[lo: lo + per_rank],
+                    whole.mask_BN[lo: lo + per_rank], whole.scores_B[lo: lo + per_rank],
+                    {k: v[lo: lo + per_rank] for k, v in whole.data.items()})
+    grads: dict = {}
+    step = trained.optimizer.step
+
+    def spying_step():
+        grads.update(_full(trained.model, lambda p: p.main_grad))
+        return step()
+
+    trained.optimizer.step = spying_step
+    result = rl.update(trained, mine, _nll(passes), passes=passes, step=1)
+    return {"grads": grads, "tokens": result.tokens, "nll": [float(s["nll"]) for s in result.stats],
+            "mean_nll": result.mean("nll")}

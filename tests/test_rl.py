@@ -116,3 +116,27 @@ def test_the_update_trains_an_moe_model_with_its_load_balancing_loss():
         assert grad.abs().max() > 0, name
         # The same forward, the loss scaled by 2: the gradient doubles up to fp32 rounding (≤ 1 ulp per sum).
         torch.testing.assert_close(two["router_grads"][name], 2 * grad, rtol=1e-6, atol=1e-9)
+
+
+def test_the_step_objective_is_the_token_mean_however_sequences_are_grouped():
+    """Issue 44, step 2: the policy's loss is the mean over every response token of the step (verl's token-mean),
+    so splitting the same 8 sequences (1 to 8 response tokens each) into micro-batches of 1 on 2 data-parallel
+    ranks, or of 2 on one, gives the gradient of one micro-batch holding them all."""
+    whole = run_distributed(rl_cases.token_mean_gradient_case, 1, 8)[0]
+    assert whole["tokens"] == [sum(whole["tokens"])] and len(whole["nll"]) == 1
+    for world, micro_batch_size in ((2, 1), (1, 2)):
+        runs = run_distributed(rl_cases.token_mean_gradient_case, world, micro_batch_size)
+        tokens = [n for r in runs for n in r["tokens"]]
+        nll = [x for r in runs for x in r["nll"]]
+        assert sum(tokens) == whole["tokens"][0] and len(set(tokens)) > 1  # unequal micro-batches
+        # The mean of the micro-batches' means, the aggregation before, is another objective here (its value ~6e-4
+        # relative off for this near-uniform NLL; its gradient weighs a token by 1 / its micro-batch's tokens).
+        assert abs(sum(nll) / len(nll) - whole["nll"][0]) > 1e-4 * abs(whole["nll"][0])
+        assert math.isclose(sum(r["mean_nll"] * sum(r["tokens"]) for r in runs) / sum(tokens), whole["nll"][0],
+                            rel_tol=1e-6)
+        for r in runs:
+            for name, grad in whole["grads"].items():
+                # fp32 sums of the same per-token terms in another order (micro-batches, then the DP all-reduce):
+                # ~1e-7 relative of the gradient's scale.
+                torch.testing.assert_close(r["grads"][name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()),
+                                           msg=f"{name} at world {world}, micro-batch {micro_batch_size}")

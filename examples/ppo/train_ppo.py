@@ -271,8 +271,8 @@ class Trainer:
                 for key, value in critic.aux_losses.items():
                     epochs.setdefault(f"critic_{key}", []).append(value)
                 out = [o | c for o, c in zip(out, critic.stats)]
-            for key in out[0] if out else ():
-                epochs.setdefault(key, []).append(float(torch.stack([o[key] for o in out]).mean()))
+            for key in out[0] if out else ():  # means over the response tokens, as the losses are
+                epochs.setdefault(key, []).append(rl.token_mean(out, actor.tokens, key))
         for trained in (self.actor, self.critic):  # the schedule counts samples, as Megatron-LM's does
             if trained is not None:
                 trained.scheduler.step(increment=a.global_batch_size)

@@ -34,7 +34,8 @@ from .models import (ValueHead, architecture_from_args, build_critic, build_refe
                      load_parameters, load_value_model, parameters_state, save_value_model, wrap_ddp)
 from .optimizer import (TrainedModel, UpdateResult, build_scheduler, optimizer_config, setup_model_and_optimizer,
                         update)
-from .passes import Batch, LossFn, PassConfig, TrainingPasses, make_batch, padded_seq_length, response_values
+from .passes import (Batch, LossFn, PassConfig, TrainingPasses, make_batch, padded_seq_length, response_values,
+                     token_mean)
 from .phases import PhaseRecorder, PhaseTimeout, phase, recorded, recording
 from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_accuracy, exact_match,
                       format_score)
@@ -54,5 +55,5 @@ __all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_fr
 __all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
-__all__ += ["flag_values", "rollout_fp8_config"]
+__all__ += ["flag_values", "rollout_fp8_config", "token_mean"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

@@ -32,7 +32,7 @@ from ..compat import megatron_groups, unwrap_model
 from .faults import Flags, check_finite
 from .metrics import clear_moe_aux_losses, moe_aux_losses
 from .models import wrap_ddp
-from .passes import Batch, LossFn, TrainingPasses
+from .passes import Batch, LossFn, TrainingPasses, token_mean
 from .phases import recorded
 
 
@@ -108,14 +108,20 @@ class UpdateResult:
     aux_losses: dict[str, float] = field(default_factory=dict)
     """An MoE model's load-balancing losses of this update (:func:`~.metrics.moe_aux_losses`; the same on every
     rank), e.g. ``load_balancing_loss``; empty for a dense model."""
+    tokens: list[int] = field(default_factory=list)
+    """The response tokens of each micro-batch of ``stats`` (last pipeline stage; empty elsewhere)."""
+
+    def mean(self, key: str) -> float:
+        """Stat ``key`` over this rank's response tokens (each micro-batch's weighed by its tokens, as the loss)."""
+        return token_mean(self.stats, self.tokens, key)
 
 
 @recorded("update", step="step")
 def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: TrainingPasses,
            step: int, name: str = "the model", scaled_by: Flags = ()) -> UpdateResult:
     """One optimizer update of ``trained`` on ``batch`` (Megatron-LM's ``train_step``): gradients of the mean of
-    ``loss_fn`` over the micro-batches and DP replicas, clipped to ``--clip-grad`` by their global norm, then Adam
-    at the scheduler's current learning rate.
+    ``loss_fn`` over the step's response tokens, on every DP replica (:data:`~.passes.LossFn`), clipped to
+    ``--clip-grad`` by their global norm, then Adam at the scheduler's current learning rate.
 
     A loss or gradient norm that is not finite on any rank raises :class:`~.faults.StepFailure` on every rank
     (naming ``step``, the RL iteration, ``name``, e.g. "the actor", and the flags ``scaled_by`` that scale the loss
@@ -144,6 +150,7 @@ def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: Trai
                   f"{name}'s gradient norm": float(grad_norm)}
     check_finite(step, quantities, scaled_by=dict.fromkeys(quantities, scaled_by))
     _, pp, dp, _ = megatron_groups()
-    aux = moe_aux_losses(config, num_microbatches=-(-batch.tokens_BS.shape[0] // passes.config.micro_batch_size),
-                         pp_group=pp, dp_group=dp)
-    return UpdateResult(stats, float(grad_norm), aux)
+    micro_batches = passes.micro_batches(batch)  # as the schedule ran them
+    aux = moe_aux_losses(config, num_microbatches=len(micro_batches), pp_group=pp, dp_group=dp)
+    tokens = [int(mb["mask"].sum()) for mb in micro_batches] if stats else []
+    return UpdateResult(stats, float(grad_norm), aux, tokens)

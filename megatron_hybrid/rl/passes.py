@@ -23,8 +23,11 @@ from . import ppo
 from .phases import recorded
 from .routing import TrainingRouting, moe_routers, replays_routing, routed_experts_BSMk
 
-#: ``loss_fn(output, micro_batch) -> (loss, stats)``: Megatron's loss function of one micro-batch. ``output`` is
-#: the last stage's output (``[B, S, V_t]`` logits, or ``[B, S, 1]`` values); ``stats`` are detached tensors.
+#: ``loss_fn(output, micro_batch) -> (loss, stats)``: the loss of one micro-batch as the mean over its response
+#: tokens (``micro_batch["mask"]``). ``output`` is the last stage's output (``[B, S, V_t]`` logits, or ``[B, S, 1]``
+#: values); ``stats`` are detached tensors. :meth:`TrainingPasses.run` weighs each micro-batch by its tokens, so a
+#: training step's objective is the mean over every response token of the step (verl's ``token-mean``), however the
+#: sequences are grouped into micro-batches and data-parallel ranks.
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
@@ -99,10 +102,20 @@ def padded_seq_length(num_tokens: int, *, sequence_parallel: bool) -> int:
     return -(-num_tokens // multiple) * multiple
 
 
-def _fresh_loss(loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
-    """A copy of the loss for Megatron's schedule, which divides it in place by the number of micro-batches: a
-    stat that is the loss itself (``loss.detach()`` shares its storage) keeps its value."""
-    return loss.clone(), stats
+def _weighed(loss: torch.Tensor, stats: dict, weight: torch.Tensor | float) -> tuple[torch.Tensor, dict]:
+    """A micro-batch's token-mean ``loss`` times its weight in the step (:meth:`TrainingPasses.run`). (A new
+    tensor: the schedule divides it in place, and a stat that is the loss itself, ``loss.detach()``, keeps its
+    value.)"""
+    return loss * weight, stats
+
+
+def token_mean(stats: list[dict[str, torch.Tensor]], tokens: list[int], key: str) -> float:
+    """``stats[i][key]`` (micro-batch i's mean over its ``tokens[i]`` response tokens) as the mean over all of them:
+    what a step's objective weighs them by (:data:`LossFn`)."""
+    total = sum(tokens)
+    if total == 0:
+        return float(torch.stack([s[key] for s in stats]).float().mean()) if stats else 0.0
+    return sum(float(s[key]) * n for s, n in zip(stats, tokens)) / total
 
 
 def _positions_like(tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -167,27 +180,52 @@ class TrainingPasses:
         finally:
             self._measured = None
 
+    def micro_batches(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches the schedule runs over ``batch`` (what counts them, e.g. the MoE losses' mean,
+        asks here)."""
+        return batch.micro_batches(self.config.micro_batch_size)
+
     def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool) -> list[dict]:
         """Megatron's forward/backward schedule over ``batch``'s micro-batches; returns the per-micro-batch
         ``stats`` of ``loss_fn`` (last stage; ``[]`` elsewhere). Gradients, when not ``forward_only``, accumulate
-        in DDP's buffers: of the loss averaged over the micro-batches (the schedule) and the DP replicas (DDP).
-        A model built with ``moe_enable_routing_replay`` routes the batch's tokens as its routing record says."""
+        in DDP's buffers: of the mean of the losses over every response token of the micro-batches and the DP
+        replicas (:data:`LossFn`, :meth:`_weights`). A model built with ``moe_enable_routing_replay`` routes the
+        batch's tokens as its routing record says."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        micro_batches = self.micro_batches(batch)
+        weights = [1.0] * len(micro_batches) if forward_only else self._weights(batch, micro_batches)
         routing = self._routing(model, batch)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            i, mb = next(data_iterator)
             with routing.micro_batch(mb["routed_experts"]) if routing is not None else nullcontext():
                 out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
-            return out, lambda output: _fresh_loss(*loss_fn(output, mb))
+            return out, lambda output: _weighed(*loss_fn(output, mb), weights[i])
 
-        micro_batches = batch.micro_batches(self.config.micro_batch_size)
         with routing if routing is not None else nullcontext():
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+                forward_step_func=forward_step, data_iterator=iter(enumerate(micro_batches)), model=[model],
                 num_microbatches=len(micro_batches), seq_length=self.config.seq_length,
                 micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+
+    def _weights(self, batch: Batch, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each micro-batch's weight in a training step, the loss of which is the mean over every response token of
+        the step (one all-reduce of the token count over data parallelism). Megatron's schedule divides each
+        micro-batch's loss by this rank's number of micro-batches M and DDP averages the gradients over the D
+        replicas, as for any Megatron loss (MoE auxiliary losses included); weighing micro-batch i's token mean by
+        n_i · M · D / N (n_i its response tokens, N the step's) makes the sum over the step Σ n_i · mean_i / N.
+        (megatron-core's own per-token loss, ``calculate_per_token_loss``, divides by the tokens counted in the
+        loss, but scales the MoE auxiliary losses by every token of the micro-batch, prompts and padding
+        included: their coefficient would then depend on the prompt length.)"""
+        _, _, dp_group, _ = megatron_groups()
+        total = batch.mask_BN.sum().reshape(1).double()
+        if dp_group.size() > 1:
+            dist.all_reduce(total, group=dp_group)
+        if float(total) == 0:
+            return [torch.zeros((), device=batch.mask_BN.device)] * len(micro_batches)
+        scale = len(micro_batches) * dp_group.size() / float(total)
+        return [mb["mask"].sum() * scale for mb in micro_batches]
 
     def token_stats(self, logits_BSVt: torch.Tensor, micro_batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens, ``[b, N]`` (differentiable), from vocabulary-parallel
