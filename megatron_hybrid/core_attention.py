@@ -88,8 +88,8 @@ def core_attention_class(attention_backend: str) -> type:
 def with_core_attention(spec: Any, attention_backend: str) -> Any:
     """``spec`` (a layer's ``ModuleSpec``, or a block spec's ``TransformerBlockSubmodules``: every layer) with the
     self-attention's core attention of ``attention_backend``. Copies where it changes something: the given spec is
-    never modified (megatron-core's spec functions may hand out shared objects). ``ValueError`` for a layer whose core attention is not one of
-    ours or megatron-core's ``DotProductAttention`` (Transformer Engine's spec, MLA)."""
+    never modified (megatron-core's spec functions may hand out shared objects). ``ValueError`` for a layer whose
+    core attention is not one of ours or megatron-core's ``DotProductAttention`` (Transformer Engine's spec, MLA)."""
     cls = core_attention_class(attention_backend)
     if hasattr(spec, "layer_specs"):  # TransformerBlockSubmodules
         return dataclasses.replace(spec, layer_specs=[with_core_attention(s, attention_backend)
@@ -160,9 +160,13 @@ class SDPADotProductAttention(MegatronModule):
       unless sequence-parallel, as ``DotProductAttention`` draws it (the same distribution as its dropout, other
       entries dropped).
 
+    - Packed sequences (``packed_seq_params`` of ``qkv_format="thd"``, megatron-core's packed format: query
+      ``[T, N, D]``, key and value ``[T, G, D]``, sequence i at ``cu_seqlens[i]:cu_seqlens[i + 1]``): each
+      sequence attends causally to itself alone (a causal kernel call per sequence here, one document block mask
+      in ``flex``); returns ``[T, N·D]``. ``DotProductAttention`` refuses them.
+
     Refused at construction: context parallelism, a ``softmax_type`` other than ``vanilla``, window attention. In
-    ``forward``: ``packed_seq_params`` (packing is issue 44's step 3) and ``attention_bias``, as
-    ``DotProductAttention`` refuses them.
+    ``forward``: ``attention_bias``, as ``DotProductAttention`` refuses it, and packed formats other than ``thd``.
     """
 
     backend = "sdpa"
@@ -202,13 +206,13 @@ class SDPADotProductAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
-        """``query`` ``[Sq, B, N, D]``, ``key`` and ``value`` ``[Sk, B, G, D]``; returns ``[Sq, B, N·D]``."""
-        if packed_seq_params is not None:
-            raise NotImplementedError(f"attention_backend ({self.backend!r}) does not take packed sequences "
-                                      "(packed_seq_params) yet: packing comes with issue 44's step 3")
+        """``query`` ``[Sq, B, N, D]``, ``key`` and ``value`` ``[Sk, B, G, D]``; returns ``[Sq, B, N·D]``. Packed
+        (``packed_seq_params``, ``thd``): ``[T, N, D]`` and ``[T, G, D]``; returns ``[T, N·D]``."""
         if attention_bias is not None:
             raise NotImplementedError(f"attention_backend ({self.backend!r}) takes no attention_bias (nor does "
                                       "megatron-core's DotProductAttention)")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, packed_seq_params)
         sq, b, sk = query.size(0), query.size(1), key.size(0)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         is_causal, keep = False, None
@@ -230,6 +234,34 @@ class SDPADotProductAttention(MegatronModule):
         else:
             out_BNSD = self._attend(q_BNSD, k_BGSD, v_BGSD, is_causal=is_causal, keep=keep, dropout_p=dropout_p)
         return out_BNSD.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _forward_packed(self, query_TND: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
+                        packed_seq_params: Any) -> torch.Tensor:
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"attention_backend ({self.backend!r}) takes packed sequences in megatron-core's "
+                                      f"'thd' format, not {packed_seq_params.qkv_format!r}")
+        cu = packed_seq_params.cu_seqlens_q
+        cu_kv = packed_seq_params.cu_seqlens_kv
+        assert cu_kv is None or cu_kv is cu or torch.equal(cu_kv, cu), "self-attention packs: one cu_seqlens"
+        # [T, heads, D] -> [1, heads, T, D]: views, as in forward.
+        q, k, v = (t.unsqueeze(1).permute(1, 2, 0, 3) for t in (query_TND, key_TGD, value_TGD))
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out_1NTD = self._attend_packed(q, k, v, cu, dropout_p=dropout_p)
+        else:
+            out_1NTD = self._attend_packed(q, k, v, cu, dropout_p=dropout_p)
+        return out_1NTD[0].permute(1, 0, 2).reshape(query_TND.size(0), self.hidden_size_per_partition)
+
+    def _attend_packed(self, q_1NTD: torch.Tensor, k_1GTD: torch.Tensor, v_1GTD: torch.Tensor,
+                       cu_seqlens: torch.Tensor, *, dropout_p: float) -> torch.Tensor:
+        """Each sequence of the pack causally over itself: one causal kernel call per sequence (exactly the
+        unpacked sequence's attention; the flash kernels take no document mask)."""
+        bounds = cu_seqlens.tolist()
+        outs = [self._attend(q_1NTD[:, :, lo:hi], k_1GTD[:, :, lo:hi], v_1GTD[:, :, lo:hi], is_causal=True,
+                             keep=None, dropout_p=dropout_p)
+                for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+        return torch.cat(outs, dim=2)
 
     def _attend(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *, is_causal: bool,
                 keep: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
@@ -277,6 +309,13 @@ class FlexDotProductAttention(SDPADotProductAttention):
         return _flex_function(q_BNSD.device.type)(q_BNSD, k_BGSD, v_BGSD, score_mod=score_mod, block_mask=block_mask,
                                                   scale=self.softmax_scale, enable_gqa=ratio > 1)
 
+    def _attend_packed(self, q_1NTD: torch.Tensor, k_1GTD: torch.Tensor, v_1GTD: torch.Tensor,
+                       cu_seqlens: torch.Tensor, *, dropout_p: float) -> torch.Tensor:
+        """The whole pack in one call: a causal document block mask (blocks across sequences skipped)."""
+        ratio = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        return _flex_function(q_1NTD.device.type)(q_1NTD, k_1GTD, v_1GTD, block_mask=_document_block_mask(cu_seqlens),
+                                                  scale=self.softmax_scale, enable_gqa=ratio > 1)
+
 
 def _flex_error(device_type: Optional[str]) -> Optional[str]:
     """Why ``flex`` cannot be used with this torch (on ``device_type`` for training, when given), or None."""
@@ -312,6 +351,20 @@ def _flex_function(device_type: str) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
+def _document_block_mask(cu_seqlens: torch.Tensor):
+    """The block mask of a pack: position q attends to kv at or before it in the same sequence."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    total = int(cu_seqlens[-1])
+    positions = torch.arange(total, device=cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+
+    def same_sequence_causal(b, h, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_sequence_causal, None, None, total, total, device=cu_seqlens.device)
 
 
 @functools.lru_cache(maxsize=32)

@@ -214,3 +214,67 @@ def token_mean_gradient_case(micro_batch_size: int, *, sequences: int = 8) -> di
     result = rl.update(trained, mine, _nll(passes), passes=passes, step=1)
     return {"grads": grads, "tokens": result.tokens, "nll": [float(s["nll"]) for s in result.stats],
             "mean_nll": result.mean("nll")}
+
+
+def _ragged_batch(seed: int, num: int, *, prompt_max: int = 9, new: int = NEW):
+    """``num`` sequences with prompts of 1 to ``prompt_max`` tokens and responses of 1 to ``new`` tokens."""
+    from megatron_hybrid import rl
+
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(hi: int) -> list[int]:
+        return torch.randint(0, VOCAB, (int(torch.randint(1, hi + 1, (1,), generator=g)),), generator=g).tolist()
+
+    prompts = [draw(prompt_max) for _ in range(num)]
+    responses = [draw(new) for _ in range(num)]
+    seq_length = max(map(len, prompts)) + new
+    return rl.make_batch(prompts, responses, max_new_tokens=new, seq_length=seq_length, device=torch.device("cpu"))
+
+
+def packed_passes_case(capacity: int, chunk: int, arch_overrides: dict) -> dict:
+    """One rank: an actor and a critic (random value head) with ``sdpa`` attention, their passes over 10 ragged
+    sequences padded (micro-batches of 3) and packed (at most ``capacity`` tokens, log-probs ``chunk`` positions at a
+    time); the same padded passes of a copy with megatron-core's ``local`` attention; and the gradients of one
+    token-mean NLL backward both ways. Returns every result."""
+    import dataclasses
+
+    from megatron_hybrid import rl
+    from megatron_hybrid.rl.packing import packed_micro_batches
+
+    args = recipe_args("--tensor-model-parallel-size", "1")
+    arch = dataclasses.replace(rl.architecture_from_args(args, VOCAB), **arch_overrides)
+    cpu = torch.device("cpu")
+    torch.manual_seed(7)
+    actor = rl.build_stage(arch, device=cpu, attention_backend="sdpa")
+    critic = rl.build_critic(actor, arch, device=cpu, attention_backend="sdpa")
+    for p in critic.output_layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    local_actor = rl.build_stage(arch, device=cpu)
+    local_critic = rl.build_critic(local_actor, arch, device=cpu)
+    rl.copy_weights(local_actor, actor)
+    rl.copy_weights(local_critic, critic)
+    batch = _ragged_batch(3, 10)
+    seq_length = batch.tokens_BS.shape[1]
+    padded = rl.TrainingPasses(rl.PassConfig(seq_length, 3, VOCAB))
+    packed = rl.TrainingPasses(rl.PassConfig(seq_length, 3, VOCAB, max_tokens_per_micro_batch=capacity,
+                                             logit_chunk_tokens=chunk))
+    out = {"packs": [mb["rows"].tolist() for mb in packed_micro_batches(batch, capacity)],
+           "mask": batch.mask_BN.clone()}
+    for name, passes, a, c in (("padded", padded, actor, critic), ("packed", packed, actor, critic),
+                               ("local", padded, local_actor, local_critic)):
+        logp, ent = passes.log_probs(a, batch)
+        out[name] = {"logp": logp, "entropy": ent, "values": passes.values(c, batch),
+                     "scores": passes.scores(c, batch)}
+        a.zero_grad()
+        # The NLL's gradient, token-mean over the batch: the same objective packed or padded.
+        with torch.enable_grad():
+            total = torch.zeros(())
+            for mb in passes.micro_batches(batch):
+                output = a(mb["tokens"], mb["positions"] if "positions" in mb else
+                           torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"]), None,
+                           **({"packed_seq_params": rl.passes._packed_seq_params(mb)} if "cu_seqlens" in mb else {}))
+                lp, _ = passes.token_stats(output, mb)
+                total = total - (lp * mb["mask"]).sum()
+            (total / batch.mask_BN.sum()).backward()
+        out[name]["grads"] = {n: p.grad.clone() for n, p in a.named_parameters() if p.grad is not None}
+    return out

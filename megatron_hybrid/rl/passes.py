@@ -13,15 +13,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from ..compat import megatron_groups
 from . import ppo
+from .batch import Batch, make_batch  # noqa: F401  (make_batch: the passes' batch, re-exported)
+from .packing import in_batch_order, packed_micro_batches
 from .phases import recorded
-from .routing import TrainingRouting, moe_routers, replays_routing, routed_experts_BSMk
+from .routing import TrainingRouting, moe_routers, replays_routing
 
 #: ``loss_fn(output, micro_batch) -> (loss, stats)``: the loss of one micro-batch as the mean over its response
 #: tokens (``micro_batch["mask"]``). ``output`` is the last stage's output (``[B, S, V_t]`` logits, or ``[B, S, 1]``
@@ -29,69 +32,6 @@ from .routing import TrainingRouting, moe_routers, replays_routing, routed_exper
 #: training step's objective is the mean over every response token of the step (verl's ``token-mean``), however the
 #: sequences are grouped into micro-batches and data-parallel ranks.
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
-
-
-@dataclass
-class Batch:
-    """One rank's rollout batch. Response-aligned tensors are [B, N]; ``index_BN`` is where the logits that
-    predict response token j of sequence b sit in the sequence (position len(prompt_b) − 1 + j)."""
-
-    tokens_BS: torch.Tensor
-    """Prompt + response, zero-padded to the sequence length."""
-    index_BN: torch.Tensor
-    """Positions of the outputs that predict the response tokens."""
-    mask_BN: torch.Tensor
-    """1 on real response tokens."""
-    scores_B: torch.Tensor
-    """The sequence rewards."""
-    data: dict[str, torch.Tensor]
-    """Further per-sequence tensors the losses read (``end``: each sequence's last position; old log-probs, …)."""
-
-    @property
-    def num_tokens(self) -> int:
-        """The real tokens of all sequences (prompt + response)."""
-        return int(self.data["end"].sum()) + self.tokens_BS.shape[0]
-
-    def micro_batches(self, size: int) -> list[dict[str, torch.Tensor]]:
-        """Consecutive slices of ``size`` sequences, as dicts (``tokens``, ``index``, ``mask`` and ``data``)."""
-        out = []
-        for lo in range(0, self.tokens_BS.shape[0], size):
-            mb = {"tokens": self.tokens_BS[lo: lo + size], "index": self.index_BN[lo: lo + size],
-                  "mask": self.mask_BN[lo: lo + size]}
-            mb.update({k: v[lo: lo + size] for k, v in self.data.items()})
-            out.append(mb)
-        return out
-
-
-def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_tokens: int, seq_length: int,
-               device: torch.device, rollout_log_probs: Optional[list[list[float]]] = None,
-               routed_experts: Optional[list[torch.Tensor]] = None) -> Batch:
-    """The batch of ``prompts[b] + responses[b]``; scores are zero until the reward is known.
-    ``rollout_log_probs``: the generator's log-probs of the response tokens, kept as ``data["rollout_logp"]``
-    (``[B, N]``, zero-padded). ``routed_experts``: the generator's routing records
-    (``GenerationResult.routed_experts``), kept on the host as ``data["routed_experts"]`` (``[B, S, M, k]``, -1
-    where nothing was recorded; :mod:`.routing`): the passes then replay or count them."""
-    B, N = len(prompts), max_new_tokens
-    tokens = torch.zeros(B, seq_length, dtype=torch.long)
-    index = torch.zeros(B, N, dtype=torch.long)
-    mask = torch.zeros(B, N)
-    end = torch.zeros(B, dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        seq = list(p) + list(r)
-        tokens[b, : len(seq)] = torch.tensor(seq)
-        # Padding positions past a short response point inside the sequence; the mask drops them.
-        index[b] = (len(p) - 1 + torch.arange(N)).clamp(max=seq_length - 2)
-        mask[b, : len(r)] = 1.0
-        end[b] = len(seq) - 1
-    data = {"end": end.to(device)}
-    if rollout_log_probs is not None:
-        logp = torch.zeros(B, N)
-        for b, row in enumerate(rollout_log_probs):
-            logp[b, : len(row)] = torch.tensor(row)
-        data["rollout_logp"] = logp.to(device)
-    if routed_experts is not None:
-        data["routed_experts"] = routed_experts_BSMk(routed_experts, seq_length)
-    return Batch(tokens.to(device), index.to(device), mask.to(device), torch.zeros(B), data)
 
 
 def padded_seq_length(num_tokens: int, *, sequence_parallel: bool) -> int:
@@ -134,6 +74,13 @@ class PassConfig:
     """The tokenizer's vocabulary; the padded rows above it get no probability."""
     temperature: float = 1.0
     """The sampling temperature: log-probabilities are of softmax(logits / temperature)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Pack sequences without padding into micro-batches of at most this many tokens (:mod:`.packing`; training
+    TP 1 and PP 1 for now, a core attention that takes packed sequences: ``--attention-backend`` sdpa, flex or
+    auto); None: ``micro_batch_size`` sequences padded to ``seq_length``."""
+    logit_chunk_tokens: int = 1024
+    """Packed passes compute the log-probs and entropies over the vocabulary this many response positions at a
+    time (recomputed in the backward pass), so their fp32 temporaries stay at a chunk's, not a pack's."""
 
 
 class TrainingPasses:
@@ -145,6 +92,10 @@ class TrainingPasses:
     def __init__(self, config: PassConfig) -> None:
         self.config = config
         self.tp_group, self.pp_group, _, _ = megatron_groups()
+        if config.max_tokens_per_micro_batch is not None and (self.tp_group.size() > 1 or self.pp_group.size() > 1):
+            raise ValueError(f"max_tokens_per_micro_batch ({config.max_tokens_per_micro_batch}): packed micro-batches "
+                             f"run at tensor- and pipeline-parallel size 1 for now (here {self.tp_group.size()} and "
+                             f"{self.pp_group.size()})")
         self.last_stage = self.pp_group.rank() == self.pp_group.size() - 1
         self._measured: Optional[tuple[torch.nn.Module, TrainingRouting]] = None
 
@@ -181,11 +132,14 @@ class TrainingPasses:
             self._measured = None
 
     def micro_batches(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
-        """The micro-batches the schedule runs over ``batch`` (what counts them, e.g. the MoE losses' mean,
-        asks here)."""
+        """The micro-batches the schedule runs over ``batch``: packed (:mod:`.packing`) or padded (what counts them,
+        e.g. the MoE losses' mean, asks here)."""
+        if self.config.max_tokens_per_micro_batch is not None:
+            return packed_micro_batches(batch, self.config.max_tokens_per_micro_batch)
         return batch.micro_batches(self.config.micro_batch_size)
 
-    def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool) -> list[dict]:
+    def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool,
+            micro_batches: Optional[list[dict[str, torch.Tensor]]] = None) -> list[dict]:
         """Megatron's forward/backward schedule over ``batch``'s micro-batches; returns the per-micro-batch
         ``stats`` of ``loss_fn`` (last stage; ``[]`` elsewhere). Gradients, when not ``forward_only``, accumulate
         in DDP's buffers: of the mean of the losses over every response token of the micro-batches and the DP
@@ -193,12 +147,18 @@ class TrainingPasses:
         batch's tokens as its routing record says."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro_batches = self.micro_batches(batch)
+        if micro_batches is None:
+            micro_batches = self.micro_batches(batch)
         weights = [1.0] * len(micro_batches) if forward_only else self._weights(batch, micro_batches)
         routing = self._routing(model, batch)
+        if micro_batches and "cu_seqlens" in micro_batches[0]:
+            _check_takes_packed_sequences(model)
 
         def forward_step(data_iterator, model):
             i, mb = next(data_iterator)
+            if "cu_seqlens" in mb:
+                out = model(mb["tokens"], mb["positions"], None, packed_seq_params=_packed_seq_params(mb))
+                return out, lambda output: _weighed(*loss_fn(output, mb), weights[i])
             with routing.micro_batch(mb["routed_experts"]) if routing is not None else nullcontext():
                 out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
             return out, lambda output: _weighed(*loss_fn(output, mb), weights[i])
@@ -229,21 +189,37 @@ class TrainingPasses:
 
     def token_stats(self, logits_BSVt: torch.Tensor, micro_batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens, ``[b, N]`` (differentiable), from vocabulary-parallel
-        logits at the sampling temperature."""
+        logits at the sampling temperature. A packed micro-batch's (``[1, T, V_t]`` logits) are computed at the
+        response positions alone, :attr:`PassConfig.logit_chunk_tokens` at a time."""
         labels = torch.roll(micro_batch["tokens"], -1, dims=1)
         V_t = logits_BSVt.shape[-1]
-        logp, ent = ppo.vocab_parallel_logprobs_entropy(
-            logits_BSVt, labels, tp_group=self.tp_group, vocab_start=self.tp_group.rank() * V_t,
-            vocab_size=self.config.vocab_size, temperature=self.config.temperature)
+
+        def stats(logits, labels_):
+            return ppo.vocab_parallel_logprobs_entropy(
+                logits, labels_, tp_group=self.tp_group, vocab_start=self.tp_group.rank() * V_t,
+                vocab_size=self.config.vocab_size, temperature=self.config.temperature)
+
+        if "cu_seqlens" in micro_batch:
+            return _chunked(stats, logits_BSVt[0], labels[0], micro_batch["index"],
+                            chunk=self.config.logit_chunk_tokens)
+        logp, ent = stats(logits_BSVt, labels)
         return logp.gather(1, micro_batch["index"]), ent.gather(1, micro_batch["index"])
 
-    def _forward(self, model: torch.nn.Module, batch: Batch, stats_fn) -> list[dict]:
+    def _forward(self, model: torch.nn.Module, batch: Batch, stats_fn) -> dict[str, torch.Tensor]:
+        """``stats_fn``'s ``[n, ...]`` tensors of every micro-batch, in the batch's order (``{}`` off the last
+        stage)."""
         def loss_fn(output, mb):
             stats = stats_fn(output, mb)
             return torch.zeros((), device=output.device), {k: v.detach() for k, v in stats.items()}
 
+        micro_batches = self.micro_batches(batch)
         with torch.no_grad():
-            return self.run(model, batch, loss_fn, forward_only=True)
+            out = self.run(model, batch, loss_fn, forward_only=True, micro_batches=micro_batches)
+        if not out:
+            return {}
+        if "rows" in micro_batches[0]:
+            return {k: in_batch_order([o[k] for o in out], micro_batches, batch.tokens_BS.shape[0]) for k in out[0]}
+        return {k: torch.cat([o[k] for o in out]) for k in out[0]}
 
     @recorded("log-probs")
     def log_probs(self, model: torch.nn.Module, batch: Batch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -253,25 +229,25 @@ class TrainingPasses:
             return {"logp": logp, "entropy": ent}
 
         out = self._forward(model, batch, stats)
-        if not self.last_stage:
-            return None
-        return torch.cat([o["logp"] for o in out]), torch.cat([o["entropy"] for o in out])
+        return (out["logp"], out["entropy"]) if self.last_stage else None
 
     @recorded("values")
     def values(self, model: torch.nn.Module, batch: Batch) -> Optional[torch.Tensor]:
         """A value model's values at the response tokens, ``[B, N]`` fp32; ``None`` off the last stage."""
         out = self._forward(model, batch, lambda output, mb: {"values": response_values(output, mb)})
-        return torch.cat([o["values"] for o in out]) if self.last_stage else None
+        return out["values"] if self.last_stage else None
 
     @recorded("reward model")
     def scores(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """A reward model's score of each sequence (its value at the last real token), ``[B]`` fp32 on the CPU,
         on every rank (the last stage broadcasts it over the pipeline)."""
         def stats(output, mb):
+            if "cu_seqlens" in mb:  # the last token of each sequence of the pack
+                return {"score": output[0, mb["cu_seqlens"][:-1].long() + mb["end"], 0].float()}
             return {"score": output[..., 0].float().gather(1, mb["end"].unsqueeze(1)).squeeze(1)}
 
         out = self._forward(model, batch, stats)
-        scores = torch.cat([o["score"] for o in out]) if self.last_stage else \
+        scores = out["score"] if self.last_stage else \
             torch.zeros(batch.tokens_BS.shape[0], device=batch.tokens_BS.device)
         if self.pp_group.size() > 1:
             dist.broadcast(scores, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
@@ -279,5 +255,50 @@ class TrainingPasses:
 
 
 def response_values(output_BS1: torch.Tensor, micro_batch: dict) -> torch.Tensor:
-    """A value model's output at the response tokens, ``[b, N]`` fp32 (differentiable: the critic's loss)."""
+    """A value model's output at the response tokens, ``[b, N]`` fp32 (differentiable: the critic's loss); of a
+    packed micro-batch (``[1, T, 1]``), at its response positions."""
+    if "cu_seqlens" in micro_batch:
+        return output_BS1[0, :, 0].float()[micro_batch["index"]]
     return output_BS1[..., 0].float().gather(1, micro_batch["index"])
+
+
+def _chunked(stats: Callable, logits_TVt: torch.Tensor, labels_T: torch.Tensor, index_nN: torch.Tensor, *,
+             chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stats(logits, labels)`` (log-probs and entropies) at the positions ``index_nN`` of a pack, ``chunk``
+    positions at a time; with autograd on, each chunk is recomputed in the backward pass (its fp32 softmax is
+    not kept), so the pass holds the model's logits and one chunk's temporaries."""
+    flat = index_nN.reshape(-1)
+
+    def at(logits, labels, idx):
+        logp, ent = stats(logits[idx].unsqueeze(0), labels[idx].unsqueeze(0))
+        return logp[0], ent[0]
+
+    parts = []
+    for lo in range(0, flat.numel(), chunk):
+        idx = flat[lo: lo + chunk]
+        if torch.is_grad_enabled() and logits_TVt.requires_grad:
+            parts.append(torch.utils.checkpoint.checkpoint(at, logits_TVt, labels_T, idx, use_reentrant=False))
+        else:
+            parts.append(at(logits_TVt, labels_T, idx))
+    logp = torch.cat([p[0] for p in parts]) if parts else logits_TVt.new_zeros(0, dtype=torch.float32)
+    ent = torch.cat([p[1] for p in parts]) if parts else logits_TVt.new_zeros(0, dtype=torch.float32)
+    return logp.view(index_nN.shape), ent.view(index_nN.shape)
+
+
+def _packed_seq_params(mb: dict) -> Any:
+    """megatron-core's ``thd`` description of a packed micro-batch (self-attention: one ``cu_seqlens``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+                           max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
+
+
+def _check_takes_packed_sequences(model: torch.nn.Module) -> None:
+    """``ValueError`` where the model's attention is megatron-core's ``DotProductAttention``, which refuses packed
+    sequences (with an assert, in the middle of the schedule)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if any(isinstance(m, DotProductAttention) for m in model.modules()):
+        raise ValueError("packed micro-batches (max_tokens_per_micro_batch) need a core attention that takes packed "
+                         "sequences: build the model with attention_backend 'sdpa', 'flex' or 'auto' "
+                         "(--attention-backend); megatron-core's DotProductAttention ('local') refuses them")
