@@ -32,16 +32,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 import warnings
 from typing import Any, Iterator, Optional, Sequence
 
-import torch
-import torch.distributed as dist
+# --device cpu hides the GPUs before anything reads CUDA's device list: importing megatron-core does (the CUDA
+# runtime reads CUDA_VISIBLE_DEVICES once). rl.initialize.select_device checks that it took.
+if any(a == "--device=cpu" or a == "--device" and b == "cpu" for a, b in zip(sys.argv, sys.argv[1:] + [""])):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from megatron_hybrid import rl
-from megatron_hybrid.rl import ppo
-from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_hybrid import rl  # noqa: E402
+from megatron_hybrid.rl import ppo  # noqa: E402
+from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
