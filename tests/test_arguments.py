@@ -298,6 +298,38 @@ def test_device_flag_errors(monkeypatch):
         select_device(argparse.Namespace(device="cpu"))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens-per-micro-batch", "64"], "--max-tokens-per-micro-batch (64) packs sequences, which "
+     "--attention-backend local (megatron-core's DotProductAttention) refuses: pass --attention-backend sdpa, flex or "
+     "auto"),
+    (["--max-tokens-per-micro-batch", "64", "--attention-backend", "sdpa"], "--max-tokens-per-micro-batch (64) runs at "
+     "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 for now (here 2 and 1)"),
+    (["--max-tokens-per-micro-batch", "0"], "--max-tokens-per-micro-batch (0) must be ≥ 1"),
+])
+def test_packing_flags_are_checked(argv, message):
+    with pytest.raises(ValueError) as e:
+        _validate(*argv)
+    assert str(e.value) == message
+
+
+def test_a_token_budget_below_the_longest_sequence_is_named_before_any_process_group():
+    """The built-in task's prompts are 4 tokens, --max-new-tokens 8: a budget of 11 cannot hold a sequence."""
+    from megatron_hybrid.rl import load_task
+
+    parser = add_hybrid_args(add_megatron_args(argparse.ArgumentParser()))
+    args = parser.parse_args(["--tensor-model-parallel-size", "1", "--attention-backend", "sdpa",
+                              "--max-tokens-per-micro-batch", "11"])
+    validate_args(args, 1)
+    with pytest.raises(ValueError, match=r"^--max-tokens-per-micro-batch \(11\) must be at least the longest sequence: "
+                                         r"the longest prompt \(4 tokens\) \+ --max-new-tokens \(8\) = 12$"):
+        load_task(args)
+    args.max_tokens_per_micro_batch = 12
+    assert load_task(args).prompts.max_length == 4
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
 # ---------------------------------------------------------------- 2. a stalled rank ends the job in time
 
 TIMEOUT_S = 3.0  # --distributed-timeout-minutes 0.05

@@ -136,7 +136,8 @@ class Trainer:
             "the advantages": rl.flag_values(a, *kl)}
         self.passes = rl.TrainingPasses(rl.PassConfig(  # with --sequence-parallel a multiple of TP
             rl.padded_seq_length(a.max_new_tokens + self.prompts.max_length, sequence_parallel=a.sequence_parallel),
-            a.micro_batch_size, self.tokenizer.vocab_size, a.temperature))
+            a.micro_batch_size, self.tokenizer.vocab_size, a.temperature,
+            max_tokens_per_micro_batch=a.max_tokens_per_micro_batch))
 
     @contextlib.contextmanager
     def _reference_on_device(self) -> Iterator[torch.nn.Module]:

@@ -133,6 +133,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "--overlap-grad-reduce)")
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="pack the training passes' "
+                   "sequences without padding into micro-batches of at most this many tokens (first-fit decreasing; "
+                   "verl's ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu) instead of --micro-batch-size "
+                   "sequences padded to the longest; at least the longest prompt + --max-new-tokens. Needs "
+                   "--attention-backend sdpa, flex or auto, and tensor- and pipeline-parallel size 1 for now")
     g.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all DP replicas")
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--seed", type=int, default=1234)
@@ -280,7 +285,7 @@ _RANGES: dict[str, dict] = {
                      "inference_max_seq_length", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                      "moe_shared_expert_intermediate_size", "expert_model_parallel_size",
                      "expert_tensor_parallel_size", "rollout_expert_model_parallel_size",
-                     "rollout_expert_tensor_parallel_size"), {"ge": 1}),
+                     "rollout_expert_tensor_parallel_size", "max_tokens_per_micro_batch"), {"ge": 1}),
     **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
                      "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters",
                      "moe_aux_loss_coeff"),
@@ -444,6 +449,25 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         check_attention_backend(args.attention_backend, device_type=device_type)
     except ValueError as error:
         raise ValueError(with_flag_names(str(error), vars(args))) from None
+    _validate_packing(args)
+
+
+def _validate_packing(args: argparse.Namespace) -> None:
+    """``--max-tokens-per-micro-batch`` with what packed passes take today (:mod:`.packing`); the budget against
+    the longest sequence is checked where the prompts are known (:func:`~.task.check_token_budget`)."""
+    budget = args.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    if args.attention_backend == "local":
+        raise ValueError(f"--max-tokens-per-micro-batch ({budget}) packs sequences, which --attention-backend local "
+                         "(megatron-core's DotProductAttention) refuses: pass --attention-backend sdpa, flex or auto")
+    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if sizes != (1, 1):
+        raise ValueError(f"--max-tokens-per-micro-batch ({budget}) runs at --tensor-model-parallel-size 1 and "
+                         f"--pipeline-model-parallel-size 1 for now (here {sizes[0]} and {sizes[1]})")
+    if args.moe_enable_routing_replay:
+        raise ValueError(f"--max-tokens-per-micro-batch ({budget}) does not replay MoE routing yet: leave out "
+                         "--moe-enable-routing-replay or the budget")
 
 
 #: The expert-parallel flags and their defaults (anything else on a dense model is an error).

@@ -33,6 +33,16 @@ class Task:
     """The rollout's KV-cache settings: sized to these prompts (:func:`megatron_hybrid.rl.generation_config`)."""
 
 
+def check_token_budget(args: argparse.Namespace, *, longest_prompt: int) -> None:
+    """``ValueError`` when ``--max-tokens-per-micro-batch`` cannot hold the longest training sequence (the longest
+    prompt + ``--max-new-tokens``): a packed micro-batch never splits a sequence."""
+    budget = getattr(args, "max_tokens_per_micro_batch", None)
+    if budget is not None and budget < longest_prompt + args.max_new_tokens:
+        raise ValueError(f"--max-tokens-per-micro-batch ({budget}) must be at least the longest sequence: the longest "
+                         f"prompt ({longest_prompt} tokens) + --max-new-tokens ({args.max_new_tokens}) = "
+                         f"{longest_prompt + args.max_new_tokens}")
+
+
 def load_task(args: argparse.Namespace) -> Task:
     """The tokenizer, the architecture, the training and held-out prompts and the reward of a run."""
     tokenizer = build_tokenizer(args)
@@ -41,5 +51,6 @@ def load_task(args: argparse.Namespace) -> Task:
     prompts = Prompts(args, tokenizer, max_positions=positions)
     held_out = eval_prompts(args, tokenizer, max_positions=positions)
     longest = max([prompts.max_length] + [len(e.tokens) for e in held_out or []])
+    check_token_budget(args, longest_prompt=prompts.max_length)
     return Task(tokenizer, arch, prompts, held_out, build_reward(args, tokenizer),
                 generation_config(args, max_prompt_length=longest))
