@@ -41,4 +41,18 @@ SHAPES: dict[str, GPTArchitecture] = {
                                      make_vocab_size_divisible_by=128, max_position_embeddings=40960,
                                      norm_epsilon=1e-6, rotary_base=1000000, params_dtype="bfloat16",
                                      num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    # Qwen2.5-7B's layer shape cut to 8 layers (2.95 B parameters, 5.9 GB in bf16): hidden 3584, 28 heads / 4 KV
+    # groups, SwiGLU ffn 18,944, QKV biases, RoPE base 1e6, untied embeddings, vocabulary 152,064 (issue 44's
+    # training-pass benchmark).
+    "qwen2.5-7b-8l": GPTArchitecture(num_layers=8, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                                     ffn_hidden_size=18944, vocab_size=152064, make_vocab_size_divisible_by=128,
+                                     max_position_embeddings=32768, norm_epsilon=1e-6, rotary_base=1000000,
+                                     add_qkv_bias=True, params_dtype="bfloat16"),
+    # Qwen2.5-1.5B's shape (1.54 B parameters): 28 layers, hidden 1536, 12 heads / 2 KV groups, ffn 8,960, QKV
+    # biases, tied embeddings, vocabulary 151,936.
+    "qwen2.5-1.5b": GPTArchitecture(num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2,
+                                    ffn_hidden_size=8960, vocab_size=151936, make_vocab_size_divisible_by=128,
+                                    max_position_embeddings=32768, norm_epsilon=1e-6, rotary_base=1000000,
+                                    add_qkv_bias=True, untie_embeddings_and_output_weights=False,
+                                    params_dtype="bfloat16"),
 }

@@ -1,0 +1,191 @@
+"""Training passes at RL lengths (issue 44): forward + backward tokens/s, MFU and peak memory of the padded path
+(every sequence padded to the longest prompt + the longest response, ``--micro-batch-size`` sequences a
+micro-batch) against packed micro-batches (``--max-tokens-per-micro-batch``), each with its core attention, at the
+same sequences per step, on a long-tailed RL length mix; then the longest single sequence each path fits.
+
+    python bench/train_pass.py --shape qwen2.5-7b-8l --out bench/results/train_pass_h100.json
+    python bench/train_pass.py --shape qwen2.5-1.5b --methods padded-local packed-sdpa --out results.json
+    python bench/train_pass.py --shape cpu-tiny --smoke          # the code path on the CPU, in seconds
+
+A step is one pass of megatron-core's schedule (TrainingPasses.run, forward and backward) over the step's
+sequences with the token-mean NLL of the responses as the loss; no optimizer. Model FLOPs as Megatron-LM counts
+them: 6 · (parameters less the input embedding) per real token, plus causal attention, 6 · layers · hidden · Σ L²
+/ ... (QKᵀ and AV, forward and backward, half the square); MFU against the dense bf16 peak (989 TFLOP/s on H100 and
+H200). Padding counts as time, not as tokens. Rows are appended to ``--out`` as they are measured (the command
+beside them); a method that runs out of memory gets a row saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.measure import one_rank, sync, timed  # noqa: E402
+from bench.shapes import SHAPES  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM dense bf16
+METHODS = ("padded-local", "padded-sdpa", "packed-sdpa", "packed-flex")
+
+
+def length_mix(num: int, *, prompt: tuple[int, int], response_max: int, seed: int) -> list[tuple[int, int]]:
+    """``num`` (prompt, response) lengths: prompts uniform in ``prompt``, responses long-tailed (log-normal around a
+    median of response_max / 8, cut at ``response_max``)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(prompt[0], prompt[1] + 1, (num,), generator=g)
+    responses = (torch.randn(num, generator=g) * 0.9 + math.log(response_max / 8)).exp().clamp(16, response_max)
+    return [(int(p), int(r)) for p, r in zip(prompts, responses)]
+
+
+def model_flops(arch, params: int, lengths: list[int]) -> float:
+    """Megatron-LM's count: 6 · parameters (less the input embedding) per token + causal attention."""
+    embedding = arch.padded_vocab_size(1) * arch.hidden_size
+    dense = params - (embedding if arch.untie_embeddings_and_output_weights else 0)
+    attention = 6 * arch.num_layers * arch.hidden_size * sum(n * n for n in lengths)  # 12·L²·h halved (causal)
+    return 6 * dense * sum(lengths) + attention
+
+
+def nll(passes):
+    def loss_fn(output, mb):
+        logp, _ = passes.token_stats(output, mb)
+        mask = mb["mask"]
+        loss = -(logp * mask).sum() / mask.sum().clamp_min(1)
+        return loss, {}
+    return loss_fn
+
+
+def run_method(method: str, arch, model_by_backend: dict, pairs: list[tuple[int, int]], args,
+               device: torch.device, *, runs: int, warmup: int) -> dict[str, Any]:
+    from megatron_hybrid import rl
+
+    layout, backend = method.split("-")
+    model = model_by_backend[backend]
+    g = torch.Generator().manual_seed(7)
+    vocab = arch.vocab_size
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p, _ in pairs]
+    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for _, r in pairs]
+    new = max(r for _, r in pairs)
+    seq_length = max(p for p, _ in pairs) + new
+    batch = rl.make_batch(prompts, responses, max_new_tokens=new, seq_length=seq_length, device=device)
+    budget = args.max_tokens_per_micro_batch if layout == "packed" else None
+    passes = rl.TrainingPasses(rl.PassConfig(seq_length, args.micro_batch_size, vocab,
+                                             max_tokens_per_micro_batch=budget,
+                                             logit_chunk_tokens=args.logit_chunk_tokens))
+    lengths = [p + r for p, r in pairs]
+    row: dict[str, Any] = {"method": method, "sequences": len(pairs), "tokens": sum(lengths),
+                           "longest": max(lengths), "padded_tokens": len(pairs) * seq_length,
+                           "micro_batches": len(passes.micro_batches(batch))}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        passes.run(model, batch, nll(passes), forward_only=False)
+
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        _, times = timed(step, device, runs=runs, warmup=warmup)
+    except torch.OutOfMemoryError as error:
+        model.zero_grad(set_to_none=True)
+        return {**row, "oom": str(error).splitlines()[0][:200]}
+    seconds = statistics.median(times)
+    flops = model_flops(arch, sum(p.numel() for p in model.parameters()), lengths)
+    row.update(seconds=seconds, times=times, tokens_per_s=sum(lengths) / seconds,
+               tflops=flops / seconds / 1e12, mfu=flops / seconds / PEAK_BF16_FLOPS,
+               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+    model.zero_grad(set_to_none=True)
+    return row
+
+
+def longest_fit(method: str, arch, model_by_backend: dict, args, device: torch.device,
+                lengths: list[int]) -> Optional[int]:
+    """The longest of ``lengths`` (one sequence: a prompt of up to 512 tokens and the rest response) the method
+    trains."""
+    fits = None
+    for n in lengths:
+        prompt = min(512, n // 2)
+        pair = [(prompt, n - prompt)]
+        budget_args = argparse.Namespace(**{**vars(args),
+                                            "max_tokens_per_micro_batch": max(n, args.max_tokens_per_micro_batch)})
+        row = run_method(method, arch, model_by_backend, pair, budget_args, device, runs=1, warmup=0)
+        if "oom" in row:
+            break
+        fits = n
+    return fits
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-7b-8l", choices=sorted(SHAPES))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--sequences", type=int, default=32, help="sequences per step")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(128, 1024))
+    parser.add_argument("--response-max", type=int, default=8192)
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="padded path: sequences per micro-batch")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="packed path: the budget")
+    parser.add_argument("--logit-chunk-tokens", type=int, default=2048)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--longest", type=int, nargs="*", default=[8192, 16384, 32768],
+                        help="single-sequence lengths to probe, per method (none: skip)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on whatever device there is")
+    parser.add_argument("--out", default=None, help="JSON file the rows are appended to")
+    args = parser.parse_args(argv)
+    if args.max_tokens_per_micro_batch < args.prompt_range[1] + args.response_max:
+        parser.error(f"--max-tokens-per-micro-batch ({args.max_tokens_per_micro_batch}) must hold the longest "
+                     f"sequence ({args.prompt_range[1]} + {args.response_max})")
+    if args.smoke:
+        args.shape, args.sequences, args.prompt_range, args.response_max = "cpu-tiny", 6, (4, 12), 40
+        args.max_tokens_per_micro_batch, args.logit_chunk_tokens, args.runs, args.warmup = 64, 16, 1, 0
+        args.longest = [64, 128]
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    arch = SHAPES[args.shape]
+    pairs = length_mix(args.sequences, prompt=tuple(args.prompt_range), response_max=args.response_max, seed=1)
+    rows: list[dict] = []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    with one_rank(device):
+        from megatron_hybrid.core_attention import _flex_error
+
+        backends = sorted({m.split("-")[1] for m in args.methods})
+        if "flex" in backends and _flex_error(device.type) is not None:
+            print(f"flex skipped: {_flex_error(device.type)}")
+            backends.remove("flex")
+            args.methods = [m for m in args.methods if not m.endswith("flex")]
+        torch.manual_seed(1234)
+        config = arch.transformer_config(use_cpu_initialization=device.type != "cuda")
+        first = arch.build(config, attention_backend=backends[0]).to(device)
+        models = {backends[0]: first}
+        for backend in backends[1:]:  # the same weights: the core attention holds none
+            models[backend] = arch.build(config, attention_backend=backend).to(device)
+            models[backend].load_state_dict(first.state_dict())
+        for method in args.methods:
+            row = run_method(method, arch, models, pairs, args, device, runs=args.runs, warmup=args.warmup)
+            if args.longest:
+                row["longest_fit"] = longest_fit(method, arch, models, args, device, args.longest)
+                row["longest_probed"] = args.longest
+            row.update(shape=args.shape, device=name, torch=torch.__version__, command=" ".join(sys.argv))
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("times", "command")}), flush=True)
+            if args.out:
+                existing = json.load(open(args.out)) if os.path.exists(args.out) else []
+                with open(args.out + ".tmp", "w") as f:
+                    json.dump(existing + [row], f, indent=1)
+                os.replace(args.out + ".tmp", args.out)
+        sync(device)
+    base = next((r for r in rows if r["method"] == "padded-local" and "tokens_per_s" in r), None)
+    for r in rows:
+        if base is not None and "tokens_per_s" in r:
+            print(f"{r['method']}: {r['tokens_per_s']:.0f} tokens/s = {r['tokens_per_s'] / base['tokens_per_s']:.2f}× "
+                  f"padded-local, MFU {r['mfu']:.3f}, longest fit {r.get('longest_fit')}")
+
+
+if __name__ == "__main__":
+    main()
