@@ -312,7 +312,7 @@ def _distributed_optimizer_views(optimizer) -> list[tuple[list, int]]:
     return out
 
 
-def ddp_move_param_buffer(chunk, buffer, new, *, optimizers=()) -> None:
+def ddp_move_param_buffer(chunk, buffer, new, *, optimizers=(), own_storage: bool = False) -> None:
     """Move Megatron DDP's parameter buffer ``buffer`` of ``chunk`` into ``new`` (a 1-D tensor of its numel and
     dtype), once: values are copied, then every view of the old buffer is pointed at the same place in ``new`` (the
     buffer's and its buckets' ``param_data``, the parameters, the bucket groups' cached shards, and the shards the
@@ -325,10 +325,15 @@ def ddp_move_param_buffer(chunk, buffer, new, *, optimizers=()) -> None:
     if new.numel() != old.numel() or new.dtype != old.dtype or new.dim() != 1:
         raise AssertionError(f"DDP parameter buffer of {old.numel()} {old.dtype} moved to {new.numel()} {new.dtype}")
     storage = old.untyped_storage()
-    alone = old.storage_offset() == 0 and storage.nbytes() == old.numel() * old.element_size()
+    # DDP's own allocation; a buffer the engine placed in its storage (``own_storage``) may fill that storage exactly.
+    alone = not own_storage and old.storage_offset() == 0 and storage.nbytes() == old.numel() * old.element_size()
     groups = list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
-    views = [(group, i) for opt in optimizers for group, i in _distributed_optimizer_views(opt)
-             if group[i].untyped_storage().data_ptr() == storage.data_ptr()]
+    lo, hi = old.data_ptr(), old.data_ptr() + old.numel() * old.element_size()
+    # Views inside this buffer: an engine keeps several buffers (dense and expert, several chunks) in one storage.
+    # Each view once: the same optimizer may be given twice (at the engine's creation and at its close).
+    views = list({id(group[i]): (group, i) for opt in optimizers for group, i in _distributed_optimizer_views(opt)
+                  if group[i].untyped_storage().data_ptr() == storage.data_ptr()
+                  and lo <= group[i].data_ptr() < hi}.values())
     params = list(buffer.param_index_map)
 
     def point(to, frm):

@@ -36,8 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import compat
 from .binding import BINDINGS, named_parameters
 from .exchange import keys_of
-from .executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers, make_exchange_plan,
-                       make_group_plan)
+from .executor import (CollectiveRecord, ExchangeExecutor, ExchangeSpec, PlaneSpec, PlanExecutor, held_buffers,
+                       make_exchange_plan, make_group_plan)
 from .fp8 import layers_in_bf16
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
@@ -164,17 +164,19 @@ class HybridEngine:
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.layout = lay = ParallelLayout.create(training=(tp_group.size(), pp_group.size(), dp_group.size()),
                                                   rollout=rollout)
-        if len(self.chunks) > 1 and not lay.exchange and self.modules[0].config.num_moe_experts is None:
+        if len(self.chunks) > 1 and not lay.exchange:
             # Virtual pipeline chunks: the rollout model is one chunk per rank (a rollout stage's layers in one model,
             # which the generator runs), so its tensors come from several training chunks: an exchange layout.
             self.layout = lay = dataclasses.replace(lay, exchange=True)
         check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
-        check_model(self.modules, lay, weight_mode=weight_mode, rollout_weights=rollout_weights)
         # An MoE model's routed experts: their own grid (expert tp, ep, expert dp) and rollout sizes.
         expert_groups = compat.megatron_expert_groups() if self.config.num_moe_experts is not None else None
         self.expert_layout: Optional[ExpertLayout] = check_experts(
             self.modules, lay, rollout, expert_groups=expert_groups, world_size=dist.get_world_size())
+        if self.expert_layout is not None and self.expert_layout.exchange and not lay.exchange:
+            self.layout = lay = dataclasses.replace(lay, exchange=True)  # the experts' pair needs the exchange
+        check_model(self.modules, lay, weight_mode=weight_mode, rollout_weights=rollout_weights)
         if timeout is None:
             timeout = compat.group_timeout(tp_group) or dist.distributed_c10d.default_pg_timeout
         self.timeout = as_timeout(timeout)
@@ -198,6 +200,8 @@ class HybridEngine:
         self.layout = lay = self.rollout_groups.layout  # exchanged where new_group could not keep the groups' order
         if lay.exchange:
             self._tied = None
+            if self.expert_layout is not None and not self.expert_layout.exchange:
+                self.expert_layout = dataclasses.replace(self.expert_layout, exchange=True)
         self.rollout_chunks = build_rollout_chunks(self.modules, lay, pg_collection=self.pg_collection,
                                                    rollout_pp_rank=self.rollout_pp_rank, weight_mode=weight_mode,
                                                    guard=self._check_rollout_mode, model_provider=model_provider,
@@ -252,19 +256,30 @@ class HybridEngine:
 
     def _place_exchange(self, tied: bool) -> Placements:
         """The exchange plan of any other layout pair (:mod:`megatron_hybrid.exchange`), its placement (the
-        training tensors stay where they are; a receive buffer per dtype) and executor."""
+        training tensors stay where they are; a receive buffer per dtype) and executor; an MoE model's routed
+        experts get a plan of their own, on the rollout expert grid (expert TP instead of TP)."""
         rank = dist.get_rank()
-        plan = make_exchange_plan(self.modules, self.rollout_chunks, self.rollout_groups, tp_rank=self.tp_rank,
-                                  tied=tied)
+        specs = [ExchangeSpec("dense", (self.layout.t, self.layout.t_g), (self.tp_rank, self.rollout_tp_rank))]
+        ex = self.expert_layout
+        if ex is not None:
+            et_rank = self.rollout_groups.expert_grid.coords[rank][0]  # training expert TP rank
+            rollout_et_rank = self.group_ranks["expt_tp"].index(rank)
+            specs.append(ExchangeSpec("experts", (ex.et, ex.et_g), (et_rank, rollout_et_rank)))
         names = list(self._train_params) + [n for n, _ in named_parameters(self.rollout_chunks)]
         keys = keys_of(names, tied=tied)
-        self.exchange_plan = plan
-        self.plans["dense"] = (None, rank)
-        placement = ExchangePlacement(plan, rank, self._train_params, self.layout, keys=keys,
-                                      rollout_tp_rank=self.rollout_tp_rank, device=self.device)
-        self._executors.append(ExchangeExecutor(plan, rank, self.rollout_groups, training_params=self._train_params,
-                                                keys={n: keys[n] for n in self._train_params}, device=self.device))
-        return Placements({"dense": placement}, lambda name: "dense")
+        planes: dict[str, Placement] = {}
+        for spec in specs:
+            plan = make_exchange_plan(self.modules, self.rollout_chunks, self.rollout_groups, spec, tied=tied)
+            if spec.plane == "dense":
+                self.exchange_plan = plan
+            self.plans[spec.plane] = (None, rank)
+            planes[spec.plane] = ExchangePlacement(plan, rank, self._train_params, self.layout, keys=keys,
+                                                   rollout_tp_rank=spec.tp_rank[1], device=self.device)
+            self._executors.append(ExchangeExecutor(plan, rank, self.rollout_groups,
+                                                    training_params=self._train_params,
+                                                    keys={n: keys[n] for n in self._train_params},
+                                                    device=self.device, plane=spec.plane))
+        return Placements(planes, lambda name: "experts" if ex is not None and is_expert(name) else "dense")
 
     def _plane_specs(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> list[PlaneSpec]:
         """The dense plane over the micro-DP groups, and an MoE model's routed experts over the micro-EP groups."""

@@ -52,6 +52,12 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
     return max(0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
+def _shared(x: int, n: int, y: int, m: int) -> int:
+    """How much part x of n equal parts and part y of m have in common, in lcm(n, m)-ths of the whole."""
+    units = math.lcm(n, m)
+    return _overlap((x * units // n, (x + 1) * units // n), (y * units // m, (y + 1) * units // m))
+
+
 @dataclass(frozen=True)
 class Arrangement:
     """Every rank's rollout coordinate in an exchange layout, and the rollout groups it implies."""
@@ -131,6 +137,83 @@ def arrange(layout: ParallelLayout, grid: Grid, *, num_layers: int, chunks: int 
     if not keeps_order and not out.in_order():
         return megatron_order(layout)
     return out
+
+
+ExpertCell = tuple[int, int, int, int]  # (rollout expert tp rank, rollout ep rank, rollout expert replica, stage)
+
+
+@dataclass(frozen=True)
+class ExpertArrangement:
+    """Every rank's place on the rollout expert grid of an exchange layout (an MoE model's routed experts): inside
+    its rollout stage, the stage's ranks form et_g × e_g × expert-DP, as Megatron's expert grid does."""
+
+    et_g: int
+    e_g: int
+    coords: dict[int, ExpertCell]
+    """Global rank -> (rollout expert TP rank, rollout EP rank, rollout expert replica, rollout stage)."""
+
+    def ep_groups(self) -> list[list[int]]:
+        """Rollout EP groups, in EP rank order (group rank j holds the j-th E/e_g experts)."""
+        return _group_ranks(self.coords.items(), lambda c: (c[3], c[0], c[2]), order=lambda c: c[1])
+
+    def expt_tp_groups(self) -> list[list[int]]:
+        """Rollout expert-TP groups, in expert-TP rank order."""
+        return _group_ranks(self.coords.items(), lambda c: (c[3], c[1], c[2]), order=lambda c: c[0])
+
+    def tp_ep_groups(self) -> list[list[int]]:
+        """Rollout expert-TP × EP groups, expert TP fastest (Megatron's order)."""
+        return _group_ranks(self.coords.items(), lambda c: (c[3], c[2]), order=lambda c: c[0] + self.et_g * c[1])
+
+    def expt_dp_groups(self) -> list[list[int]]:
+        """The ranks that hold the same rollout expert shard."""
+        return _group_ranks(self.coords.items(), lambda c: (c[3], c[0], c[1]))
+
+
+def check_expert_grid(arrangement: Arrangement, *, et_g: int, e_g: int) -> None:
+    """A rollout stage's ranks must split into et_g × e_g × expert-DP (raises ``ValueError``)."""
+    stage = len(arrangement.coords) // arrangement.p_g
+    if stage % (et_g * e_g):
+        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) × expert_model_parallel_size ({e_g}) = "
+                         f"{et_g * e_g} must divide the ranks of a rollout stage ({stage})")
+
+
+def arrange_experts(arrangement: Arrangement, training: dict[int, tuple[int, int, int, int]], *,
+                    et: int, e: int, et_g: int, e_g: int, stage_layers_of: dict[int, frozenset[int]],
+                    rollout_layers: Sequence[frozenset[int]], keeps_order: bool = True) -> ExpertArrangement:
+    """Every rank's rollout expert coordinate. ``training``: rank -> its training (expert tp, ep, expert dp, pp)
+    coordinate; ``stage_layers_of``: rank -> the layers it trains; ``rollout_layers``: each rollout stage's layers.
+
+    Inside its rollout stage (fixed by ``arrangement``), each rank takes, greedily in rank order, the cell (expert
+    TP rank, EP rank) with spare room that overlaps its training expert shard most (expert-TP overlap × experts in
+    common × layers in common); a cell's holders in rank order are its expert replicas. Where process groups must
+    list their ranks in global order (``keeps_order=False``), a stage's ranks in global order take Megatron's
+    order instead (expert TP fastest, then EP, then expert DP), which keeps every expert group in order."""
+    check_expert_grid(arrangement, et_g=et_g, e_g=e_g)
+    by_stage: dict[int, list[int]] = {}
+    for rank, (_, stage, _) in sorted(arrangement.coords.items()):
+        by_stage.setdefault(stage, []).append(rank)
+    coords: dict[int, ExpertCell] = {}
+    for stage, ranks in by_stage.items():
+        if not keeps_order:
+            for n, rank in enumerate(ranks):
+                coords[rank] = (n % et_g, (n // et_g) % e_g, n // (et_g * e_g), stage)
+            continue
+        room = {(i, j): len(ranks) // (et_g * e_g) for j in range(e_g) for i in range(et_g)}
+        taken: dict[tuple[int, int], list[int]] = {cell: [] for cell in room}
+        for rank in ranks:
+            ti, tj = training[rank][0], training[rank][1]
+            common = len(stage_layers_of[rank] & rollout_layers[stage])
+
+            def score(cell: tuple[int, int], ti=ti, tj=tj, common=common) -> int:
+                return _shared(ti, et, cell[0], et_g) * _shared(tj, e, cell[1], e_g) * common
+
+            cell = max((c for c in sorted(room, key=lambda c: (c[1], c[0])) if room[c]), key=score)
+            room[cell] -= 1
+            taken[cell].append(rank)
+        for (i, j), holders in taken.items():
+            for replica, rank in enumerate(holders):
+                coords[rank] = (i, j, replica, stage)
+    return ExpertArrangement(et_g, e_g, coords)
 
 
 # ---- 2. the plan --------------------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ def held_buffers(chunks: Sequence[torch.nn.Module], *, optimizers: list[Any], ex
             if experts is not None and any(getattr(p, "allreduce", True) is False for p in offsets) != experts:
                 continue
 
-            def move(new, chunk=chunk, buffer=buffer):
-                compat.ddp_move_param_buffer(chunk, buffer, new, optimizers=optimizers)
+            def move(new, *, own_storage=False, chunk=chunk, buffer=buffer):
+                compat.ddp_move_param_buffer(chunk, buffer, new, optimizers=optimizers, own_storage=own_storage)
 
             for prm, offset in offsets.items():
                 at[id(prm)] = (len(held), offset)
@@ -252,26 +252,44 @@ class PlanExecutor:
 
 
 # ---- any layout pair: the exchange ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ExchangeSpec:
+    """The tensors one exchange plan moves, and this rank's tensor-parallel place for them: the dense tensors by
+    (training TP, rollout TP); an MoE model's routed experts by (expert TP, rollout expert TP)."""
+
+    plane: str
+    """``"dense"`` or ``"experts"``."""
+    tp: tuple[int, int]
+    """Training and rollout (expert) tensor-parallel sizes."""
+    tp_rank: tuple[int, int]
+    """This rank's training and rollout (expert) tensor-parallel ranks."""
+
+    def holds(self, name: str) -> bool:
+        return is_expert(name) == (self.plane == "experts")
+
+
 def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence[torch.nn.Module],
-                       groups: RolloutGroups, *, tp_rank: int, tied: bool) -> ExchangePlan:
-    """Gather every rank's training tensors and rollout needs (one ``all_gather_object`` over the world) and plan
-    the exchange (the same plan on every rank). The rollout parameters get their tensor-parallel attributes here and
-    are checked against the training shapes, as in :func:`make_group_plan`."""
-    lay = groups.layout
+                       groups: RolloutGroups, spec: ExchangeSpec, *, tied: bool) -> ExchangePlan:
+    """Gather every rank's training tensors and rollout needs of ``spec``'s plane (one ``all_gather_object`` over
+    the world) and plan their exchange (the same plan on every rank). The rollout parameters get their
+    tensor-parallel attributes here and are checked against the training shapes, as in :func:`make_group_plan`."""
     held: dict[str, ParamInfo] = {}
     for info in param_infos(modules, held_at={}):
-        key = keys_of([info.name], tied=tied)[info.name]
-        held.setdefault(key, dataclasses.replace(info, name=key))
-    rollout_params = dict(named_parameters(list(rollout_chunks)))
+        if spec.holds(info.name):
+            key = keys_of([info.name], tied=tied)[info.name]
+            held.setdefault(key, dataclasses.replace(info, name=key))
+    rollout_params = {n: p for n, p in named_parameters(list(rollout_chunks)) if spec.holds(n)}
     needs = keys_of(list(rollout_params), tied=tied)
-    mine = RankTensors(dist.get_rank(), tp_rank, groups.tp_rank, tuple(held.values()), tuple(needs.values()))
+    mine = RankTensors(dist.get_rank(), spec.tp_rank[0], spec.tp_rank[1], tuple(held.values()),
+                       tuple(needs.values()))
     everyone: list[Any] = [None] * dist.get_world_size()
-    with groups.errors("HybridEngine()", "the world's gather of the parameter descriptions"):
+    with groups.errors("HybridEngine()", f"the world's gather of the {spec.plane} parameter descriptions"):
         dist.all_gather_object(everyone, mine, group=groups.world)
     infos = {info.name: info for rt in everyone for info in rt.held}
-    adopt_training_attributes(rollout_params, {n: infos[k] for n, k in needs.items() if k in infos}, tp=lay.t,
-                              rollout_tp=lay.t_g, holders="training rank")
-    return build_exchange_plan(everyone, t=lay.t, t_g=lay.t_g)
+    t, t_g = spec.tp
+    adopt_training_attributes(rollout_params, {n: infos[k] for n, k in needs.items() if k in infos}, tp=t,
+                              rollout_tp=t_g, holders="training rank")
+    return build_exchange_plan(everyone, t=t, t_g=t_g)
 
 
 class ExchangeExecutor:
@@ -287,14 +305,13 @@ class ExchangeExecutor:
         training_params: this rank's training parameters by global name (read at every switch).
         keys: global name -> plan key of this rank's training parameters (a tied output layer is the embedding).
         device: where the buffers live; with profiling, a CUDA device is synchronised after every collective.
+        plane: the name of the tensors the plan moves (its records carry it).
     """
-
-    plane = "dense"
 
     def __init__(self, plan: ExchangePlan, rank: int, groups: RolloutGroups, *,
                  training_params: Mapping[str, torch.nn.Parameter], keys: Mapping[str, str],
-                 device: torch.device) -> None:
-        self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+                 device: torch.device, plane: str = "dense") -> None:
+        self.plan, self.rank, self.groups, self.device, self.plane = plan, rank, groups, device, plane
         self.training_params = training_params
         self._own = {key: name for name, key in keys.items()}  # plan key -> the training parameter holding it
         self._sends = {dtype: plan.sends(rank, dtype) for dtype in plan.dtypes()}

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from . import compat
-from .exchange import Arrangement, arrange
+from .exchange import Arrangement, ExpertArrangement, arrange, arrange_experts, stage_layers
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout
 
 #: Group kinds, in creation order (every rank creates every group in the same order). The expert kinds (an MoE
@@ -67,6 +67,8 @@ class RolloutGroups:
     """The layout the groups serve (an exchange one where the in-place groups could not keep their order)."""
     arrangement: Optional[Arrangement] = None
     """Every rank's rollout coordinate (exchange layouts only)."""
+    expert_arrangement: Optional[ExpertArrangement] = None
+    """Every rank's rollout expert coordinate (exchange layouts of MoE models only)."""
 
     def group_of(self, ranks: list[int]) -> Any:
         return self.by_ranks[tuple(ranks)]
@@ -154,8 +156,7 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
     arrangement = None
     if not layout.exchange:
         lists = _in_place_lists(layout, grid, tied_embedding=tied_embedding)
-        if not compat.NEW_GROUP_KEEPS_ORDER and any(g != sorted(g) for kind in lists.values() for g in kind) \
-                and experts is None:
+        if not compat.NEW_GROUP_KEEPS_ORDER and any(g != sorted(g) for kind in lists.values() for g in kind):
             layout = dataclasses.replace(layout, exchange=True)  # the exchange's arrangement keeps groups in order
     if layout.exchange:
         arrangement = arrange(layout, grid, num_layers=num_layers, chunks=chunks,
@@ -163,11 +164,21 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
         lists = _exchange_lists(arrangement)
     # The rollout model's context-parallel group when Megatron has none: one rank each.
     lists["single"] = [[r] for r in range(dist.get_world_size())] if cp_group is None else []
-    if experts is not None:
+    expert_arrangement = None
+    if experts is not None and arrangement is not None:
+        ex = experts[0]
+        expert_arrangement = _arrange_experts(arrangement, layout, grid, expert_grid, ex, num_layers=num_layers,
+                                              chunks=chunks)
+        singles = [[r] for r in everyone]
+        lists.update(stage=arrangement.stage_groups(), ep=expert_arrangement.ep_groups(),
+                     expt_tp=expert_arrangement.expt_tp_groups(), tp_ep=expert_arrangement.tp_ep_groups(),
+                     expt_dp=expert_arrangement.expt_dp_groups(), micro_ep=singles)
+    elif experts is not None:
         ex = experts[0]
         lists.update(stage=layout.rollout_stage_groups(grid), ep=ex.rollout_ep_groups(expert_grid),
                      expt_tp=ex.rollout_expt_tp_groups(expert_grid), tp_ep=ex.rollout_tp_ep_groups(expert_grid),
                      expt_dp=ex.rollout_expt_dp_groups(expert_grid), micro_ep=ex.micro_ep_groups(expert_grid))
+    if experts is not None:
         if dist.get_backend() != "gloo":  # on gloo, tp_ep itself is a host group
             lists["tp_ep_host"] = lists["tp_ep"]
     groups: dict[str, Any] = {}
@@ -209,4 +220,15 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
         tp_rank, pp_rank, replica = layout.rollout_coords(coord)
     assert ranks["tp"].index(me) == tp_rank and ranks["pp"].index(me) == pp_rank, (ranks, coord)
     return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout, world,
-                         expert_grid, layout, arrangement)
+                         expert_grid, layout, arrangement, expert_arrangement)
+
+
+def _arrange_experts(arrangement: Arrangement, layout: ParallelLayout, grid: Grid, expert_grid: ExpertGrid,
+                     ex: ExpertLayout, *, num_layers: int, chunks: int) -> ExpertArrangement:
+    """The rollout expert grid of an exchange layout (:func:`~megatron_hybrid.exchange.arrange_experts`)."""
+    train_layers = stage_layers(num_layers, layout.p, chunks)
+    stage_of = {rank: coord[1] for rank, coord in grid.coords()}
+    return arrange_experts(arrangement, dict(expert_grid.items()), et=ex.et, e=ex.e, et_g=ex.et_g, e_g=ex.e_g,
+                           stage_layers_of={rank: train_layers[s] for rank, s in stage_of.items()},
+                           rollout_layers=stage_layers(num_layers, layout.p_g),
+                           keeps_order=compat.NEW_GROUP_KEEPS_ORDER)

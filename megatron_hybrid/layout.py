@@ -309,6 +309,10 @@ class ExpertLayout:
     et_g: int
     e_g: int
     p_g: int
+    exchange: bool = False
+    """Served by the exchange plan (an exchange layout: :mod:`megatron_hybrid.exchange` places the routed experts
+    on the rollout expert grid), not by micro-EP gathers: the nesting below (e_g | e, et_g | et, p_g | p) and the
+    micro-EP arithmetic apply only to in-place layouts."""
 
     def __post_init__(self) -> None:
         for name, v in (("expert_tensor_parallel_size", self.et), ("expert_model_parallel_size", self.e),
@@ -318,6 +322,8 @@ class ExpertLayout:
                         ("rollout pipeline_model_parallel_size", self.p_g)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
+        if self.exchange:
+            return
         if self.e % self.e_g:
             raise ValueError(f"rollout expert_model_parallel_size ({self.e_g}) must divide expert_model_parallel_size "
                              f"({self.e}): a rollout rank's experts are the union of its micro-EP group's")
@@ -329,10 +335,16 @@ class ExpertLayout:
                              f"pipeline_model_parallel_size ({self.p})")
 
     @classmethod
-    def create(cls, *, training: tuple[int, int, int, int], rollout: RolloutLayout) -> "ExpertLayout":
+    def create(cls, *, training: tuple[int, int, int, int], rollout: RolloutLayout,
+               exchange: bool = False) -> "ExpertLayout":
         et, e, edp, p = training
         return cls(et=et, e=e, edp=edp, p=p, et_g=rollout.expert_tp, e_g=rollout.expert_model_parallel_size,
-                   p_g=rollout.pipeline_model_parallel_size)
+                   p_g=rollout.pipeline_model_parallel_size, exchange=exchange)
+
+    def nests(self) -> bool:
+        """Whether every rollout expert shard is a union of training ones (e_g | e, et_g | et, p_g | p): the
+        micro-EP gathers' contract."""
+        return not (self.e % self.e_g or self.et % self.et_g or self.p % self.p_g)
 
     @property
     def ke(self) -> int:

@@ -45,8 +45,9 @@ class HeldBuffer:
 
     current: Callable[[], torch.Tensor]
     """The buffer now (1-D); read when needed, since a reference held here would be one more view of it."""
-    move_to: Callable[[torch.Tensor], None]
-    """Moves it into the given 1-D tensor of its numel: copies the values and points every view at the new place."""
+    move_to: Callable[..., None]
+    """``move_to(new, own_storage=False)`` moves it into the 1-D tensor ``new`` of its numel: copies the values and
+    points every view at the new place (``own_storage``: it is in the engine's storage now, not DDP's)."""
 
     @property
     def numel(self) -> int:
@@ -253,7 +254,8 @@ class Placement:
                 prm = self.train_params[name]
                 prm.data = prm.data.clone()
             for held in self.held:
-                held.move_to(torch.empty(held.numel, dtype=held.dtype, device=self.device))
+                # Out of the engine's storage, which the engine's own views still hold until close().
+                held.move_to(torch.empty(held.numel, dtype=held.dtype, device=self.device), own_storage=True)
         self.placed = []
 
     def close(self) -> None:

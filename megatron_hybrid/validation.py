@@ -8,6 +8,7 @@ model's configuration against that layout).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from typing import Any, Optional, Sequence, Union
@@ -151,7 +152,10 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
                   rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]],
                   world_size: int) -> Optional[ExpertLayout]:
     """An MoE model's expert layout (``None`` for a dense model) against the rollout layout, the world and the
-    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model."""
+    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model. Its ``exchange``
+    says how the routed experts move: by micro-EP gathers where the dense layout gathers in place, t_g ≤ t and every
+    rollout expert shard nests in training ones; by the exchange plan otherwise (then the engine exchanges the
+    dense tensors too)."""
     config = modules[0].config
     if config.num_moe_experts is None:
         if rollout.expert_model_parallel_size != 1:
@@ -166,14 +170,17 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     if et * e * edp * layout.p != world_size:
         raise ValueError(f"expert tensor ({et}) × expert ({e}) × expert data ({edp}) × pipeline ({layout.p}) "
                          f"parallel sizes must cover the world ({world_size} ranks)")
-    if layout.t_g > layout.t:
-        raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
-                         f"({layout.t}) is not supported for MoE models")
-    if layout.exchange:
-        raise ValueError(f"the layout pair (TP, PP) ({layout.t}, {layout.p}) → ({layout.t_g}, {layout.p_g}) is not "
-                         "supported for MoE models: their switch gathers over micro-DP and micro-EP groups, which "
-                         "needs rollout_tp | tp and rollout_pp | pp (and no virtual pipeline chunks)")
-    lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
+    lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout, exchange=True)
+    if not layout.exchange and layout.t_g <= layout.t and lay.nests():
+        lay = dataclasses.replace(lay, exchange=False)  # micro-EP gathers: every rollout expert shard nests
+    else:
+        # Any other pair: the exchange plan places the routed experts on the rollout expert grid, which splits
+        # each rollout stage's ranks into et_g × e_g × expert-DP.
+        stage = world_size // layout.p_g
+        if stage % (lay.et_g * lay.e_g):
+            raise ValueError(f"rollout expert_tensor_parallel_size ({lay.et_g}) × expert_model_parallel_size "
+                             f"({lay.e_g}) = {lay.et_g * lay.e_g} must divide the ranks of a rollout stage "
+                             f"({world_size} ranks / rollout pipeline_model_parallel_size {layout.p_g} = {stage})")
     if config.num_moe_experts % lay.e_g:
         raise ValueError(f"rollout expert_model_parallel_size ({lay.e_g}) must divide num_moe_experts "
                          f"({config.num_moe_experts})")

@@ -93,14 +93,15 @@ def test_moe_switch_is_exact_and_moves_only_missing_bytes(name):
 
 
 _BAD = [
-    (dict(expert_model_parallel_size=4), "rollout expert_model_parallel_size (4) must divide "
-                                         "expert_model_parallel_size (2)"),
-    (dict(expert_model_parallel_size=3), "rollout expert_model_parallel_size (3) must divide"),
-    (dict(expert_tensor_parallel_size=2), "rollout expert_tensor_parallel_size (2) must divide "
-                                          "expert_tensor_parallel_size (1)"),
-    # More rollout stages than training ones: an exchange layout, whose plan does not place routed experts.
-    (dict(pipeline_model_parallel_size=2), "the layout pair (TP, PP) (1, 1) → (1, 2) is not supported for MoE "
-                                           "models"),
+    # Any pair is served (nested or by the exchange plan), but the rollout expert grid must split a rollout stage's
+    # ranks (here 2) into expert TP × EP × expert DP.
+    (dict(expert_model_parallel_size=4), "rollout expert_tensor_parallel_size (1) × expert_model_parallel_size (4) "
+                                         "= 4 must divide the ranks of a rollout stage"),
+    (dict(expert_model_parallel_size=3), "rollout expert_tensor_parallel_size (1) × expert_model_parallel_size (3) "
+                                         "= 3 must divide the ranks of a rollout stage"),
+    (dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+     "rollout expert_tensor_parallel_size (1) × expert_model_parallel_size (2) = 2 must divide the ranks of a "
+     "rollout stage (2 ranks / rollout pipeline_model_parallel_size 2 = 1)"),
     (dict(expert_model_parallel_size=0), "rollout expert_model_parallel_size (0) must be a positive integer"),
 ]
 
