@@ -166,19 +166,25 @@ def main(argv: Optional[list[str]] = None) -> None:
         for backend in backends[1:]:  # the same weights: the core attention holds none
             models[backend] = arch.build(config, attention_backend=backend).to(device)
             models[backend].load_state_dict(first.state_dict())
+        existing = json.load(open(args.out)) if args.out and os.path.exists(args.out) else []
+
+        def save() -> None:  # every row so far (a run cut short keeps what it measured)
+            if args.out:
+                with open(args.out + ".tmp", "w") as f:
+                    json.dump(existing + rows, f, indent=1)
+                os.replace(args.out + ".tmp", args.out)
+
         for method in args.methods:
             row = run_method(method, arch, models, pairs, args, device, runs=args.runs, warmup=args.warmup)
+            row.update(shape=args.shape, device=name, torch=torch.__version__, command=" ".join(sys.argv))
+            rows.append(row)
+            save()
+            print(json.dumps({k: v for k, v in row.items() if k not in ("times", "command")}), flush=True)
             if args.longest:
                 row["longest_fit"] = longest_fit(method, arch, models, args, device, args.longest)
                 row["longest_probed"] = args.longest
-            row.update(shape=args.shape, device=name, torch=torch.__version__, command=" ".join(sys.argv))
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("times", "command")}), flush=True)
-            if args.out:
-                existing = json.load(open(args.out)) if os.path.exists(args.out) else []
-                with open(args.out + ".tmp", "w") as f:
-                    json.dump(existing + [row], f, indent=1)
-                os.replace(args.out + ".tmp", args.out)
+                save()
+                print(f"{method}: longest single sequence trained {row['longest_fit']} of {args.longest}", flush=True)
         sync(device)
     base = next((r for r in rows if r["method"] == "padded-local" and "tokens_per_s" in r), None)
     for r in rows:
