@@ -72,6 +72,8 @@ def test_packed_passes_equal_the_padded_ones(arch):
     out = run_distributed(rl_cases.packed_passes_case, 1, capacity, chunk, arch)[0]
     assert len(out["packs"]) >= 3 and max(map(len, out["packs"])) >= 2
     mask = out["mask"] > 0
+    assert (~mask).any()  # short responses: padding slots, where a pack computes nothing over the vocabulary
+    assert not out["packed"]["logp"][~mask].any() and not out["packed"]["entropy"][~mask].any()
     for ref in ("padded", "local"):
         for key in ("logp", "entropy", "values"):
             # fp32; the same per-sequence attention in other kernels and shapes (a pack's rows, a chunk's

@@ -200,7 +200,7 @@ class TrainingPasses:
                 vocab_size=self.config.vocab_size, temperature=self.config.temperature)
 
         if "cu_seqlens" in micro_batch:
-            return _chunked(stats, logits_BSVt[0], labels[0], micro_batch["index"],
+            return _chunked(stats, logits_BSVt[0], labels[0], micro_batch["index"], micro_batch["mask"],
                             chunk=self.config.logit_chunk_tokens)
         logp, ent = stats(logits_BSVt, labels)
         return logp.gather(1, micro_batch["index"]), ent.gather(1, micro_batch["index"])
@@ -262,12 +262,15 @@ def response_values(output_BS1: torch.Tensor, micro_batch: dict) -> torch.Tensor
     return output_BS1[..., 0].float().gather(1, micro_batch["index"])
 
 
-def _chunked(stats: Callable, logits_TVt: torch.Tensor, labels_T: torch.Tensor, index_nN: torch.Tensor, *,
-             chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``stats(logits, labels)`` (log-probs and entropies) at the positions ``index_nN`` of a pack, ``chunk``
-    positions at a time; with autograd on, each chunk is recomputed in the backward pass (its fp32 softmax is
-    not kept), so the pass holds the model's logits and one chunk's temporaries."""
-    flat = index_nN.reshape(-1)
+def _chunked(stats: Callable, logits_TVt: torch.Tensor, labels_T: torch.Tensor, index_nN: torch.Tensor,
+             mask_nN: torch.Tensor, *, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stats(logits, labels)`` (log-probs and entropies) at the real response positions of a pack (``index_nN``
+    where ``mask_nN`` is set; 0 at the others, which every loss masks out: with long-tailed responses most of a
+    sequence's ``max_new_tokens`` slots are padding, and the vocabulary is not computed for them), ``chunk``
+    positions at a time; with autograd on, each chunk is recomputed in the backward pass (its fp32 softmax is not
+    kept), so the pass holds the model's logits and one chunk's temporaries."""
+    real = mask_nN.reshape(-1) > 0
+    flat = index_nN.reshape(-1)[real]
 
     def at(logits, labels, idx):
         logp, ent = stats(logits[idx].unsqueeze(0), labels[idx].unsqueeze(0))
@@ -280,8 +283,11 @@ def _chunked(stats: Callable, logits_TVt: torch.Tensor, labels_T: torch.Tensor, 
             parts.append(torch.utils.checkpoint.checkpoint(at, logits_TVt, labels_T, idx, use_reentrant=False))
         else:
             parts.append(at(logits_TVt, labels_T, idx))
-    logp = torch.cat([p[0] for p in parts]) if parts else logits_TVt.new_zeros(0, dtype=torch.float32)
-    ent = torch.cat([p[1] for p in parts]) if parts else logits_TVt.new_zeros(0, dtype=torch.float32)
+    zeros = logits_TVt.new_zeros(real.numel(), dtype=torch.float32)
+    if not parts:
+        return zeros.view(index_nN.shape), zeros.view(index_nN.shape)
+    logp = zeros.masked_scatter(real, torch.cat([p[0] for p in parts]))
+    ent = zeros.masked_scatter(real, torch.cat([p[1] for p in parts]))
     return logp.view(index_nN.shape), ent.view(index_nN.shape)
 
 
