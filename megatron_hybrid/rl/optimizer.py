@@ -140,7 +140,8 @@ def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: Trai
         losses.append(loss.detach())
         return loss, stats
 
-    stats = passes.run(trained.model, batch, recorded, forward_only=False)
+    micro_batches = passes.micro_batches(batch)  # packed once: the schedule and the counts below read them
+    stats = passes.run(trained.model, batch, recorded, forward_only=False, micro_batches=micro_batches)
     successful, grad_norm, _ = trained.optimizer.step()
     # Only a loss scaler (fp16) or megatron-core ≥ 0.19's grad_norm_skip_threshold (left at inf) skip a step.
     assert successful, "megatron-core's optimizer skipped a step"
@@ -150,7 +151,6 @@ def update(trained: TrainedModel, batch: Batch, loss_fn: LossFn, *, passes: Trai
                   f"{name}'s gradient norm": float(grad_norm)}
     check_finite(step, quantities, scaled_by=dict.fromkeys(quantities, scaled_by))
     _, pp, dp, _ = megatron_groups()
-    micro_batches = passes.micro_batches(batch)  # as the schedule ran them
     aux = moe_aux_losses(config, num_microbatches=len(micro_batches), pp_group=pp, dp_group=dp)
     tokens = [int(mb["mask"].sum()) for mb in micro_batches] if stats else []
     return UpdateResult(stats, float(grad_norm), aux, tokens)
