@@ -176,7 +176,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         for method in args.methods:
             row = run_method(method, arch, models, pairs, args, device, runs=args.runs, warmup=args.warmup)
-            row.update(shape=args.shape, device=name, torch=torch.__version__, command=" ".join(sys.argv))
+            row.update(shape=args.shape, prompt_range=list(args.prompt_range), response_max=args.response_max,
+                       max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                       micro_batch_size=args.micro_batch_size, device=name, torch=torch.__version__,
+                       command=" ".join(sys.argv))
             rows.append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k not in ("times", "command")}), flush=True)

@@ -216,8 +216,9 @@ def token_mean_gradient_case(micro_batch_size: int, *, sequences: int = 8) -> di
             "mean_nll": result.mean("nll")}
 
 
-def _ragged_batch(seed: int, num: int, *, prompt_max: int = 9, new: int = NEW):
-    """``num`` sequences with prompts of 1 to ``prompt_max`` tokens and responses of 1 to ``new`` tokens."""
+def _ragged_batch(seed: int, num: int, *, prompt_max: int = 9, new: int = NEW, multiple: int = 1):
+    """``num`` sequences with prompts of 1 to ``prompt_max`` tokens and responses of 1 to ``new`` tokens, padded to
+    a multiple of ``multiple``."""
     from megatron_hybrid import rl
 
     g = torch.Generator().manual_seed(seed)
@@ -227,7 +228,7 @@ def _ragged_batch(seed: int, num: int, *, prompt_max: int = 9, new: int = NEW):
 
     prompts = [draw(prompt_max) for _ in range(num)]
     responses = [draw(new) for _ in range(num)]
-    seq_length = max(map(len, prompts)) + new
+    seq_length = -(-(max(map(len, prompts)) + new) // multiple) * multiple
     return rl.make_batch(prompts, responses, max_new_tokens=new, seq_length=seq_length, device=torch.device("cpu"))
 
 
@@ -277,4 +278,101 @@ def packed_passes_case(capacity: int, chunk: int, arch_overrides: dict) -> dict:
                 total = total - (lp * mb["mask"]).sum()
             (total / batch.mask_BN.sum()).backward()
         out[name]["grads"] = {n: p.grad.clone() for n, p in a.named_parameters() if p.grad is not None}
+    return out
+
+
+def packed_dp_gradient_case(capacity: int, balance: bool, *, sequences: int = 8) -> dict:
+    """The fp32 main gradients of one packed :func:`megatron_hybrid.rl.update` (``sdpa`` attention, at most
+    ``capacity`` tokens a micro-batch) on ``sequences`` ragged sequences, split over the data-parallel ranks
+    longest first (rank 0 gets the long ones: the ranks' token counts differ by several times), moved between the
+    ranks by :func:`megatron_hybrid.rl.balance_batch` in units of 2 when ``balance``. Also the rank's sequences (as
+    token lists, after any move), its micro-batches' token counts and the balance's report."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.rl.packing import first_fit_decreasing
+
+    dp_group = megatron_groups()[2]
+    per_rank = sequences // dp_group.size()
+    args = recipe_args("--tensor-model-parallel-size", "1", "--global-batch-size", str(sequences),
+                       "--micro-batch-size", "1")
+    torch.manual_seed(5)  # the same initial weights on every layout
+    trained = rl.setup_model_and_optimizer(rl.build_stage(rl.architecture_from_args(args, VOCAB),
+                                                          device=torch.device("cpu"), attention_backend="sdpa"), args)
+    whole = _ragged_batch(8, sequences)  # pairs of 11 to 32 tokens
+    seq_length = whole.tokens_BS.shape[1]
+    passes = rl.TrainingPasses(rl.PassConfig(seq_length, 1, VOCAB, max_tokens_per_micro_batch=capacity))
+    # Pairs (units of 2) ordered by their tokens, longest first: rank 0 the longest pairs.
+    lengths = (whole.data["end"] + 1).view(-1, 2).sum(1)
+    pairs = sorted(range(sequences // 2), key=lambda u: (-int(lengths[u]), u))
+    rows = torch.tensor([2 * u + k for u in pairs for k in (0, 1)])
+    rows = rows[dp_group.rank() * per_rank: (dp_group.rank() + 1) * per_rank]
+    mine = rl.Batch(whole.tokens_BS[rows], whole.index_BN[rows], whole.mask_BN[rows], whole.scores_B[rows],
+                    {k: v[rows] for k, v in whole.data.items()})
+    mine.scores_B = rows.float()  # where each sequence came from, moved with it
+    own_packs = len(first_fit_decreasing((mine.data["end"] + 1).tolist(), capacity))
+    report = None
+    if balance:
+        mine, info = rl.balance_batch(mine, unit_size=2, group=dp_group)
+        report = {"before": info.tokens_before, "after": info.tokens_after, "sent": info.sequences_sent,
+                  "metrics": info.metrics()}
+    grads: dict = {}
+    step = trained.optimizer.step
+
+    def spying_step():
+        grads.update(_full(trained.model, lambda p: p.main_grad))
+        return step()
+
+    trained.optimizer.step = spying_step
+    result = rl.update(trained, mine, _nll(passes), passes=passes, step=1)
+    lengths_mine = (mine.data["end"] + 1).tolist()
+    return {"grads": grads, "tokens": result.tokens, "origin": mine.scores_B.long().tolist(),
+            "sequences": [mine.tokens_BS[b, :n].tolist() for b, n in enumerate(lengths_mine)],
+            "whole": [whole.tokens_BS[b, :n].tolist() for b, n in enumerate((whole.data["end"] + 1).tolist())],
+            "own_packs": own_packs, "report": report}
+
+
+def packed_layout_case(capacity: int, sequence_parallel: bool) -> dict:
+    """On the harness's TP/PP layout (DP 1): an actor and a critic (random value head) with ``sdpa`` attention,
+    built twice from one seed; the passes over 10 ragged sequences padded (micro-batches of 2) with one and packed
+    (at most ``capacity`` tokens, log-probs 5 positions at a time) with the other: log-probs, entropies, values,
+    scores, then the full fp32 main gradients of one :func:`megatron_hybrid.rl.update` with the token-mean NLL.
+    Also the packs' token lengths and the last stage's flag."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+
+    tp, pp, _, _ = megatron_groups()
+    argv = ["--tensor-model-parallel-size", str(tp.size()), "--pipeline-model-parallel-size", str(pp.size()),
+            "--global-batch-size", "10", "--micro-batch-size", "2", "--attention-backend", "sdpa"]
+    args = recipe_args(*argv, *(["--sequence-parallel"] if sequence_parallel else []))
+    arch = rl.architecture_from_args(args, VOCAB)
+    cpu = torch.device("cpu")
+    batch = _ragged_batch(3, 10, multiple=tp.size())
+    seq_length = batch.tokens_BS.shape[1]
+    out: dict = {"last_stage": pp.rank() == pp.size() - 1, "mask": batch.mask_BN.clone()}
+    for name, budget in (("padded", None), ("packed", capacity)):
+        torch.manual_seed(7)
+        kw = dict(device=cpu, sequence_parallel=sequence_parallel, attention_backend="sdpa")
+        actor = rl.build_stage(arch, **kw)
+        critic = rl.build_critic(actor, arch, **kw)
+        if pp.rank() == pp.size() - 1:
+            for p in critic.output_layer.parameters():
+                torch.nn.init.normal_(p, std=0.5)
+        trained = rl.setup_model_and_optimizer(actor, args)
+        passes = rl.TrainingPasses(rl.PassConfig(seq_length, 2, VOCAB, max_tokens_per_micro_batch=budget,
+                                                 logit_chunk_tokens=5))
+        res: dict = {"packs": [mb["tokens"].shape[1] for mb in passes.micro_batches(batch)]}
+        logp = passes.log_probs(trained.model, batch)
+        res.update(logp=None if logp is None else logp[0], entropy=None if logp is None else logp[1],
+                   values=passes.values(critic, batch), scores=passes.scores(critic, batch))
+        grads: dict = {}
+        step = trained.optimizer.step
+
+        def spying_step(grads=grads, step=step, trained=trained):
+            grads.update(_full(trained.model, lambda p: p.main_grad))
+            return step()
+
+        trained.optimizer.step = spying_step
+        rl.update(trained, batch, _nll(passes), passes=passes, step=1)
+        res["grads"] = grads
+        out[name] = res
     return out

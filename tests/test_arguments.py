@@ -302,8 +302,6 @@ def test_device_flag_errors(monkeypatch):
     (["--max-tokens-per-micro-batch", "64"], "--max-tokens-per-micro-batch (64) packs sequences, which "
      "--attention-backend local (megatron-core's DotProductAttention) refuses: pass --attention-backend sdpa, flex or "
      "auto"),
-    (["--max-tokens-per-micro-batch", "64", "--attention-backend", "sdpa"], "--max-tokens-per-micro-batch (64) runs at "
-     "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 for now (here 2 and 1)"),
     (["--max-tokens-per-micro-batch", "0"], "--max-tokens-per-micro-batch (0) must be ≥ 1"),
 ])
 def test_packing_flags_are_checked(argv, message):

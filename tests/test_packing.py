@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hybrid.rl.packing import first_fit_decreasing, packed_micro_batches
+from megatron_hybrid.rl.balance import balanced_partition
+from megatron_hybrid.rl.packing import first_fit_decreasing, in_batch_order, packed_micro_batches, split_to
 from tests import rl_cases
 from tests.harness import run_distributed
 
@@ -85,3 +86,112 @@ def test_packed_passes_equal_the_padded_ones(arch):
         for name, grad in out[ref]["grads"].items():
             torch.testing.assert_close(out["packed"]["grads"][name], grad, rtol=1e-4,
                                        atol=1e-5 * float(grad.abs().max()), msg=f"{name} packed vs {ref}")
+
+
+def test_split_to_makes_the_count_within_the_budget():
+    lengths = [9, 7, 5, 3, 2, 1]
+    groups = first_fit_decreasing(lengths, 16)
+    assert groups == [[0, 1], [2, 3, 4, 5]]  # 16 and 11 tokens
+    four = split_to(groups, lengths, 4)
+    # The heavier group splits first (9 | 7), then the 11-token one, longest first into the lighter half:
+    # 5 | 3, then 2 -> the 3 side, 1 -> the 5 side (a tie goes to the first half).
+    assert four == [[0], [1], [2, 5], [3, 4]]
+    assert split_to(groups, lengths, 2) == groups
+    # Too few sequences for the count: fillers ([]), which train nothing.
+    assert split_to([[0], [1]], [4, 4], 4) == [[0], [1], [], []]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_balanced_partition_keeps_counts_and_meets_the_greedy_bound(seed):
+    import itertools
+
+    g = torch.Generator().manual_seed(seed)
+    costs = torch.randint(1, 100, (8,), generator=g).tolist()
+    counts = [4, 4] if seed % 2 else [2, 2, 2, 2]
+    bins = balanced_partition(costs, counts)
+    assert sorted(i for b in bins for i in b) == list(range(8)) and [len(b) for b in bins] == counts
+    # The best partition with these counts, by brute force over every assignment.
+    best = min(max(sum(costs[i] for i, r in enumerate(assign) if r == j) for j in range(len(counts)))
+               for assign in itertools.product(range(len(counts)), repeat=8)
+               if all(assign.count(j) == c for j, c in enumerate(counts)))
+    assert max(sum(costs[i] for i in b) for b in bins) <= best + max(costs)
+    with pytest.raises(ValueError, match=r"counts \(\[1, 1\]\) must sum to the number of units \(3\)"):
+        balanced_partition([1, 2, 3], [1, 1])
+
+
+def test_filler_micro_batches_train_nothing_and_are_skipped_in_results():
+    batch = rl_cases._ragged_batch(3, 4)
+    mbs = packed_micro_batches(batch, 64, [[0, 1], [2, 3], []])
+    assert mbs[2]["filler"] and not mbs[2]["mask"].any() and "filler" not in mbs[0]
+    values = [torch.full((len(mb["rows"]),), float(i)) for i, mb in enumerate(mbs)]
+    assert in_batch_order(values, mbs, 4).tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("balance", [False, True], ids=["unbalanced", "balanced"])
+def test_packed_update_on_two_dp_ranks_equals_one_rank(balance):
+    """Issue 44, step 4: with packing, data-parallel ranks run the same number of micro-batches (a rank with fewer
+    packs splits them, or runs fillers), and ``balance_batch`` moves whole units of 2 so that the ranks' tokens
+    even out; either way the step's gradient is that of the whole batch on one rank (the token-mean objective)."""
+    capacity = 24
+    whole = run_distributed(rl_cases.packed_dp_gradient_case, 1, capacity, False)[0]
+    runs = run_distributed(rl_cases.packed_dp_gradient_case, 2, capacity, balance)
+    counts = [len(r["tokens"]) for r in runs]
+    assert counts[0] == counts[1]
+    tokens = [sum(r["tokens"]) for r in runs]
+    assert sum(tokens) == sum(whole["tokens"])
+    if balance:
+        report = runs[0]["report"]
+        assert report == runs[1]["report"]
+        assert max(report["before"]) > 1.5 * min(report["before"])  # the split longest first is lopsided
+        # The greedy partition's bound: the ranks differ by at most the largest unit.
+        largest = max(len(a) + len(b) for a, b in zip(whole["sequences"][::2], whole["sequences"][1::2]))
+        assert max(report["after"]) - min(report["after"]) <= largest
+        assert report["metrics"]["dp_balance/max_over_mean_after"] < report["metrics"][
+            "dp_balance/max_over_mean_before"]
+        # Every sequence arrives once, with its data, and units stay whole and in order: (2u, 2u + 1).
+        origin = [o for r in runs for o in r["origin"]]
+        assert sorted(origin) == list(range(8))
+        for r in runs:
+            assert all(b - a == 1 and a % 2 == 0 for a, b in zip(r["origin"][::2], r["origin"][1::2]))
+            assert r["sequences"] == [whole["whole"][o] for o in r["origin"]]
+            # The prompt + response tokens each rank trains are what the partition promised.
+            assert sum(map(len, r["sequences"])) in report["after"]
+    else:  # rank 0's 59 tokens take 4 packs of 24, rank 1's 33 take 2: it splits its packs to run 4 too
+        assert [r["own_packs"] for r in runs] == [4, 2] and counts == [4, 4]
+    for r in runs:
+        for name, grad in whole["grads"].items():
+            # fp32 sums of the same per-token terms in another order (packs, then the DP all-reduce): ~1e-7
+            # relative of the gradient's scale.
+            torch.testing.assert_close(r["grads"][name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()),
+                                       msg=f"{name}, balance={balance}")
+
+
+@pytest.mark.parametrize("tp, pp, sp", [(2, 1, True), (1, 2, False),
+                                        pytest.param(2, 2, True, marks=pytest.mark.slow)],
+                         ids=["tp2-sp", "pp2", "tp2-sp-pp2"])
+def test_packed_passes_at_tensor_and_pipeline_parallelism(tp, pp, sp):
+    """Issue 44, step 5: packs at TP 2 with sequence parallelism (padded to a multiple of 2) and across 2 pipeline
+    stages (every pack padded to the budget: one send shape) give the padded passes' log-probs, entropies, values,
+    scores and update gradients on the same layout."""
+    capacity = 25
+    runs = run_distributed(rl_cases.packed_layout_case, tp * pp, capacity, sp, tensor_model_parallel_size=tp,
+                           pipeline_model_parallel_size=pp)
+    for r in runs:
+        packs = r["packed"]["packs"]
+        assert len(packs) >= 3 and all(n % tp == 0 for n in packs)
+        if pp > 1:
+            assert set(packs) == {26 if tp == 2 else 25}  # the budget, rounded up to a multiple of TP
+        if not r["last_stage"]:
+            assert r["packed"]["logp"] is None
+            continue
+        mask = r["mask"]  # the padded passes compute the masked slots too, the packed ones leave them 0
+        for key in ("logp", "entropy", "values"):
+            # fp32; the same per-sequence attention in other shapes (a pack's rows, a chunk's log-softmax, the
+            # tensor-parallel vocabulary's reductions): sums in another order, ~1e-7 relative.
+            torch.testing.assert_close(r["packed"][key] * mask, r["padded"][key] * mask, rtol=1e-5, atol=1e-5,
+                                       msg=key)
+        torch.testing.assert_close(r["packed"]["scores"], r["padded"]["scores"], rtol=1e-5, atol=1e-5)
+    for r in runs:
+        for name, grad in r["padded"]["grads"].items():
+            torch.testing.assert_close(r["packed"]["grads"][name], grad, rtol=1e-5,
+                                       atol=1e-6 * float(grad.abs().max()), msg=name)

@@ -376,3 +376,6 @@ def test_packed_recipe_learns_as_the_padded_one(tmp_path):
 
     assert rise(packed) >= 0.4, rise(packed)
     assert abs(rise(packed) - rise(padded)) <= 0.1, (rise(packed), rise(padded))
+    # The packed passes balance the DP ranks' tokens (rl.balance_batch): never worse than generation left them
+    # (here every response is --max-new-tokens long, so nothing moves; tests/test_packing.py moves sequences).
+    assert all(h["dp_balance/max_over_mean_after"] <= h["dp_balance/max_over_mean_before"] for h in packed)

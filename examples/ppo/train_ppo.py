@@ -226,6 +226,11 @@ class Trainer:
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
         if self.prompts.has_answers:  # the exact-match accuracy, whatever the reward
             local["accuracy"] = rl.accuracy(self.tokenizer, responses, examples)
+        if a.max_tokens_per_micro_batch is not None and self.dp_size > 1:  # packed passes: balance the DP ranks
+            batch, balance = rl.balance_batch(batch, group=self.dp_group,  # whole GRPO groups
+                                              unit_size=a.num_samples_per_prompt if a.algorithm == "grpo" else 1)
+            local.update(balance.metrics())
+            scores = batch.scores_B
         with timer.phase("actor_log_probs"), self.passes.routing_metrics(self.actor.model, batch) as routing:
             old = self.passes.log_probs(self.actor.model, batch)
         local.update(routing())  # moe/routing_mismatch_tokens, ... (a collective: every rank)

@@ -8,7 +8,8 @@ One module per piece, over megatron-core:
   reward-model I/O on Megatron's training layout;
 - :mod:`.passes`: rollout batches and the log-prob/entropy, value and score passes through Megatron's 1F1B
   schedule; :mod:`.routing`: MoE routing replay in those passes (``--moe-enable-routing-replay``) and the count of
-  tokens routed differently from the rollout;
+  tokens routed differently from the rollout; :mod:`.packing`: packed micro-batches (``--max-tokens-per-micro-batch``);
+  :mod:`.balance`: the step's sequences moved between DP ranks so that each trains about the same tokens;
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
   rollout's log-probs at the sampling temperature and its costs;
@@ -25,6 +26,7 @@ One module per piece, over megatron-core:
 """
 
 from .arguments import rollout_fp8_config
+from .balance import Balance, balance_batch, balanced_partition
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, flag_values, reward_scores
@@ -56,4 +58,5 @@ __all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_t
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
 __all__ += ["flag_values", "rollout_fp8_config", "token_mean"]
+__all__ += ["Balance", "balance_batch", "balanced_partition"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

@@ -137,7 +137,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "sequences without padding into micro-batches of at most this many tokens (first-fit decreasing; "
                    "verl's ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu) instead of --micro-batch-size "
                    "sequences padded to the longest; at least the longest prompt + --max-new-tokens. Needs "
-                   "--attention-backend sdpa, flex or auto, and tensor- and pipeline-parallel size 1 for now")
+                   "--attention-backend sdpa, flex or auto; with pipeline parallelism every pack is padded to it")
     g.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, over all DP replicas")
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--seed", type=int, default=1234)
@@ -461,10 +461,6 @@ def _validate_packing(args: argparse.Namespace) -> None:
     if args.attention_backend == "local":
         raise ValueError(f"--max-tokens-per-micro-batch ({budget}) packs sequences, which --attention-backend local "
                          "(megatron-core's DotProductAttention) refuses: pass --attention-backend sdpa, flex or auto")
-    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    if sizes != (1, 1):
-        raise ValueError(f"--max-tokens-per-micro-batch ({budget}) runs at --tensor-model-parallel-size 1 and "
-                         f"--pipeline-model-parallel-size 1 for now (here {sizes[0]} and {sizes[1]})")
     if args.moe_enable_routing_replay:
         raise ValueError(f"--max-tokens-per-micro-batch ({budget}) does not replay MoE routing yet: leave out "
                          "--moe-enable-routing-replay or the budget")

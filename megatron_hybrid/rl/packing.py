@@ -17,7 +17,7 @@ Legend: B sequences of the batch, n of a micro-batch, T tokens of a pack, N resp
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -48,36 +48,87 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return groups
 
 
+def split_to(groups: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """``groups`` made ``count`` groups (data-parallel ranks run the same number of micro-batches, so that
+    collectives inside the model, MoE's expert all-to-all, stay matched): the group of the most tokens that holds
+    two sequences or more is split in two (its sequences, longest first, each into the lighter half) until there
+    are ``count``; ``[]`` entries (a filler micro-batch, which trains nothing) where too few sequences remain to
+    split. Every group stays within the budget the first packing kept."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
+        if not splittable:
+            groups += [[] for _ in range(count - len(groups))]
+            break
+        g = max(splittable, key=lambda g: (sum(lengths[i] for i in groups[g]), -g))
+        halves: list[list[int]] = [[], []]
+        load = [0, 0]
+        for i in sorted(groups[g], key=lambda i: (-lengths[i], i)):
+            h = 0 if load[0] <= load[1] else 1
+            halves[h].append(i)
+            load[h] += lengths[i]
+        groups[g: g + 1] = halves
+    return groups
+
+
 def sequence_lengths(batch: Batch) -> list[int]:
     """Each sequence's real tokens (prompt + response)."""
     return (batch.data["end"] + 1).tolist()
 
 
-def packed_micro_batches(batch: Batch, capacity: int) -> list[dict[str, Any]]:
-    """``batch``'s sequences as packed micro-batches of at most ``capacity`` tokens (module docstring)."""
+def pack_length(tokens: int, *, multiple: int = 1, fixed: Optional[int] = None) -> int:
+    """The length a pack of ``tokens`` real tokens is padded to: ``fixed`` (the pipeline's one shape) or the next
+    multiple of ``multiple`` (sequence parallelism splits a pack into tensor-parallel slices of equal length)."""
+    if fixed is not None:
+        if fixed < tokens or fixed % multiple:
+            raise ValueError(f"a pack of {tokens} tokens does not fit the fixed length {fixed} (a multiple of "
+                             f"{multiple} at least as long as the budget)")
+        return fixed
+    return -(-tokens // multiple) * multiple
+
+
+def packed_micro_batches(batch: Batch, capacity: int, groups: Optional[list[list[int]]] = None, *,
+                         multiple: int = 1, fixed: Optional[int] = None) -> list[dict[str, Any]]:
+    """``batch``'s sequences as packed micro-batches of at most ``capacity`` tokens (module docstring), grouped
+    as ``groups`` says (default: :func:`first_fit_decreasing`). An empty group is a filler: the batch's first
+    sequence with its mask zeroed (it trains nothing and :func:`in_batch_order` skips it), ``filler`` set.
+    A pack shorter than :func:`pack_length` (``multiple``, ``fixed``) ends in padding tokens (0), a segment of its
+    own in ``cu_seqlens`` (attending to itself alone), read by no loss; ``last`` is each sequence's last token in
+    the pack."""
     if "routed_experts" in batch.data:
         raise ValueError("packed micro-batches do not replay MoE routing yet (its record is indexed by padded "
                          "position): leave max_tokens_per_micro_batch unset with routing replay")
     lengths = sequence_lengths(batch)
     device = batch.tokens_BS.device
+    if groups is None:
+        groups = first_fit_decreasing(lengths, capacity)
     out = []
-    for group in first_fit_decreasing(lengths, capacity):
+    for group in groups:
+        filler = not group
+        group = group or [0]
         rows = torch.tensor(group, device=device)
         lens = [lengths[r] for r in group]
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        tokens = torch.cat([batch.tokens_BS[r, :n] for r, n in zip(group, lens)]).unsqueeze(0)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens]).unsqueeze(0)
+        pad = pack_length(starts[-1], multiple=multiple, fixed=fixed) - starts[-1]
+        segments = lens + ([pad] if pad else [])
+        tokens = torch.cat([batch.tokens_BS[r, :n] for r, n in zip(group, lens)]
+                           + [batch.tokens_BS.new_zeros(pad)]).unsqueeze(0)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens]  # the padding's: 0 (read by none)
+                              + [torch.zeros(pad, dtype=torch.long, device=device)]).unsqueeze(0)
         start_n1 = torch.tensor(starts[:-1], device=device).unsqueeze(1)
         last_n1 = torch.tensor(lens, device=device).unsqueeze(1) - 1
         # The padded layout's positions within each sequence, moved to where the sequence sits in the pack; the
         # masked ones past a short response stay inside their own sequence.
         index = start_n1 + torch.minimum(batch.index_BN[rows], last_n1)
+        cu = starts + ([starts[-1] + pad] if pad else [])
         mb: dict[str, Any] = {"tokens": tokens, "positions": positions, "index": index, "mask": batch.mask_BN[rows],
-                              "cu_seqlens": torch.tensor(starts, dtype=torch.int32, device=device),
-                              "max_seqlen": max(lens), "rows": rows}
+                              "cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=device),
+                              "max_seqlen": max(segments), "rows": rows, "last": (start_n1 + last_n1)[:, 0]}
         mb.update({k: v[rows] for k, v in batch.data.items()})
+        if filler:
+            mb.update(mask=torch.zeros_like(mb["mask"]), filler=True)
         out.append(mb)
     return out
 
@@ -89,5 +140,6 @@ def in_batch_order(values: Sequence[torch.Tensor], micro_batches: Sequence[dict[
     first = values[0]
     out = first.new_empty((num_sequences, *first.shape[1:]))
     for value, mb in zip(values, micro_batches):
-        out[mb["rows"]] = value
+        if not mb.get("filler", False):
+            out[mb["rows"]] = value
     return out

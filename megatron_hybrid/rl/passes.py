@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from ..compat import megatron_groups
 from . import ppo
 from .batch import Batch, make_batch  # noqa: F401  (make_batch: the passes' batch, re-exported)
-from .packing import in_batch_order, packed_micro_batches
+from .packing import first_fit_decreasing, in_batch_order, packed_micro_batches, sequence_lengths, split_to
 from .phases import recorded
 from .routing import TrainingRouting, moe_routers, replays_routing
 
@@ -75,9 +75,10 @@ class PassConfig:
     temperature: float = 1.0
     """The sampling temperature: log-probabilities are of softmax(logits / temperature)."""
     max_tokens_per_micro_batch: Optional[int] = None
-    """Pack sequences without padding into micro-batches of at most this many tokens (:mod:`.packing`; training
-    TP 1 and PP 1 for now, a core attention that takes packed sequences: ``--attention-backend`` sdpa, flex or
-    auto); None: ``micro_batch_size`` sequences padded to ``seq_length``."""
+    """Pack sequences without padding into micro-batches of at most this many tokens (:mod:`.packing`; a core
+    attention that takes packed sequences: ``--attention-backend`` sdpa, flex or auto); at TP > 1 a pack is padded
+    to a multiple of TP, at PP > 1 every pack to the budget so rounded. None: ``micro_batch_size`` sequences padded
+    to ``seq_length``."""
     logit_chunk_tokens: int = 1024
     """Packed passes compute the log-probs and entropies over the vocabulary this many response positions at a
     time (recomputed in the backward pass), so their fp32 temporaries stay at a chunk's, not a pack's."""
@@ -92,10 +93,12 @@ class TrainingPasses:
     def __init__(self, config: PassConfig) -> None:
         self.config = config
         self.tp_group, self.pp_group, _, _ = megatron_groups()
-        if config.max_tokens_per_micro_batch is not None and (self.tp_group.size() > 1 or self.pp_group.size() > 1):
-            raise ValueError(f"max_tokens_per_micro_batch ({config.max_tokens_per_micro_batch}): packed micro-batches "
-                             f"run at tensor- and pipeline-parallel size 1 for now (here {self.tp_group.size()} and "
-                             f"{self.pp_group.size()})")
+        capacity = config.max_tokens_per_micro_batch
+        # Packs are padded to a multiple of TP (sequence parallelism slices them evenly) and, across pipeline
+        # stages, to one length: the budget so rounded (the stages' sends keep one shape).
+        self.pack_multiple = self.tp_group.size()
+        self.pack_fixed = None if capacity is None or self.pp_group.size() == 1 else \
+            -(-capacity // self.pack_multiple) * self.pack_multiple
         self.last_stage = self.pp_group.rank() == self.pp_group.size() - 1
         self._measured: Optional[tuple[torch.nn.Module, TrainingRouting]] = None
 
@@ -134,9 +137,17 @@ class TrainingPasses:
     def micro_batches(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """The micro-batches the schedule runs over ``batch``: packed (:mod:`.packing`) or padded (what counts them,
         e.g. the MoE losses' mean, asks here)."""
-        if self.config.max_tokens_per_micro_batch is not None:
-            return packed_micro_batches(batch, self.config.max_tokens_per_micro_batch)
-        return batch.micro_batches(self.config.micro_batch_size)
+        capacity = self.config.max_tokens_per_micro_batch
+        if capacity is None:
+            return batch.micro_batches(self.config.micro_batch_size)
+        lengths = sequence_lengths(batch)
+        groups = first_fit_decreasing(lengths, capacity)
+        _, _, dp_group, _ = megatron_groups()
+        if dp_group.size() > 1:  # the same number on every DP rank (a collective: every rank packs its batch)
+            count = torch.tensor([len(groups)], device=batch.tokens_BS.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+            groups = split_to(groups, lengths, int(count))
+        return packed_micro_batches(batch, capacity, groups, multiple=self.pack_multiple, fixed=self.pack_fixed)
 
     def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool,
             micro_batches: Optional[list[dict[str, torch.Tensor]]] = None) -> list[dict]:
@@ -151,8 +162,11 @@ class TrainingPasses:
             micro_batches = self.micro_batches(batch)
         weights = [1.0] * len(micro_batches) if forward_only else self._weights(batch, micro_batches)
         routing = self._routing(model, batch)
+        seq_length, micro_batch_size = self.config.seq_length, self.config.micro_batch_size
         if micro_batches and "cu_seqlens" in micro_batches[0]:
             _check_takes_packed_sequences(model)
+            # The pipeline's send shape: every pack's (one length across stages), one "sequence" of T tokens.
+            seq_length, micro_batch_size = micro_batches[0]["tokens"].shape[1], 1
 
         def forward_step(data_iterator, model):
             i, mb = next(data_iterator)
@@ -166,8 +180,8 @@ class TrainingPasses:
         with routing if routing is not None else nullcontext():
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(enumerate(micro_batches)), model=[model],
-                num_microbatches=len(micro_batches), seq_length=self.config.seq_length,
-                micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+                num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                forward_only=forward_only)
 
     def _weights(self, batch: Batch, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each micro-batch's weight in a training step, the loss of which is the mean over every response token of
@@ -243,7 +257,7 @@ class TrainingPasses:
         on every rank (the last stage broadcasts it over the pipeline)."""
         def stats(output, mb):
             if "cu_seqlens" in mb:  # the last token of each sequence of the pack
-                return {"score": output[0, mb["cu_seqlens"][:-1].long() + mb["end"], 0].float()}
+                return {"score": output[0, mb["last"], 0].float()}
             return {"score": output[..., 0].float().gather(1, mb["end"].unsqueeze(1)).squeeze(1)}
 
         out = self._forward(model, batch, stats)
