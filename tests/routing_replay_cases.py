@@ -100,11 +100,13 @@ def pipeline_record_case(arch_kw: dict, *, count: int) -> dict:
     return _compared(results, model)
 
 
-def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_batch_size: int) -> dict:
+def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_batch_size: int,
+                max_tokens_per_micro_batch: int | None = None) -> dict:
     """Two ranks, training TP=2 with sequence parallelism, the HybridEngine's rollout at TP=1 (two replicas), bf16:
     sampled generation with a routing record, then the log-prob pass and a training (forward-backward) pass of the
     same weights built without routing replay and with it (``moe_enable_routing_replay``), each counting the tokens routed
-    differently from the rollout and comparing its log-probs with the rollout's."""
+    differently from the rollout and comparing its log-probs with the rollout's. With ``max_tokens_per_micro_batch``
+    the passes are packed (``sdpa`` attention)."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
@@ -119,7 +121,8 @@ def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_
         # MoE layers train under TP only with sequence parallelism (megatron-core refuses otherwise)
         config = arch.transformer_config(tensor_model_parallel_size=tp, sequence_parallel=True,
                                          moe_enable_routing_replay=replay)
-        return arch.build(config).to(arch.dtype)  # every parameter bf16, as rl.build_stage casts them
+        backend = "local" if max_tokens_per_micro_batch is None else "sdpa"
+        return arch.build(config, attention_backend=backend).to(arch.dtype)  # bf16, as rl.build_stage casts
 
     plain, replayed = build(False), build(True)
     copy_weights(replayed, plain)
@@ -134,7 +137,8 @@ def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_
     batch = make_batch(prompts, responses, max_new_tokens=new_tokens, seq_length=seq_length,
                        device=torch.device("cpu"), rollout_log_probs=[r.generated_tempered_log_probs for r in results],
                        routed_experts=[r.routed_experts for r in results])
-    passes = TrainingPasses(PassConfig(seq_length, micro_batch_size, VOCAB))
+    passes = TrainingPasses(PassConfig(seq_length, micro_batch_size, VOCAB,
+                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch))
     g = torch.Generator().manual_seed(seed)
     batch.data["advantages"] = torch.randn(batch.mask_BN.shape, generator=g) * batch.mask_BN
 
@@ -146,6 +150,7 @@ def replay_case(arch_kw: dict, *, count: int, new_tokens: int, seed: int, micro_
         return loss, {"loss": loss.detach()}
 
     out = {"record_shapes": [tuple(r.routed_experts.shape) for r in results],
+           "packs": [mb["tokens"].shape[-1] for mb in passes.micro_batches(batch)],
            "lengths": [len(p) + len(r) for p, r in zip(prompts, responses)]}
     for name, model in (("plain", plain), ("replay", replayed)):
         with passes.routing_metrics(model, batch) as metrics:

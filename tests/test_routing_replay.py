@@ -43,9 +43,12 @@ def test_record_merges_pipeline_stages():
 
 
 @pytest.mark.slow
-def test_replay_routes_training_as_the_rollout_did():
+@pytest.mark.parametrize("budget", [None, 40], ids=["padded", "packed"])
+def test_replay_routes_training_as_the_rollout_did(budget):
+    # Packed (issue 44, step 5): the record is read by each pack's rows and positions; a misaligned record would
+    # replay other tokens' experts, which the log-probs' distance to the rollout's (below) would show.
     r0, r1 = run_distributed(cases.replay_case, 2, ARCH, count=8, new_tokens=12, seed=3,
-                             micro_batch_size=3, tensor_model_parallel_size=2)
+                             micro_batch_size=3, max_tokens_per_micro_batch=budget, tensor_model_parallel_size=2)
     assert r0 == r1  # TP ranks: the same metrics
     plain, replay = r0["plain"], r0["replay"]
     assert all(shape[0] == n - 1 for shape, n in zip(r0["record_shapes"], r0["lengths"]))
@@ -57,8 +60,15 @@ def test_replay_routes_training_as_the_rollout_did():
     for p in ("log_prob_pass", "update_pass"):
         assert replay[p]["moe/routing_mismatch_tokens"] == 0.0, replay
         assert replay[p]["moe/routing_recorded_tokens"] == plain[p]["moe/routing_recorded_tokens"] > 0
-    assert replay["mismatch"]["rollout_mismatch/logp_abs_diff_mean"] < \
-        plain["mismatch"]["rollout_mismatch/logp_abs_diff_mean"]
+    # The routers' own choices on the replayed inputs differ from the record where plain routing did: the record
+    # is aligned with the tokens (misaligned, nearly every token would differ).
+    for p in ("log_prob_pass", "update_pass"):
+        assert replay[p]["moe/router_choice_mismatch_tokens"] == plain[p]["moe/routing_mismatch_tokens"]
+    if budget is None:  # (packed, sdpa's rounding leaves a near-tie whose other expert moves no bf16 log-prob)
+        assert replay["mismatch"]["rollout_mismatch/logp_abs_diff_mean"] < \
+            plain["mismatch"]["rollout_mismatch/logp_abs_diff_mean"]
+    else:
+        assert len(r0["packs"]) > 3 and max(r0["packs"]) <= 40
     for run in (plain, replay):
         assert run["losses"] and all(math.isfinite(x) for x in run["losses"])
         assert run["grads"] > 0 and run["finite_grads"]
@@ -75,11 +85,13 @@ def test_flag_needs_an_moe_model():
 
 
 @pytest.mark.slow
-def test_recipe_replays_routing():
+@pytest.mark.parametrize("packed", [[], ["--attention-backend", "sdpa", "--max-tokens-per-micro-batch", "40"]],
+                         ids=["padded", "packed"])
+def test_recipe_replays_routing(packed):
     # The recipe at TP=2 (sequence-parallel) on 2 ranks, rollout TP=1, bf16: the actor's log-prob pass routes every
-    # recorded token as the rollout did; the metrics are logged.
+    # recorded token as the rollout did; the metrics are logged. Packed too (issue 44, step 5).
     argv = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--global-batch-size", "8",
-            "--micro-batch-size", "4", "--max-new-tokens", "6", "--train-iters", "2", "--no-progress"]
+            "--micro-batch-size", "4", "--max-new-tokens", "6", "--train-iters", "2", "--no-progress", *packed]
     history = run_distributed(cases.recipe_case, 2, argv, steps=2, tensor_model_parallel_size=2)[0]
     for m in history:
         assert m["moe/routing_mismatch_tokens"] == 0.0 and m["moe/routing_recorded_tokens"] > 0, m

@@ -461,9 +461,6 @@ def _validate_packing(args: argparse.Namespace) -> None:
     if args.attention_backend == "local":
         raise ValueError(f"--max-tokens-per-micro-batch ({budget}) packs sequences, which --attention-backend local "
                          "(megatron-core's DotProductAttention) refuses: pass --attention-backend sdpa, flex or auto")
-    if args.moe_enable_routing_replay:
-        raise ValueError(f"--max-tokens-per-micro-batch ({budget}) does not replay MoE routing yet: leave out "
-                         "--moe-enable-routing-replay or the budget")
 
 
 #: The expert-parallel flags and their defaults (anything else on a dense model is an error).

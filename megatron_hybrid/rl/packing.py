@@ -95,9 +95,6 @@ def packed_micro_batches(batch: Batch, capacity: int, groups: Optional[list[list
     A pack shorter than :func:`pack_length` (``multiple``, ``fixed``) ends in padding tokens (0), a segment of its
     own in ``cu_seqlens`` (attending to itself alone), read by no loss; ``last`` is each sequence's last token in
     the pack."""
-    if "routed_experts" in batch.data:
-        raise ValueError("packed micro-batches do not replay MoE routing yet (its record is indexed by padded "
-                         "position): leave max_tokens_per_micro_batch unset with routing replay")
     lengths = sequence_lengths(batch)
     device = batch.tokens_BS.device
     if groups is None:
@@ -126,7 +123,8 @@ def packed_micro_batches(batch: Batch, capacity: int, groups: Optional[list[list
         mb: dict[str, Any] = {"tokens": tokens, "positions": positions, "index": index, "mask": batch.mask_BN[rows],
                               "cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=device),
                               "max_seqlen": max(segments), "rows": rows, "last": (start_n1 + last_n1)[:, 0]}
-        mb.update({k: v[rows] for k, v in batch.data.items()})
+        # (A routing record stays with the batch: TrainingRouting reads it by the pack's rows.)
+        mb.update({k: v[rows] for k, v in batch.data.items() if k != "routed_experts"})
         if filler:
             mb.update(mask=torch.zeros_like(mb["mask"]), filler=True)
         out.append(mb)

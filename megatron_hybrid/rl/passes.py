@@ -170,11 +170,11 @@ class TrainingPasses:
 
         def forward_step(data_iterator, model):
             i, mb = next(data_iterator)
-            if "cu_seqlens" in mb:
-                out = model(mb["tokens"], mb["positions"], None, packed_seq_params=_packed_seq_params(mb))
-                return out, lambda output: _weighed(*loss_fn(output, mb), weights[i])
-            with routing.micro_batch(mb["routed_experts"]) if routing is not None else nullcontext():
-                out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
+            with routing.micro_batch(mb) if routing is not None else nullcontext():
+                if "cu_seqlens" in mb:
+                    out = model(mb["tokens"], mb["positions"], None, packed_seq_params=_packed_seq_params(mb))
+                else:
+                    out = model(mb["tokens"], _positions_like(mb["tokens"]), None)
             return out, lambda output: _weighed(*loss_fn(output, mb), weights[i])
 
         with routing if routing is not None else nullcontext():

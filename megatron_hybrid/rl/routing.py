@@ -5,13 +5,13 @@ The generator records the top-k experts every MoE layer chose for every token it
 (``GenerationConfig.record_routing``: ``GenerationResult.routed_experts``, ``[P + n - 1, M, k]``);
 :func:`routed_experts_BSMk` lays them out like a batch's tokens. During a pass over the batch, a
 :class:`TrainingRouting` hooks the model's routers (megatron-core's ``TopKRouter``) and, per micro-batch, aligns the
-record with the tokens each router sees (``[S, b]`` flattened sequence-major, this rank's slice of the sequence with
-sequence parallelism). Before each router runs it takes the router's own top-k
+record with the tokens each router sees (``[S, b]`` flattened sequence-major, or a pack's sequences back to back: this
+rank's slice of them with sequence parallelism). Before each router runs it takes the router's own top-k
 (:func:`~megatron_hybrid.inference.moe.route`, megatron's computation, without gradients); where the model replays (its routers carry megatron-core's
 ``RouterReplay``: built with ``moe_enable_routing_replay``), it hands the ``RouterReplay`` the recorded experts of
 each token with ``REPLAY_FORWARD``, so megatron's router takes those experts and computes their probabilities from
 its own logits (gathered at them, then its score function: the gradient reaches the router's weights as without
-replay). Tokens without a record (each sequence's last token, never an input of the rollout, and the padding) keep
+replay). Tokens without a record (each sequence's last token, never an input of the rollout, and padding) keep
 the router's own choice; causal attention keeps them out of every loss term but the load-balancing loss. After the
 router ran, the routing map it produced (what the experts got) is compared with the record.
 
@@ -99,13 +99,15 @@ class TrainingRouting:
         if replay and any(router.router_replay is None for _, router in self.routers):
             raise ValueError("routing replay needs routers built with moe_enable_routing_replay "
                              "(--moe-enable-routing-replay)")
+        self.shape_BS = (B, S)
         self.valid_BS = (routed_BSMk >= 0).all(-1).all(-1)
+        self.record_XMk = routed_BSMk.reshape(B * S, M, -1)  # X: a token's flat position b · S + s in the batch
         # Per token: its routing differs from the record in a layer of this stage, in what the experts got
         # (used) and in the router's own top-k (own). Sequence-parallel ranks fill their slice of the sequence.
-        self.used_BS = torch.zeros(B, S, dtype=torch.int32)
-        self.own_BS = torch.zeros(B, S, dtype=torch.int32)
+        self.used_X = torch.zeros(B * S, dtype=torch.int32)
+        self.own_X = torch.zeros(B * S, dtype=torch.int32)
         self._cursor = 0  # the next micro-batch's first sequence: the schedule runs them in order on every stage
-        self._current: Optional[tuple[torch.Tensor, int]] = None
+        self._current: Optional[torch.Tensor] = None  # the micro-batch's tokens as flat positions, router order
         self._own: dict[int, torch.Tensor] = {}
         self._handles: list = []
 
@@ -126,29 +128,40 @@ class TrainingRouting:
                 router.router_replay.clear_router_replay_action()
 
     @contextmanager
-    def micro_batch(self, routed_bSMk: torch.Tensor) -> Iterator[None]:
-        """The next micro-batch's forward (its record ``[b, S, M, k]``) runs in the body."""
-        self._current = (routed_bSMk, self._cursor)
+    def micro_batch(self, mb: dict) -> Iterator[None]:
+        """The next micro-batch's forward runs in the body: padded (``[b, S]`` tokens, the b sequences after the
+        previous micro-batch's) or packed (:mod:`.packing`: its ``rows``, their lengths, then padding)."""
+        B, S = self.shape_BS
+        if "cu_seqlens" in mb:  # [1, T]: each sequence's positions, then the pack's padding (no record: -1)
+            lengths = (mb["end"] + 1).tolist()
+            parts = [row * S + torch.arange(n) for row, n in zip(mb["rows"].tolist(), lengths)]
+            pad = mb["tokens"].shape[1] - sum(lengths)
+            self._current = torch.cat(parts + [torch.full((pad,), -1, dtype=torch.long)])
+        else:  # [S, b] sequence-major, as the model's hidden states
+            b = mb["tokens"].shape[0]
+            rows = self._cursor + torch.arange(b)
+            self._current = (rows.view(1, b) * S + torch.arange(S).view(S, 1)).reshape(-1)
+            self._cursor += b
         try:
             yield
         finally:
-            self._cursor += routed_bSMk.shape[0]
             self._current = None
 
-    def _slice(self) -> tuple[int, int]:
-        """This rank's positions of the sequence: its sequence-parallel slice, or all of them."""
-        S = self.used_BS.shape[1]
+    def _slice(self) -> torch.Tensor:
+        """The flat positions of the tokens this rank's routers see: its sequence-parallel slice, or all."""
+        flat = self._current
         if not self.config.sequence_parallel:
-            return 0, S
+            return flat
         t, r = self.tp_group.size(), self.tp_group.rank()
-        return r * S // t, (r + 1) * S // t
+        return flat[r * flat.numel() // t: (r + 1) * flat.numel() // t]
 
     def _record_Tk(self, ordinal: int, device: torch.device) -> torch.Tensor:
-        """The current micro-batch's record for layer ``ordinal`` in the router's token order, ``[T, k]`` int64."""
-        routed_bSMk, _ = self._current
-        lo, hi = self._slice()
-        k = routed_bSMk.shape[-1]
-        return routed_bSMk[:, lo:hi, ordinal].transpose(0, 1).reshape(-1, k).to(device=device, dtype=torch.long)
+        """The current micro-batch's record for layer ``ordinal`` in the router's token order, ``[T, k]`` int64
+        (-1 for tokens without one)."""
+        flat = self._slice()
+        record = self.record_XMk[flat.clamp(min=0), ordinal].to(torch.long)
+        record[flat < 0] = -1
+        return record.to(device)
 
     def _before(self, ordinal: int):
         def hook(router, args):
@@ -183,12 +196,10 @@ class TrainingRouting:
             expected_TE = _expert_map(record_Tk, E)
             used_T = (routing_map_TE.bool() != expected_TE).any(-1) & recorded_T
             own_T = (_expert_map(self._own.pop(ordinal), E) != expected_TE).any(-1) & recorded_T
-            routed_bSMk, first = self._current
-            b = routed_bSMk.shape[0]
-            lo, hi = self._slice()
-            for flags, diff_T in ((self.used_BS, used_T), (self.own_BS, own_T)):
-                view = flags[first: first + b, lo:hi]
-                view |= diff_T.view(hi - lo, b).t().to(device="cpu", dtype=torch.int32)
+            flat = self._slice()
+            real = flat >= 0
+            for flags, diff_T in ((self.used_X, used_T), (self.own_X, own_T)):
+                flags[flat[real]] |= diff_T.to(device="cpu", dtype=torch.int32)[real]
             return None
         return hook
 
@@ -198,7 +209,7 @@ class TrainingRouting:
         ``moe/router_choice_mismatch_tokens`` in the training routers' own top-k (the same without replay; with
         replay, what the routers would have chosen on the replayed inputs); and the recorded tokens counted. A
         collective over the model's tensor- and pipeline-parallel groups: call it on every rank of them."""
-        flags = torch.stack([self.used_BS, self.own_BS])
+        flags = torch.stack([self.used_X, self.own_X]).view(2, *self.shape_BS)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.pp_group) == "nccl" \
             else torch.device("cpu")
         flags = flags.to(device)
