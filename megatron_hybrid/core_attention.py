@@ -353,8 +353,20 @@ def _flex_function(device_type: str) -> Callable:
     return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
 
 
+_LAST_DOCUMENT_MASK: list = []  # [(cu_seqlens, block mask)]: every layer of a pack's forward passes the same tensor
+
+
 def _document_block_mask(cu_seqlens: torch.Tensor):
-    """The block mask of a pack: position q attends to kv at or before it in the same sequence."""
+    """The block mask of a pack: position q attends to kv at or before it in the same sequence. Made once per pack
+    (the layers of one forward pass the same ``cu_seqlens`` tensor), not per layer."""
+    if _LAST_DOCUMENT_MASK and _LAST_DOCUMENT_MASK[0][0] is cu_seqlens:
+        return _LAST_DOCUMENT_MASK[0][1]
+    mask = _make_document_block_mask(cu_seqlens)
+    _LAST_DOCUMENT_MASK[:] = [(cu_seqlens, mask)]
+    return mask
+
+
+def _make_document_block_mask(cu_seqlens: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
     total = int(cu_seqlens[-1])
