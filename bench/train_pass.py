@@ -6,6 +6,7 @@ same sequences per step, on a long-tailed RL length mix; then the longest single
     python bench/train_pass.py --shape qwen2.5-7b-8l --out bench/results/train_pass_h100.json
     python bench/train_pass.py --shape qwen2.5-1.5b --methods padded-local packed-sdpa --out results.json
     python bench/train_pass.py --shape cpu-tiny --smoke          # the code path on the CPU, in seconds
+    python bench/train_pass.py --table bench/results/train_pass_h100.json   # the rows as a markdown table
 
 A step is one pass of megatron-core's schedule (TrainingPasses.run, forward and backward) over the step's
 sequences with the token-mean NLL of the responses as the loss; no optimizer. Model FLOPs as Megatron-LM counts
@@ -122,6 +123,26 @@ def longest_fit(method: str, arch, model_by_backend: dict, args, device: torch.d
     return fits
 
 
+def table(rows: list[dict]) -> str:
+    """A markdown table of ``rows`` (``--out``'s JSON), grouped by shape and length mix, each row's tokens/s also
+    as a ratio to padded-local's of the same group."""
+    lines = ["| shape | responses ≤ | budget | method | tokens/s | × padded-local | MFU | peak GiB | longest fit |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (r.get("shape"), r.get("response_max"), r.get("max_tokens_per_micro_batch"))  # noqa: E731
+    for r in rows:
+        base = next((b for b in rows if key(b) == key(r) and b["method"] == "padded-local" and "tokens_per_s" in b),
+                    None)
+        if "tokens_per_s" in r:
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "—"
+            speed, mfu = f"{r['tokens_per_s']:.0f}", f"{r['mfu']:.3f}"
+            peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "—"
+        else:
+            speed, ratio, mfu, peak = "out of memory", "—", "—", "—"
+        lines.append(f"| {r.get('shape')} | {r.get('response_max')} | {r.get('max_tokens_per_micro_batch')} | "
+                     f"{r['method']} | {speed} | {ratio} | {mfu} | {peak} | {r.get('longest_fit', '—')} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-7b-8l", choices=sorted(SHAPES))
@@ -138,7 +159,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="single-sequence lengths to probe, per method (none: skip)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on whatever device there is")
     parser.add_argument("--out", default=None, help="JSON file the rows are appended to")
+    parser.add_argument("--table", default=None, metavar="JSON", help="print a markdown table of a results file "
+                        "and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.load(open(args.table))))
+        return
     if args.max_tokens_per_micro_batch < args.prompt_range[1] + args.response_max:
         parser.error(f"--max-tokens-per-micro-batch ({args.max_tokens_per_micro_batch}) must hold the longest "
                      f"sequence ({args.prompt_range[1]} + {args.response_max})")
