@@ -7,13 +7,16 @@ same sequences per step, on a long-tailed RL length mix; then the longest single
     python bench/train_pass.py --shape qwen2.5-1.5b --methods padded-local packed-sdpa --out results.json
     python bench/train_pass.py --shape cpu-tiny --smoke          # the code path on the CPU, in seconds
     python bench/train_pass.py --table bench/results/train_pass_h100.json   # the rows as a markdown table
+    python bench/train_pass.py --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 
 A step is one pass of megatron-core's schedule (TrainingPasses.run, forward and backward) over the step's
 sequences with the token-mean NLL of the responses as the loss; no optimizer. Model FLOPs as Megatron-LM counts
 them: 6 · (parameters less the input embedding) per real token, plus causal attention, 6 · layers · hidden · Σ L²
 / ... (QKᵀ and AV, forward and backward, half the square); MFU against the dense bf16 peak (989 TFLOP/s on H100 and
 H200). Padding counts as time, not as tokens. Rows are appended to ``--out`` as they are measured (the command
-beside them); a method that runs out of memory gets a row saying so.
+and the recompute flags beside them); a method that runs out of memory gets a row saying so. Megatron-LM's
+``--recompute-granularity``, ``--recompute-method`` and ``--recompute-num-layers`` (the recipe's) trade the
+activations' memory for a rerun of the forward: the model FLOPs (and so MFU) count no recompute, as Megatron-LM's do.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.measure import one_rank, sync, timed  # noqa: E402
 from bench.shapes import SHAPES  # noqa: E402
+from megatron_hybrid.rl.arguments import add_recompute_args, check_recompute, recompute_config  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM dense bf16
 METHODS = ("padded-local", "padded-sdpa", "packed-sdpa", "packed-flex")
@@ -83,7 +87,9 @@ def run_method(method: str, arch, model_by_backend: dict, pairs: list[tuple[int,
     lengths = [p + r for p, r in pairs]
     row: dict[str, Any] = {"method": method, "sequences": len(pairs), "tokens": sum(lengths),
                            "longest": max(lengths), "padded_tokens": len(pairs) * seq_length,
-                           "micro_batches": len(passes.micro_batches(batch))}
+                           "micro_batches": len(passes.micro_batches(batch)),
+                           "recompute_granularity": args.recompute_granularity,
+                           "recompute_method": args.recompute_method, "recompute_num_layers": args.recompute_num_layers}
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -158,6 +164,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--longest", type=int, nargs="*", default=[8192, 16384, 32768],
                         help="single-sequence lengths to probe, per method (none: skip)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on whatever device there is")
+    add_recompute_args(parser)  # Megatron-LM's flags, as the recipe takes them (default: no recompute)
     parser.add_argument("--out", default=None, help="JSON file the rows are appended to")
     parser.add_argument("--table", default=None, metavar="JSON", help="print a markdown table of a results file "
                         "and exit")
@@ -174,6 +181,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.longest = [64, 128]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     arch = SHAPES[args.shape]
+    try:
+        check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                        layers_per_stage=arch.num_layers, layers_from=f"--shape {args.shape}'s layers, one stage")
+    except ValueError as error:
+        parser.error(str(error))
     pairs = length_mix(args.sequences, prompt=tuple(args.prompt_range), response_max=args.response_max, seed=1)
     rows: list[dict] = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -186,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             backends.remove("flex")
             args.methods = [m for m in args.methods if not m.endswith("flex")]
         torch.manual_seed(1234)
-        config = arch.transformer_config(use_cpu_initialization=device.type != "cuda")
+        config = arch.transformer_config(use_cpu_initialization=device.type != "cuda", **recompute_config(args))
         first = arch.build(config, attention_backend=backends[0]).to(device)
         models = {backends[0]: first}
         for backend in backends[1:]:  # the same weights: the core attention holds none

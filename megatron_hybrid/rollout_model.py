@@ -58,7 +58,8 @@ def weightless_parameters() -> Iterator[None]:
 
 def rollout_config(config, layout: ParallelLayout, experts: Optional[ExpertLayout] = None):
     """The training ``TransformerConfig`` with the rollout sizes, without sequence parallelism (generation runs a
-    few tokens per step: nothing to split along the sequence)."""
+    few tokens per step: nothing to split along the sequence) and without activation recompute (the rollout model
+    never trains; a layer count per training stage need not fit its stages)."""
     config = copy.copy(config)
     config.tensor_model_parallel_size = layout.t_g
     config.pipeline_model_parallel_size = layout.p_g
@@ -68,6 +69,7 @@ def rollout_config(config, layout: ParallelLayout, experts: Optional[ExpertLayou
         config.expert_model_parallel_size = experts.e_g
         config.expert_tensor_parallel_size = experts.et_g
     config.sequence_parallel = False
+    config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
     config.perform_initialization = False
     return config
 

@@ -9,6 +9,8 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
 - the CUDA RNG tracker (``torch.cuda.get_rng_state`` / ``manual_seed``);
 - ``torch.cuda.Event``, ``Stream``, ``current_stream``, ``synchronize`` and ``empty_cache`` in the
   schedules, DDP and the inference engine;
+- the same CUDA calls in the backward pass's rerun of a checkpointed forward (activation recompute): torch 2.13
+  runs ``torch.autograd.backward`` outside the ``TorchFunctionMode`` below, so the rerun enters it again;
 - ``dist_checkpointing``'s writer forks a process per write bucket and spawns a ``multiprocessing.Manager``
   (``dist_checkpointing.py``: the writes run in the rank's process instead);
 - CUDA tensor type names in the optimizer (0.16.1 – 0.19.x): ``Float16OptimizerWithFloat16Params``, the
@@ -178,8 +180,20 @@ def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
     out = [
         (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (mrandom, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
+        (mrandom.CheckpointFunction, "backward", staticmethod(_recompute_inside(mrandom.CheckpointFunction.backward))),
     ]
     return out + in_process_writes()
+
+
+def _recompute_inside(backward):
+    """megatron-core's activation recompute (``CheckpointFunction.backward``: ``--recompute-granularity``) inside
+    the device rewrite. torch 2.13 hands ``torch.autograd.backward`` to the ``TorchFunctionMode``, which runs it
+    with the mode popped, so the rerun of a checkpointed forward in the backward pass would meet megatron-core's
+    CUDA factory calls (the local attention's causal mask, ``device="cuda"``) outside the rewrite."""
+    def recompute(ctx, *grads):
+        with _CudaToCpu(cuda_type_names=_optimizer_compares_cuda_type_names()):
+            return backward(ctx, *grads)
+    return recompute
 
 
 def _sequence_parallel_torch_norm() -> tuple[Any, str, Any]:

@@ -376,3 +376,103 @@ def packed_layout_case(capacity: int, sequence_parallel: bool) -> dict:
         res["grads"] = grads
         out[name] = res
     return out
+
+
+#: The activation recompute compared with none (``--recompute-granularity`` and friends, as TransformerConfig fields):
+#: every layer rerun, one at a time and all 4 as one chunk (uniform), the first 2 of 4 layers alone (block), and the
+#: core attention of every layer (selective).
+RECOMPUTE = {
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-uniform-4": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=4),
+    "full-block-2": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    "selective": dict(recompute_granularity="selective"),
+}
+RECOMPUTE_LAYERS, RECOMPUTE_BATCH = 4, 3
+
+
+def _saved_bytes(run, model) -> dict:
+    """Run ``run()`` (a forward) and count what autograd saves for the backward (``saved_tensors_hooks``): the bytes
+    of every distinct storage saved, parameters left out (saved by reference, never copies), in all and in the
+    forward of a decoder layer (a ``TransformerLayer``); and ``run()``'s result."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[int, bool]] = {}
+    depth = [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in saved:
+            saved[storage.data_ptr()] = (storage.nbytes(), depth[0] > 0)
+        return t
+
+    hooks = []
+    for layer in model.decoder.layers:
+        hooks.append(layer.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1)))
+        hooks.append(layer.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"all": sum(n for n, _ in saved.values()), "in_layers": sum(n for n, inside in saved.values() if inside),
+            "out": out}
+
+
+def recompute_case(attention_backend: str) -> dict:
+    """One rank: a 4-layer GPT stage from :func:`megatron_hybrid.rl.build_stage` without recompute and with each of
+    :data:`RECOMPUTE` (``config_overrides``), the same weights; per model, one forward + backward of the mean
+    next-token NLL over a padded batch (and, with sdpa, over a pack of 3 sequences in megatron-core's ``thd`` format):
+    the loss, every parameter's gradient and the bytes autograd saved in the forward (:func:`_saved_bytes`), beside
+    the bytes of one layer input; and the logits of a no-grad forward in training mode (the log-prob passes': the
+    checkpointed path under ``no_grad``) and in eval mode (generation's: no recompute)."""
+    from megatron_hybrid import rl
+
+    args = recipe_args("--tensor-model-parallel-size", "1", "--num-layers", str(RECOMPUTE_LAYERS))
+    arch = rl.architecture_from_args(args, VOCAB)
+    cpu = torch.device("cpu")
+    torch.manual_seed(11)
+    base = rl.build_stage(arch, device=cpu, attention_backend=attention_backend)
+    g = torch.Generator().manual_seed(5)
+    B, S = RECOMPUTE_BATCH, PROMPT + NEW
+    tokens = torch.randint(0, VOCAB, (B, S), generator=g)
+    positions = torch.arange(S).unsqueeze(0).expand(B, S)
+    inputs = {"padded": ((tokens, positions, None), {})}
+    if attention_backend != "local":  # megatron-core's local attention takes no packed sequences
+        lens = [7, 12, 5]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        pack = torch.randint(0, VOCAB, (1, sum(lens)), generator=g)
+        pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+        inputs["packed"] = ((pack, pos, None), {"packed_seq_params": rl.passes._packed_seq_params(
+            {"cu_seqlens": cu, "max_seqlen": max(lens)})})
+    out: dict = {}
+    for name, overrides in {"none": {}, **RECOMPUTE}.items():
+        model = base if name == "none" else rl.build_stage(arch, device=cpu, attention_backend=attention_backend,
+                                                           **overrides)
+        if model is not base:
+            rl.copy_weights(model, base)
+        config = model.config
+        out[name] = {"config": (config.recompute_granularity, config.recompute_method, config.recompute_num_layers),
+                     "runs": {}}
+        for kind, (call_args, call_kwargs) in inputs.items():
+            model.train()
+            model.zero_grad(set_to_none=True)
+
+            def loss():
+                logits = model(*call_args, **call_kwargs)
+                labels = call_args[0][:, 1:]
+                return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                         labels.reshape(-1))
+
+            measured = _saved_bytes(loss, model)
+            measured["out"].backward()
+            with torch.no_grad():
+                train_logits = model(*call_args, **call_kwargs)
+                model.eval()
+                eval_logits = model(*call_args, **call_kwargs)
+                model.train()
+            out[name]["runs"][kind] = {"loss": measured["out"].detach(), "saved": measured["all"],
+                                       "saved_in_layers": measured["in_layers"],
+                                       "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                                       "train_logits": train_logits, "eval_logits": eval_logits,
+                                       "hidden_bytes": call_args[0].numel() * arch.hidden_size * 4}
+    return out

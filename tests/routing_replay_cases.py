@@ -189,3 +189,22 @@ def recipe_case(argv: list[str], *, steps: int) -> list[dict]:
     with rl.initialize(args):
         trainer = recipe["Trainer"](args, task)
         return [trainer.train_step() for _ in range(steps)]
+
+
+def replay_refuses_full_recompute_case() -> str:
+    """One rank: a TrainingRouting that replays, on a tiny MoE stage built with routing replay and full activation
+    recompute (rl.build_stage's config); returns the ValueError's message (empty when nothing was raised)."""
+    from megatron_hybrid import rl
+    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.rl.routing import TrainingRouting, moe_routers
+
+    model = rl.build_stage(gen.moe_arch(), device=torch.device("cpu"), moe_enable_routing_replay=True,
+                           recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    num_moe = len(moe_routers(model))
+    tp, pp, _, _ = megatron_groups()
+    try:
+        TrainingRouting(model, torch.zeros(1, 4, num_moe, model.config.moe_router_topk, dtype=torch.long),
+                        tp_group=tp, pp_group=pp, replay=True)
+    except ValueError as error:
+        return str(error)
+    return ""

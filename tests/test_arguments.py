@@ -310,6 +310,74 @@ def test_packing_flags_are_checked(argv, message):
     assert str(e.value) == message
 
 
+FULL = ("--recompute-granularity", "full")
+
+
+@pytest.mark.parametrize("argv, message", [
+    # A method or a layer count without full (Megatron-LM ignores them: the run would train without recompute).
+    (["--recompute-method", "uniform"],
+     "--recompute-method (uniform): for --recompute-granularity full, which is not given (no recompute without it)"),
+    (["--recompute-num-layers", "1"],
+     "--recompute-num-layers (1): for --recompute-granularity full, which is not given (no recompute without it)"),
+    (["--recompute-method", "block", "--recompute-num-layers", "2"], "--recompute-method (block) and "
+     "--recompute-num-layers (2): for --recompute-granularity full, which is not given (no recompute without it)"),
+    # megatron-core's TransformerConfig: full needs a method and a layer count, 1 to the layers per stage.
+    ([*FULL], "--recompute-granularity full needs --recompute-method (uniform or block), as in Megatron-LM"),
+    ([*FULL, "--recompute-method", "uniform"], "--recompute-granularity full needs --recompute-num-layers (1 to the "
+     "layers per pipeline stage, 2: --num-layers (2) / --pipeline-model-parallel-size (1)), as in Megatron-LM"),
+    ([*FULL, "--recompute-method", "uniform", "--recompute-num-layers", "0"],
+     "--recompute-num-layers (0) must be ≥ 1"),
+    (["--recompute-num-layers", "-1"], "--recompute-num-layers (-1) must be ≥ 1"),
+    ([*FULL, "--recompute-method", "block", "--recompute-num-layers", "3"],
+     "--recompute-num-layers (3) must be at most the layers per pipeline stage, 2 (--num-layers (2) / "
+     "--pipeline-model-parallel-size (1))"),
+    ([*FULL, "--recompute-method", "uniform", "--recompute-num-layers", "3", "--num-layers", "4",
+      "--pipeline-model-parallel-size", "2"], "--recompute-num-layers (3) must be at most the layers per pipeline "
+     "stage, 2 (--num-layers (4) / --pipeline-model-parallel-size (2))"),
+    # Megatron-LM: selective recomputes the core attention of every layer; no method (its assert), no layer count
+    # (megatron-core's).
+    (["--recompute-granularity", "selective", "--recompute-method", "uniform"], "--recompute-method (uniform): for "
+     "--recompute-granularity full; selective recomputes the core attention of every layer and takes neither (as in "
+     "Megatron-LM)"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], "--recompute-num-layers (1): for "
+     "--recompute-granularity full; selective recomputes the core attention of every layer and takes neither (as in "
+     "Megatron-LM)"),
+    # The backward's rerun of a router would not replay the rollout's experts.
+    ([*FULL, "--recompute-method", "uniform", "--recompute-num-layers", "1", "--num-experts", "4",
+      "--tensor-model-parallel-size", "1", "--moe-enable-routing-replay"], "--recompute-granularity full reruns the "
+     "MoE routers in the backward pass, where --moe-enable-routing-replay does not replay the rollout's experts yet: "
+     "use --recompute-granularity selective, or leave out one of the two"),
+])
+def test_bad_recompute_flags_are_named(argv, message):
+    with pytest.raises(ValueError) as e:
+        _validate(*argv)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("argv, fields", [
+    ([], {}),  # the default: no recompute, the TransformerConfig as before
+    ([*FULL, "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    ([*FULL, "--recompute-method", "block", "--recompute-num-layers", "2"],
+     dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
+    (["--recompute-granularity", "selective"], dict(recompute_granularity="selective", recompute_method=None,
+                                                    recompute_num_layers=None)),
+])
+def test_recompute_flags_become_transformer_config_fields(argv, fields):
+    """Flags that pass are TransformerConfig fields megatron-core accepts (its __post_init__ checks them)."""
+    from megatron_hybrid.rl.arguments import recompute_config
+
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(argv)
+    validate_args(args, 4)
+    assert recompute_config(args) == fields
+    config = architecture_from_args(args, args.vocab_size).transformer_config(tensor_model_parallel_size=2,
+                                                                              **recompute_config(args))
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == \
+        tuple(fields.get(k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers"))
+    with pytest.raises(SystemExit):  # argparse: Megatron-LM's choices only
+        add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(["--recompute-method", "all"])
+
+
 def test_a_token_budget_below_the_longest_sequence_is_named_before_any_process_group():
     """The built-in task's prompts are 4 tokens, --max-new-tokens 8: a budget of 11 cannot hold a sequence."""
     from megatron_hybrid.rl import load_task

@@ -201,7 +201,8 @@ def test_help_lists_megatron_names(capsys):
     for flag in ("--tensor-model-parallel-size", "--rollout-tensor-model-parallel-size", "--hybrid-weight-mode",
                  "--kl-ctl-type", "--num-samples-per-prompt", "--bf16", "--lr-decay-style", "--adam-beta2",
                  "--use-distributed-optimizer", "--sequence-parallel", "--overlap-grad-reduce",
-                 "--overlap-param-gather", "torchrun --nproc_per_node 4"):
+                 "--overlap-param-gather", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                 "torchrun --nproc_per_node 4"):
         assert flag in out
 
 
@@ -278,6 +279,27 @@ def test_hybrid_rollout_gives_the_losses_of_training_layout_generation(pp, tmp_p
             assert h[key] == p[key], (key, h[key], p[key])
         # Either generator's log-probs are the training passes' up to rounding (fp32; seen <= 5e-7).
         assert max(h["rollout_mismatch/logp_abs_diff_max"], p["rollout_mismatch/logp_abs_diff_max"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_activation_recompute_trains_as_without_it(tmp_path):
+    """Issue 44, step 5: the recipe with --recompute-granularity full --recompute-method uniform
+    --recompute-num-layers 1 (actor and critic; their log-prob and value passes run the checkpointed forward under
+    no_grad) logs every metric of the run without it, exactly: on the CPU the reruns are the same kernels on the same
+    inputs. Generation is unchanged too, on the HybridEngine's rollout model (training TP=2, rollout TP=1) and on the
+    training model itself (--no-hybrid-rollout, which generates in eval mode: no recompute). 2 steps on 2 ranks."""
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    plain, rerun, training_layout = (
+        run_distributed(ppo_cases.run_main, 2, ["--train-iters", "2"] + extra, str(tmp_path / name),
+                        tensor_model_parallel_size=2)[0]
+        for name, extra in (("plain", []), ("recompute", recompute),
+                            ("training-layout", recompute + ["--no-hybrid-rollout"])))
+    assert len(plain) == len(rerun) == len(training_layout) == 2
+    for p, r, t in zip(plain, rerun, training_layout):
+        assert _same(p, r), (p, r)
+        assert r["switch_bytes"] > 0 and t["switch_bytes"] == 0
+        for key in ("reward_mean", "kl", "entropy", "pg_loss", "vf_loss", "actor_grad_norm", "critic_grad_norm"):
+            assert t[key] == p[key], (key, t[key], p[key])
 
 
 PHASES = ("generation", "switch", "actor_log_probs", "reference_log_probs", "critic_values", "update")

@@ -1,6 +1,7 @@
 """megatron_hybrid.rl: one update through Megatron's optimizer equals an fp64 AdamW step (TP=2 × PP=2 × DP=2, tied
 embeddings, bf16 parameters with fp32 main parameters), its states leave the device and come back bit for bit, and
-the CPU patch that lets its optimizer run on CPU."""
+the CPU patch that lets its optimizer run on CPU; activation recompute (Megatron-LM's flags) keeps the loss and the
+gradients and saves the activations."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megatron_hybrid.rl.arguments import TINY_MODEL
 from tests import rl_cases
 from tests.harness import run_distributed
 
@@ -140,3 +142,65 @@ def test_the_step_objective_is_the_token_mean_however_sequences_are_grouped():
                 # ~1e-7 relative of the gradient's scale.
                 torch.testing.assert_close(r["grads"][name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()),
                                            msg=f"{name} at world {world}, micro-batch {micro_batch_size}")
+
+
+# ---- activation recompute (--recompute-granularity, issue 44 step 5) -------------------------------------------
+@pytest.mark.parametrize("backend", ["local", "sdpa"])
+def test_activation_recompute_keeps_the_numbers_and_saves_the_activations(backend):
+    """Megatron-LM's activation recompute through rl.build_stage's config: one forward + backward of a 4-layer GPT
+    with full recompute (uniform chunks of 1 and 4 layers, block of 2) and selective recompute gives the loss and
+    gradients of the model without it, bit for bit: the checkpointed layers rerun the same CPU kernels on the same
+    inputs (and RNG states), and each parameter's gradient is accumulated from the same terms. The no-grad forward
+    in training mode (the log-prob passes) and in eval mode (generation) give the same logits too. What autograd
+    keeps for the backward drops to the checkpointed chunks' inputs."""
+    r = run_distributed(rl_cases.recompute_case, 1, backend)[0]
+    L, B, S = rl_cases.RECOMPUTE_LAYERS, rl_cases.RECOMPUTE_BATCH, rl_cases.PROMPT + rl_cases.NEW
+    assert r["none"]["config"] == (None, None, None)
+    for name, overrides in rl_cases.RECOMPUTE.items():
+        granularity, method, n = r[name]["config"]
+        assert (granularity, method, n) == tuple(overrides.get(k) for k in (
+            "recompute_granularity", "recompute_method", "recompute_num_layers")), name
+        assert r[name]["runs"].keys() == r["none"]["runs"].keys() == ({"padded"} if backend == "local" else
+                                                                      {"padded", "packed"})
+        for kind, ref in r["none"]["runs"].items():
+            got = r[name]["runs"][kind]
+            assert torch.equal(got["loss"], ref["loss"]), (name, kind)
+            assert got["grads"].keys() == ref["grads"].keys()
+            for param, grad in ref["grads"].items():
+                assert torch.equal(got["grads"][param], grad), (name, kind, param)
+            for logits in ("train_logits", "eval_logits"):
+                assert torch.equal(got[logits], ref[logits]), (name, kind, logits)
+            # Memory. Without recompute every layer keeps its activations, the same bytes per layer. Full
+            # recompute: a recomputed layer keeps nothing (it runs under no_grad in the forward) and its chunk keeps
+            # its input ([s, b, h] fp32: hidden_bytes) and the rotary table (shared by the chunks, smaller than an
+            # input); the rest of the model keeps what it kept.
+            per_layer, outside = ref["saved_in_layers"] / L, ref["saved"] - ref["saved_in_layers"]
+            if granularity == "full":
+                recomputed, chunks = (L, -(-L // n)) if method == "uniform" else (n, n)
+                assert got["saved_in_layers"] == (L - recomputed) * per_layer, (name, kind)
+                inputs = got["saved"] - got["saved_in_layers"] - outside
+                assert chunks * got["hidden_bytes"] <= inputs < (chunks + 1) * got["hidden_bytes"], (name, kind)
+                if method == "uniform" and n == L:  # the whole stage one chunk: a small part of the activations
+                    assert got["saved"] < ref["saved"] / 2, (name, kind)
+            else:  # selective: the core attention's inner activations go (local: its [b, n, s, s] fp32 scores)
+                assert got["saved"] < ref["saved"], (name, kind)
+                if backend == "local":
+                    scores = B * TINY_MODEL["num_attention_heads"] * S * S * 4
+                    assert ref["saved"] - got["saved"] >= L * scores, (name, kind)
+
+
+def test_the_rollout_model_is_built_without_recompute():
+    """The HybridEngine's rollout model never trains: its config (the actor's, at the rollout sizes) drops the
+    recompute fields, whose layer count is per training stage (4 layers on 1 stage here, 2 per stage at PP=2)."""
+    from megatron_hybrid import RolloutLayout
+    from megatron_hybrid.layout import ParallelLayout
+    from megatron_hybrid.models import GPTArchitecture
+    from megatron_hybrid.rollout_model import rollout_config
+
+    fields = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    config = GPTArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=16).transformer_config(
+        **fields)
+    rollout = rollout_config(config, ParallelLayout.create(training=(1, 1, 2), rollout=RolloutLayout(1, 2)))
+    assert (rollout.recompute_granularity, rollout.recompute_method, rollout.recompute_num_layers) == (None,) * 3
+    assert rollout.pipeline_model_parallel_size == 2
+    assert {k: getattr(config, k) for k in fields} == fields  # the actor's own config is untouched

@@ -97,3 +97,9 @@ def test_recipe_replays_routing(packed):
         assert m["moe/routing_mismatch_tokens"] == 0.0 and m["moe/routing_recorded_tokens"] > 0, m
         assert 0 <= m["moe/router_choice_mismatch_tokens"] <= 1
         assert math.isfinite(m["pg_loss"][0]) and math.isfinite(m["actor_grad_norm"][0])
+
+
+def test_replay_refuses_full_activation_recompute():
+    # The recipe refuses the flags together (tests/test_arguments.py); a library caller gets the same refusal.
+    message = run_distributed(cases.replay_refuses_full_recompute_case, 1)[0]
+    assert message.startswith("routing replay does not replay the backward pass's rerun of full activation recompute")

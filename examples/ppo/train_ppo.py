@@ -18,6 +18,8 @@ TP=2 × DP=2 and generate with TP=1 (a real layout change every step):
         --sequence-parallel --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-3 --export-hf qwen3-moe-rl
     torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --use-distributed-optimizer --sequence-parallel \\
         --overlap-grad-reduce --overlap-param-gather
+    torchrun --nproc_per_node 4 examples/ppo/train_ppo.py --recompute-granularity full --recompute-method uniform \\
+        --recompute-num-layers 1
     python examples/tasks/arithmetic.py --output-dir data && torchrun --nproc_per_node 4 examples/ppo/train_ppo.py \\
         --pretrained-checkpoint qwen-mcore --prompt-data data/train.jsonl --eval-prompt-data data/test.jsonl \\
         --eval-interval 5 --max-new-tokens 128
@@ -103,14 +105,17 @@ class Trainer:
 
         stage_kw = dict(device=self.device, sequence_parallel=a.sequence_parallel,  # every training-layout model
                         attention_backend=a.attention_backend)
+        # --recompute-granularity: the models that train (the reference only runs forward, in no-grad passes).
+        recompute = rl.recompute_config(a)
         actor = rl.build_stage(self.arch, **stage_kw, moe_enable_routing_replay=a.moe_enable_routing_replay,
-                               **rl.rollout_fp8_config(a))  # --first-last-layers-bf16: read by the HybridEngine
+                               **rl.rollout_fp8_config(a),  # --first-last-layers-bf16: read by the HybridEngine
+                               **recompute)
         if a.pretrained_checkpoint is not None:  # the reference and the critic's trunk copy the actor's weights
             rl.load_pretrained(actor, a.pretrained_checkpoint)
         self.reference = rl.build_reference(actor, self.arch, **stage_kw)
         self.actor = rl.setup_model_and_optimizer(actor, a)  # DDP, Adam (--use-distributed-optimizer), schedule
         self.critic = None if a.algorithm != "ppo" else rl.setup_model_and_optimizer(
-            rl.build_critic(actor, self.arch, **stage_kw), a, lr=a.critic_lr)  # None: --lr
+            rl.build_critic(actor, self.arch, **stage_kw, **recompute), a, lr=a.critic_lr)  # None: --lr
         self.kl_ctl = ppo.make_kl_controller(ppo.KLConfig(a.kl_ctl_type, a.kl_coef, a.kl_target, a.kl_horizon))
         self.rollout_layout = RolloutLayout(a.rollout_tensor_model_parallel_size,
                                             a.rollout_pipeline_model_parallel_size,

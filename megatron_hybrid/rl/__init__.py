@@ -25,7 +25,7 @@ One module per piece, over megatron-core:
 - :mod:`.task`: what a run trains on (tokenizer, architecture, prompts, reward), loaded before any process group.
 """
 
-from .arguments import rollout_fp8_config
+from .arguments import recompute_config, rollout_fp8_config
 from .balance import Balance, balance_batch, balanced_partition
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data
@@ -57,6 +57,6 @@ __all__ += ["export_hf", "load_pretrained", "model_architecture", "model_args_fr
 __all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_task", "accuracy", "build_reward", "decode_response", "eval_prompts",
             "evaluate_accuracy", "exact_match", "format_score", "load_prompt_data"]
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
-__all__ += ["flag_values", "rollout_fp8_config", "token_mean"]
+__all__ += ["flag_values", "recompute_config", "rollout_fp8_config", "token_mean"]
 __all__ += ["Balance", "balance_batch", "balanced_partition"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

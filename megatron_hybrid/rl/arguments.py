@@ -142,6 +142,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
+    add_recompute_args(g)
     g = parser.add_argument_group("optimizer and learning-rate schedule (Megatron-LM names: megatron-core's Adam "
                                   "and OptimizerParamScheduler)")
     g.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate (the actor's)")
@@ -174,6 +175,75 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "SentencePieceTokenizer: a .model file")
     g.add_argument("--vocab-size", type=int, default=16, help="NullTokenizer: the synthetic vocabulary size")
     return parser
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def add_recompute_args(group) -> None:
+    """Megatron-LM's activation-recompute flags (names, choices and meaning) on ``group`` (a parser or an argument
+    group); :func:`check_recompute` checks them, :func:`recompute_config` turns them into ``TransformerConfig``
+    fields. Unset: no recompute."""
+    group.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                       help="activation recompute in the training passes of the actor and the critic (default: "
+                       "none): full keeps only each recomputed chunk's input and reruns its layers in the backward "
+                       "pass (needs --recompute-method and --recompute-num-layers); selective reruns the core "
+                       "attention of every layer (megatron-core's default module, core_attn), which saves the "
+                       "local backend's [b, heads, s, s] attention scores, little with sdpa or flex")
+    group.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                       help="with --recompute-granularity full: uniform splits each pipeline stage's layers into "
+                       "chunks of --recompute-num-layers and recomputes every chunk; block recomputes the first "
+                       "--recompute-num-layers layers of each stage and keeps the others' activations")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="with --recompute-granularity full: layers per chunk (uniform) or layers recomputed per "
+                       "pipeline stage (block), 1 to the layers per stage")
+
+
+def check_recompute(granularity: str | None, method: str | None, num_layers: int | None, *,
+                    layers_per_stage: int, layers_from: str) -> None:
+    """``ValueError`` naming the flag and its value unless the recompute flags are a combination Megatron-LM runs:
+    megatron-core's ``TransformerConfig`` checks (full needs a method and a layer count; selective takes no layer
+    count) and Megatron-LM's own (selective takes no method), before any process group; a method or a layer count
+    without ``--recompute-granularity`` (which Megatron-LM ignores) is refused too, so that a run never trains
+    without the recompute it asked for. ``layers_per_stage`` bounds the layer count (``layers_from``: where that
+    number comes from, for the message)."""
+    if num_layers is not None:
+        check_number("--recompute-num-layers", num_layers, ge=1)
+    given = [f"{flag} ({value})" for flag, value in (("--recompute-method", method),
+                                                     ("--recompute-num-layers", num_layers)) if value is not None]
+    if granularity is None:
+        if given:
+            raise ValueError(f"{' and '.join(given)}: for --recompute-granularity full, which is not given (no "
+                             "recompute without it)")
+        return
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"--recompute-granularity ({granularity}) must be one of {', '.join(RECOMPUTE_GRANULARITIES)}")
+    if granularity == "selective":
+        if given:
+            raise ValueError(f"{' and '.join(given)}: for --recompute-granularity full; selective recomputes the "
+                             "core attention of every layer and takes neither (as in Megatron-LM)")
+        return
+    if method is None:
+        raise ValueError(f"--recompute-granularity full needs --recompute-method ({' or '.join(RECOMPUTE_METHODS)}), "
+                         "as in Megatron-LM")
+    if method not in RECOMPUTE_METHODS:
+        raise ValueError(f"--recompute-method ({method}) must be one of {', '.join(RECOMPUTE_METHODS)}")
+    if num_layers is None:
+        raise ValueError(f"--recompute-granularity full needs --recompute-num-layers (1 to the layers per pipeline "
+                         f"stage, {layers_per_stage}: {layers_from}), as in Megatron-LM")
+    if num_layers > layers_per_stage:
+        raise ValueError(f"--recompute-num-layers ({num_layers}) must be at most the layers per pipeline stage, "
+                         f"{layers_per_stage} ({layers_from})")
+
+
+def recompute_config(args: argparse.Namespace) -> dict:
+    """The ``TransformerConfig`` fields of the recompute flags (:func:`add_recompute_args`), for the models that
+    train (actor and critic); empty without ``--recompute-granularity``, so the default config is unchanged."""
+    if getattr(args, "recompute_granularity", None) is None:
+        return {}
+    return dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers)
 
 
 def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -380,6 +450,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"({args.num_attention_heads})")
     if args.num_layers % p:
         raise ValueError(f"--pipeline-model-parallel-size ({p}) must divide --num-layers ({args.num_layers})")
+    check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                    layers_per_stage=args.num_layers // p,
+                    layers_from=f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({p})")
     if args.rollout_fp8 and args.no_hybrid_rollout:
         raise ValueError("--rollout-fp8 needs the HybridEngine's rollout (it is off with --no-hybrid-rollout)")
     if args.rollout_fp8 and args.hybrid_weight_mode != "canonical":
@@ -411,6 +484,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.moe_enable_routing_replay and not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-enable-routing-replay needs an MoE model (--num-experts: "
                          f"{getattr(args, 'num_experts', None)})")
+    if args.recompute_granularity == "full" and args.moe_enable_routing_replay:
+        # TrainingRouting hands the routers the rollout's experts in the forward only: the backward's rerun of a
+        # checkpointed layer would route by the router's own top-k, and the gradient would be of other experts.
+        raise ValueError("--recompute-granularity full reruns the MoE routers in the backward pass, where "
+                         "--moe-enable-routing-replay does not replay the rollout's experts yet: use "
+                         "--recompute-granularity selective, or leave out one of the two")
     if args.tokenizer_type == "NullTokenizer":
         if args.tokenizer_model is not None:
             raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "

@@ -79,7 +79,9 @@ def build_stage(arch: GPTArchitecture, *, value_head: bool = False, device: torc
     with a ``RouterReplay`` in every MoE router if asked (``--moe-enable-routing-replay``, the actor's: its passes
     then route as the rollout's record says, :mod:`.routing`); its core attention ``attention_backend``'s
     (``--attention-backend``, :mod:`megatron_hybrid.core_attention`). ``config_overrides``: further
-    ``TransformerConfig`` fields (the actor's :func:`~megatron_hybrid.rl.arguments.rollout_fp8_config`).
+    ``TransformerConfig`` fields (the actor's :func:`~megatron_hybrid.rl.arguments.rollout_fp8_config`; the
+    activation recompute of the models that train, :func:`~megatron_hybrid.rl.arguments.recompute_config`, which
+    megatron-core applies in training mode only: generation and a model in eval mode run every layer as usual).
 
     The config carries megatron-core's ``finalize_model_grads`` (DP all-reduce, and the tied embedding's gradient
     summed over the first and last stages), as Megatron-LM's training loop sets it.
@@ -165,10 +167,13 @@ def build_reference(actor: torch.nn.Module, arch: GPTArchitecture, *, device: to
 
 
 def build_critic(actor: torch.nn.Module, arch: GPTArchitecture, *, device: torch.device,
-                 sequence_parallel: bool = False, attention_backend: str = "local") -> torch.nn.Module:
-    """A value model started from the actor's trunk (its value head from zero), not yet wrapped."""
+                 sequence_parallel: bool = False, attention_backend: str = "local",
+                 **config_overrides: Any) -> torch.nn.Module:
+    """A value model started from the actor's trunk (its value head from zero), not yet wrapped.
+    ``config_overrides``: further ``TransformerConfig`` fields, as :func:`build_stage` takes them (the activation
+    recompute of ``--recompute-granularity``)."""
     critic = build_stage(arch, value_head=True, device=device, sequence_parallel=sequence_parallel,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, **config_overrides)
     copy_weights(critic, unwrap_model(actor), skip_missing=True)
     return critic
 

@@ -99,6 +99,12 @@ class TrainingRouting:
         if replay and any(router.router_replay is None for _, router in self.routers):
             raise ValueError("routing replay needs routers built with moe_enable_routing_replay "
                              "(--moe-enable-routing-replay)")
+        if replay and self.config.recompute_granularity == "full":
+            # The hooks hand a router the record during a micro-batch's forward; the backward pass's rerun of a
+            # checkpointed layer comes after it and would route by the router's own top-k: other experts' gradients.
+            raise ValueError("routing replay does not replay the backward pass's rerun of full activation recompute "
+                             "(recompute_granularity 'full', --recompute-granularity full): build the model without "
+                             "it, or with 'selective'")
         self.shape_BS = (B, S)
         self.valid_BS = (routed_BSMk >= 0).all(-1).all(-1)
         self.record_XMk = routed_BSMk.reshape(B * S, M, -1)  # X: a token's flat position b · S + s in the batch
