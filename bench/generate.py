@@ -112,7 +112,7 @@ SHAPES: dict[str, GPTArchitecture] = {
 }
 
 #: Dense shapes initialised on the device rather than on the host (see :func:`build_model`).
-DEVICE_INIT = ("llama3-8b",)
+DEVICE_INIT = ("llama3-8b", "qwen2.5-7b")
 
 #: The issue's targets for a shape (at 128 new tokens): ratio name (as :func:`targets` names it) -> the least value.
 TARGETS: dict[str, dict[str, float]] = {

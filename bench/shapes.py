@@ -48,6 +48,12 @@ SHAPES: dict[str, GPTArchitecture] = {
                                      ffn_hidden_size=18944, vocab_size=152064, make_vocab_size_divisible_by=128,
                                      max_position_embeddings=32768, norm_epsilon=1e-6, rotary_base=1000000,
                                      add_qkv_bias=True, params_dtype="bfloat16"),
+    # Qwen2.5-7B's shape (7.6 B parameters, 15.2 GB in bf16): the 8-layer cut's layers, 28 of them (issue 45's
+    # rollout memory on one 80 GB card).
+    "qwen2.5-7b": GPTArchitecture(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                                  ffn_hidden_size=18944, vocab_size=152064, make_vocab_size_divisible_by=128,
+                                  max_position_embeddings=32768, norm_epsilon=1e-6, rotary_base=1000000,
+                                  add_qkv_bias=True, params_dtype="bfloat16"),
     # Qwen2.5-1.5B's shape (1.54 B parameters): 28 layers, hidden 1536, 12 heads / 2 KV groups, ffn 8,960, QKV
     # biases, tied embeddings, vocabulary 151,936.
     "qwen2.5-1.5b": GPTArchitecture(num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2,

@@ -420,7 +420,8 @@ def test_noise_drawn_ahead_gives_the_same_tokens():
 
 @pytest.mark.parametrize("bad", [dict(prefill_graph_granule=0), dict(prefill_graph_granule=2.5),
                                  dict(overlap_host="yes"), dict(mixed_prefill_tokens=-1),
-                                 dict(mixed_prefill_tokens=1.5), dict(compact_slots="on")])
+                                 dict(mixed_prefill_tokens=1.5), dict(compact_slots="on"),
+                                 dict(graph_pool_gib=-1.0)])
 def test_generation_config_rejects_bad_values(bad):
     from megatron_hybrid.inference import GenerationConfig
 

@@ -45,9 +45,11 @@ class GenerationConfig:
     overlap_host: Optional[bool] = None
     """Launch each step before reading the previous one's tokens on the host, so stop detection and refills
     overlap the device's work (a sequence ending on a stop token costs one dropped row); default: on a GPU."""
-    graph_pool_gib: float = 4.0
-    """Address space reserved for the decode graphs' memory, backed only during generate calls as the graphs need
-    it (0: a private CUDA-graph pool, which stays allocated while training)."""
+    graph_pool_gib: Optional[float] = None
+    """Address space reserved for the step graphs' memory, backed only during generate calls as the graphs need
+    it (0: a private CUDA-graph pool, which stays allocated while training). Default: the card's total memory, as
+    address space only (physical memory follows what the captures use): a fixed few GiB ran out at 256 slots of a
+    152k vocabulary, an out-of-memory error with most of the card free."""
     fused_decoder: Optional[bool] = None
     """Run each step's dense layers with SwiGLU in one kernel and every residual add fused with the next RMSNorm
     (:mod:`.fused`); default: on a GPU with Triton, for stages whose layers it computes (Llama-like: RMSNorm,
@@ -84,8 +86,9 @@ class GenerationConfig:
             raise ValueError(f"give cache_tokens ({self.cache_tokens}) or cache_gib ({self.cache_gib}), not both")
         if self.cache_tokens is not None and (not isinstance(self.cache_tokens, int) or self.cache_tokens < 1):
             raise ValueError(f"GenerationConfig.cache_tokens ({self.cache_tokens!r}) must be a positive integer")
-        if not self.graph_pool_gib >= 0:
-            raise ValueError(f"GenerationConfig.graph_pool_gib ({self.graph_pool_gib!r}) must be >= 0")
+        if self.graph_pool_gib is not None and not self.graph_pool_gib >= 0:
+            raise ValueError(f"GenerationConfig.graph_pool_gib ({self.graph_pool_gib!r}) must be >= 0 (or None: "
+                             "the card's total memory)")
         if self.cache_gib is not None and not self.cache_gib > 0:
             raise ValueError(f"GenerationConfig.cache_gib ({self.cache_gib!r}) must be positive")
         if self.graph_batch_sizes is not None and (not self.graph_batch_sizes or any(

@@ -56,6 +56,7 @@ class ReservedGraphPool:
         # Read here: the callback runs inside the caching allocator's lock.
         self.base, self.granule = self.buffer.memory.data_ptr(), self.buffer.memory.granularity
         self.top = 0  # bytes handed out
+        self.refused: Optional[int] = None  # the size of a segment the reservation could not hold
         # The callbacks must outlive the allocator that calls them. torch._C._cuda_customAllocator is what
         # torch.cuda.memory.CUDAPluggableAllocator calls with a shared library's function pointers (torch >= 2.0);
         # a MemPool over such an allocator serves CUDA-graph captures from torch 2.6 (checked up to 2.13).
@@ -73,6 +74,7 @@ class ReservedGraphPool:
         granule = self.granule
         size = -(-size // granule) * granule
         if self.top + size > self.buffer.numel:
+            self.refused = size  # named by StepGraphs.run
             return None  # the caching allocator turns a null pointer into its out-of-memory error
         lo, self.top = self.top, self.top + size
         self.buffer.extend(lo, self.top)  # mapped now, and from now on with the provider's other reservations
@@ -136,8 +138,18 @@ class StepGraphs:
             step()
             graph = torch.cuda.CUDAGraph()
             # thread_local, as megatron-core's own graphs: the NCCL watchdog thread queries events meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                out = step()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                    out = step()
+            except torch.OutOfMemoryError as error:
+                reserved = self.reserved
+                if reserved is None or reserved.refused is None:
+                    raise
+                raise torch.OutOfMemoryError(
+                    f"the step graphs' reserved pool is full: {reserved.top / 2**30:.2f} GiB handed out of "
+                    f"{reserved.buffer.numel / 2**30:.2f} GiB reserved, a {reserved.refused / 2**20:.0f} MiB segment "
+                    f"refused while capturing {key} (GenerationConfig.graph_pool_gib; default: the card's total "
+                    f"memory): {error}") from error
             entry = self._graphs[key] = (graph, out)
             self.captures += 1
         graph, out = entry

@@ -247,7 +247,9 @@ class StageRunner:
                 self.noise = self.memory.reserve(rows * int(self.chunk.vocab_size), torch.float32)
 
     def _new_graphs(self) -> StepGraphs:
-        return StepGraphs(device=self.device, pool_bytes=int(self.config.graph_pool_gib * 2**30),
+        gib = self.config.graph_pool_gib
+        pool_bytes = torch.cuda.get_device_properties(self.device).total_memory if gib is None else int(gib * 2**30)
+        return StepGraphs(device=self.device, pool_bytes=pool_bytes,
                           memory=self.memory)
 
     def backed(self) -> ContextManager[None]:
