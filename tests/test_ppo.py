@@ -302,6 +302,21 @@ def test_activation_recompute_trains_as_without_it(tmp_path):
             assert t[key] == p[key], (key, t[key], p[key])
 
 
+@pytest.mark.slow
+def test_offload_policies_train_alike(tmp_path):
+    """Issue 45, step 3: --offload-optimizer always (states, fp32 main parameters and gradients to the host at every
+    switch, back after it, bit for bit), never, and auto (on the CPU: never) log the same metrics; so does
+    --inference-memory-fraction, ignored on the CPU. 2 steps on 2 ranks (training TP=2, rollout TP=1)."""
+    runs = {name: run_distributed(ppo_cases.run_main, 2, ["--train-iters", "2"] + extra, str(tmp_path / name),
+                                  tensor_model_parallel_size=2)[0]
+            for name, extra in (("auto", []), ("always", ["--offload-optimizer", "always"]),
+                                ("never", ["--no-offload-optimizer", "--inference-memory-fraction", "0.5"]))}
+    for name in ("always", "never"):
+        assert len(runs[name]) == 2
+        for a, b in zip(runs["auto"], runs[name]):
+            assert _same(a, b), (name, a, b)
+
+
 PHASES = ("generation", "switch", "actor_log_probs", "reference_log_probs", "critic_values", "update")
 
 

@@ -127,6 +127,14 @@ class Trainer:
             rollout_weights="fp8" if a.rollout_fp8 else "model")
         if a.offload_reference:
             self.reference.to("cpu")
+        rollout_tp, rollout_pp = self.rollout_layout.tensor_model_parallel_size, \
+            self.rollout_layout.pipeline_model_parallel_size
+        self.memory = rl.RolloutMemoryPolicy(  # --inference-memory-fraction, --offload-optimizer
+            self.generation_config, fraction=a.inference_memory_fraction, offload=a.offload_optimizer,
+            per_token=rl.kv_bytes_per_token(self.arch, rollout_tp=rollout_tp, rollout_pp=rollout_pp),
+            reserve=rl.graph_reserve_bytes(self.arch, rollout_tp=rollout_tp,
+                                           max_requests=self.generation_config.max_batch_size),
+            device=self.device)
         self.step = 0
         # The flags that scale each quantity checked for NaN/inf, named when it is not finite (their values passed
         # the checks, the step overflowed). PPO's rewards, and so its advantages and returns, carry the KL penalty.
@@ -165,10 +173,10 @@ class Trainer:
             return rl.generate_in_training_layout(self.actor.model, prompts, params, **kwargs,
                                                   rollout_layout=self.rollout_layout,
                                                   record_routing=a.moe_enable_routing_replay)
-        offload = not a.no_offload_optimizer
+        offload = self.memory.offload()  # --offload-optimizer: always, never, or when the rollout needs the room
         return rl.generate_on_engine(self.engine, prompts, params, **kwargs, offload_grads=offload,
                                      offload_optimizer=self.actor.optimizer if offload else None,
-                                     config=self.generation_config)
+                                     config=self.memory.sized)  # --inference-memory-fraction: sized at the first
 
     def evaluate(self) -> dict[str, float]:
         """Greedy exact-match accuracy on --eval-prompt-data, and its seconds (not in the step's ``time/step``)."""

@@ -10,6 +10,7 @@ One module per piece, over megatron-core:
   schedule; :mod:`.routing`: MoE routing replay in those passes (``--moe-enable-routing-replay``) and the count of
   tokens routed differently from the rollout; :mod:`.packing`: packed micro-batches (``--max-tokens-per-micro-batch``);
   :mod:`.balance`: the step's sequences moved between DP ranks so that each trains about the same tokens;
+  :mod:`.memory_policy`: the rollout's KV cache sized to the card and the optimizer offloaded when needed;
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
   rollout's log-probs at the sampling temperature and its costs;
@@ -27,6 +28,7 @@ One module per piece, over megatron-core:
 
 from .arguments import recompute_config, rollout_fp8_config
 from .balance import Balance, balance_batch, balanced_partition
+from .memory_policy import RolloutMemoryPolicy, graph_reserve_bytes, kv_bytes_per_token
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, flag_values, reward_scores
@@ -59,4 +61,5 @@ __all__ += ["generation_config", "Example", "Prompts", "Reward", "Task", "load_t
 __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
 __all__ += ["flag_values", "recompute_config", "rollout_fp8_config", "token_mean"]
 __all__ += ["Balance", "balance_batch", "balanced_partition"]
+__all__ += ["RolloutMemoryPolicy", "graph_reserve_bytes", "kv_bytes_per_token"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

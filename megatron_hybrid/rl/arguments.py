@@ -22,6 +22,7 @@ from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, ch
 from ..models import GPTArchitecture
 from .data import data_file_error
 from .initialize import select_device
+from .memory_policy import check_fraction
 from .models import MOE_FLAGS, architecture_from_args
 from .pretrained import model_args_from_checkpoint
 from .rewards import load_callable, resolved_reward_type, reward_fn_style
@@ -280,8 +281,19 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-hybrid-rollout", action="store_true",
                    help="generate with the training-layout model on Megatron's groups (no resharding); for "
                    "comparisons")
-    g.add_argument("--no-offload-optimizer", action="store_true",
-                   help="keep optimizer states and gradients resident while generating")
+    g.add_argument("--inference-memory-fraction", type=float, default=None,
+                   help="vLLM's gpu_memory_utilization: the share of the card's total memory, in (0, 1], the process "
+                   "may hold while rolling out; the KV cache takes what is left after the rollout weights, the "
+                   "training state on the card and the step graphs' reserve, its slots (capped by "
+                   "--inference-max-requests) are logged (default: --inference-max-requests full sequences; ignored "
+                   "on the CPU)")
+    g.add_argument("--offload-optimizer", choices=["auto", "always", "never"], default="auto",
+                   help="move optimizer states, fp32 main parameters and gradients to the host while generating: "
+                   "auto when the rollout's cache (--inference-max-requests x --inference-max-seq-length) and the "
+                   "step graphs do not fit beside them on the card (never on the CPU), always, or never (an error "
+                   "where the rollout does not fit)")
+    g.add_argument("--no-offload-optimizer", dest="offload_optimizer", action="store_const", const="never",
+                   help="the same as --offload-optimizer never (kept for older command lines)")
     g = parser.add_argument_group("reinforcement learning")
     g.add_argument("--algorithm", choices=["ppo", "grpo"], default="ppo")
     g.add_argument("--reward-fn", default=None, help="module:function(prompts, responses) -> list[float] on token "
@@ -529,6 +541,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     except ValueError as error:
         raise ValueError(with_flag_names(str(error), vars(args))) from None
     _validate_packing(args)
+    check_fraction(args.inference_memory_fraction)
 
 
 def _validate_packing(args: argparse.Namespace) -> None:

@@ -60,12 +60,16 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
                        offload_grads: bool = False, config: Any = None) -> Rollout:
     """Switch to rollout (moving ``offload_optimizer``'s states and fp32 main parameters, and the gradient buffers
     with ``offload_grads``, to host memory), generate this rank's responses, switch back. ``config``: the
-    :class:`~megatron_hybrid.inference.GenerationConfig` (see :func:`generation_config`)."""
+    :class:`~megatron_hybrid.inference.GenerationConfig` (see :func:`generation_config`), or a function that
+    returns it, called after the switch (:meth:`~.memory_policy.RolloutMemoryPolicy.sized`: the cache sized to
+    what the switch left free)."""
     with phase("switch to rollout"):
         engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
     start = time.perf_counter()
     try:
+        if callable(config):
+            config = config()
         results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
                                   seed=seed, tempered_log_probs=True, config=config)
     finally:  # also after an error (bad input is refused on every rank alike): the caller gets its training layout
