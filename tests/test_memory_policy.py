@@ -109,3 +109,35 @@ def test_no_offload_optimizer_is_never():
     assert recipe_args(*one, "--no-offload-optimizer").offload_optimizer == "never"
     assert recipe_args(*one).offload_optimizer == "auto"
     assert recipe_args(*one, "--offload-optimizer", "always").offload_optimizer == "always"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer (as in Megatron-LM)"),
+    (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload moves the optimizer's "
+     "states from the GPU to the host and steps them there: it needs a GPU (this run trains on the CPU)"),
+    (["--use-distributed-optimizer", "--optimizer-offload-fraction", "1.5"],
+     "--optimizer-offload-fraction (1.5) must be in [0, 1]"),
+    (["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload"),
+])
+def test_optimizer_cpu_offload_flags_are_checked(argv, message):
+    # Issue 45, step 3: megatron-core's optimizer CPU offload, reachable with Megatron-LM's flags (a GPU feature:
+    # HybridDeviceOptimizer copies between CUDA streams), checked as megatron-core's OptimizerConfig asserts them.
+    from tests.rl_cases import recipe_args
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        recipe_args("--tensor-model-parallel-size", "1", *argv)
+
+
+def test_optimizer_cpu_offload_flags_reach_the_optimizer_config(monkeypatch):
+    from megatron_hybrid.rl import arguments
+    from megatron_hybrid.rl.optimizer import optimizer_config
+    from tests.rl_cases import recipe_args
+
+    assert not optimizer_config(recipe_args("--tensor-model-parallel-size", "1"), lr=1e-3).optimizer_cpu_offload
+    monkeypatch.setattr(arguments, "_cuda_available", lambda: True)  # as on a GPU machine
+    args = recipe_args("--tensor-model-parallel-size", "1", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+                       "--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d")
+    config = optimizer_config(args, lr=1e-3)
+    assert (config.optimizer_cpu_offload, config.optimizer_offload_fraction, config.overlap_cpu_optimizer_d2h_h2d,
+            config.use_distributed_optimizer) == (True, 0.5, True, True)

@@ -132,6 +132,16 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--overlap-param-gather", action="store_true", help="overlap the distributed optimizer's "
                    "parameter all-gather with the next forward (needs --use-distributed-optimizer and "
                    "--overlap-grad-reduce)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true", help="megatron-core's optimizer CPU offload "
+                   "(HybridDeviceOptimizer): the fp32 main parameters and Adam states of --optimizer-offload-fraction "
+                   "of the parameters live and step on the host (needs --use-distributed-optimizer)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the share of the parameters whose optimizer steps on the host")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true", help="keep main parameters and states "
+                   "in the optimizer's own precision (megatron-core; needs --use-distributed-optimizer, and "
+                   "Transformer Engine's FusedAdam unless --optimizer-cpu-offload)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", help="with --optimizer-cpu-offload: "
+                   "overlap the host optimizer's copies with its step")
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="pack the training passes' "
@@ -419,6 +429,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         missing = [f for f, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
                                    ("--overlap-grad-reduce", args.overlap_grad_reduce)) if not on]
         raise ValueError(f"--overlap-param-gather needs {' and '.join(missing)} (as in Megatron-LM)")
+    _validate_optimizer_offload(args)
     if args.tokenizer_type == "NullTokenizer":  # the only vocabulary whose size is known before loading
         V = args.vocab_size
         if args.top_k > V:
@@ -542,6 +553,32 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(with_flag_names(str(error), vars(args))) from None
     _validate_packing(args)
     check_fraction(args.inference_memory_fraction)
+
+
+def _validate_optimizer_offload(args: argparse.Namespace) -> None:
+    """megatron-core's optimizer CPU offload and precision-aware optimizer flags, checked as its
+    ``OptimizerConfig`` asserts them, before any process group."""
+    for flag, on in (("--optimizer-cpu-offload", args.optimizer_cpu_offload),
+                     ("--use-precision-aware-optimizer", args.use_precision_aware_optimizer)):
+        if on and not args.use_distributed_optimizer:
+            raise ValueError(f"{flag} needs --use-distributed-optimizer (as in Megatron-LM)")
+    if args.optimizer_cpu_offload and (getattr(args, "device", None) == "cpu" or not _cuda_available()):
+        raise ValueError("--optimizer-cpu-offload moves the optimizer's states from the GPU to the host and steps "
+                         "them there: it needs a GPU (this run trains on the CPU)")
+    if not 0 <= args.optimizer_offload_fraction <= 1:
+        raise ValueError(f"--optimizer-offload-fraction ({args.optimizer_offload_fraction}) must be in [0, 1]")
+    if args.overlap_cpu_optimizer_d2h_h2d and not args.optimizer_cpu_offload:
+        raise ValueError("--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
+    if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload and \
+            importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("--use-precision-aware-optimizer without --optimizer-cpu-offload needs Transformer Engine's "
+                         "FusedAdam, and transformer_engine is not installed")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _validate_packing(args: argparse.Namespace) -> None:

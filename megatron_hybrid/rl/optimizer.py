@@ -48,7 +48,19 @@ def optimizer_config(args: argparse.Namespace, *, lr: float):
                            clip_grad=args.clip_grad, bf16=args.bf16,
                            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                            use_distributed_optimizer=args.use_distributed_optimizer,
-                           overlap_param_gather=args.overlap_param_gather)
+                           overlap_param_gather=args.overlap_param_gather,
+                           **offload_config(args))
+
+
+def offload_config(args: argparse.Namespace) -> dict:
+    """megatron-core's optimizer CPU offload fields of Megatron-LM's flags (none unless asked: older callers'
+    namespaces may lack them)."""
+    if not getattr(args, "optimizer_cpu_offload", False) and not getattr(args, "use_precision_aware_optimizer", False):
+        return {}
+    return dict(optimizer_cpu_offload=args.optimizer_cpu_offload,
+                optimizer_offload_fraction=args.optimizer_offload_fraction,
+                use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+                overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d)
 
 
 def build_scheduler(optimizer: Any, args: argparse.Namespace, *, lr: float):
