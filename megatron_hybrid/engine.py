@@ -382,6 +382,7 @@ class HybridEngine:
         self.binding.refill()
         t_canon = time.perf_counter()
         self._offload = HostOffload(to_offload)
+        self.last_offload_bytes = self._offload.device_bytes  # what left the device (0 on the CPU)
         t_off = time.perf_counter()
         self._synchronize()
         peak = self.placement.rollout_bytes_mapped()  # before the ranges only the rebuild read are given back
@@ -428,9 +429,13 @@ class HybridEngine:
         self._synchronize()  # once: nothing queued may touch the ranges unmapped below
         self.binding.fp8.drop_operands()  # CPU FP8 linears' fp32 operands: rollout-only, like the ranges below
         self.placement.unmap_rollout()
+        self.last_reload_seconds = 0.0
         if self._offload is not None:
+            start = time.perf_counter()
             self._offload.reload()
             self._offload = None
+            self._synchronize()
+            self.last_reload_seconds = time.perf_counter() - start
         self.mode = "training"
 
     @contextmanager

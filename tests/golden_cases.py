@@ -116,7 +116,7 @@ EXACT_METRICS = ("reward_mean", "response_length", "switch_bytes", "step", "lr",
 
 def is_timing(key: str) -> bool:
     """Wall-clock metrics, which no two runs share."""
-    return key == "switch_seconds" or key.startswith(("time/", "throughput/"))
+    return key == "switch_seconds" or key.startswith(("time/", "throughput/", "switch/", "memory/"))
 
 
 def prompts_for(dp_rank: int, count: int) -> list[list[int]]:

@@ -141,3 +141,47 @@ def test_optimizer_cpu_offload_flags_reach_the_optimizer_config(monkeypatch):
     config = optimizer_config(args, lr=1e-3)
     assert (config.optimizer_cpu_offload, config.optimizer_offload_fraction, config.overlap_cpu_optimizer_d2h_h2d,
             config.use_distributed_optimizer) == (True, 0.5, True, True)
+
+
+def test_phase_mfu_and_peak_memory_aggregate(monkeypatch):
+    """Issue 45, step 4: a phase's model FLOPs become its MFU (the mean over the ranks of FLOPs / (seconds · peak))
+    and, on a GPU, its peak memory (the largest on any rank); simulated here on one gloo rank."""
+    from megatron_hybrid.rl import metrics
+    from tests.harness import run_distributed
+
+    out = run_distributed(_aggregate_case, 1)[0]
+    assert out["throughput/update_mfu"] == pytest.approx(6e12 / 2.0 / 989e12)
+    assert out["memory/update_peak_gib"] == 3.0
+    assert metrics.training_flops([torch.nn.Linear(3, 4)], 10) == 6 * 10 * (3 * 4 + 4)
+
+
+def _aggregate_case():
+    from megatron_hybrid.rl import metrics
+
+    metrics.peak_flops = lambda: 989e12  # as on an H100
+    timer = metrics.StepTimer()
+    timer.add("update", 2.0, tokens=100, flops=6e12)
+    timer.peak_bytes["update"] = 3 * 2**30
+    return metrics.aggregate_metrics({"x": 1.0}, timer)
+
+
+@pytest.mark.slow
+def test_rl_step_bench_smoke(tmp_path):
+    """bench/rl_step.py (issue 45, step 5) on the CPU: measured steps after the warm-up, each with its phases (which
+    sum to at most the step) and a summary of their medians; responses end at the bench's end token, so they vary."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "bench/rl_step.py", "--smoke", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    rows = json.loads(out.read_text())
+    steps, summary = [r for r in rows if r["kind"] == "step"], rows[-1]
+    assert len(steps) == 2 and summary["kind"] == "summary" and [r["step"] for r in steps] == [2, 3]
+    for r in steps:
+        phases = ("generation", "switch", "reward", "actor_log_probs", "reference_log_probs", "update")
+        assert sum(r[f"time/{p}"] for p in phases) <= r["time/step"]
+        assert 0 < r["response_length"] <= 24
+    assert summary["time/step"] == sorted(r["time/step"] for r in steps)[0] + (
+        sorted(r["time/step"] for r in steps)[1] - sorted(r["time/step"] for r in steps)[0]) / 2

@@ -238,7 +238,7 @@ def test_grpo_reward_rises(tmp_path):
 
 
 def _timing(key):
-    return key == "switch_seconds" or key.startswith(("time/", "throughput/"))
+    return key == "switch_seconds" or key.startswith(("time/", "throughput/", "switch/", "memory/"))
 
 
 def _same(a, b):
@@ -317,7 +317,7 @@ def test_offload_policies_train_alike(tmp_path):
             assert _same(a, b), (name, a, b)
 
 
-PHASES = ("generation", "switch", "actor_log_probs", "reference_log_probs", "critic_values", "update")
+PHASES = ("generation", "switch", "reward", "actor_log_probs", "reference_log_probs", "critic_values", "update")
 
 
 @pytest.mark.slow
@@ -339,6 +339,11 @@ def test_metrics_timing_mismatch_and_tensorboard(tmp_path):
                 "lr", "tis_capfrac"} <= m.keys()
         assert all(m[f"time/{p}"] > 0 for p in PHASES), m
         assert sum(m[f"time/{p}"] for p in PHASES) <= m["time/step"]
+        # Issue 45, step 4: each way of the switch (on the CPU nothing is offloaded: --offload-optimizer auto).
+        assert m["switch/to_rollout_seconds"] > 0 and m["switch/to_training_seconds"] > 0
+        # (the reporting rank's; switch_seconds is the slowest rank's)
+        assert m["switch/to_rollout_seconds"] + m["switch/to_training_seconds"] <= m["switch_seconds"] * 1.000001
+        assert m["switch/offload_gib"] == 0
         # One DP replica: response_length is the mean over all B sequences, each with a prompt of --prompt-length.
         assert m["throughput/generation_tokens_per_second"] == pytest.approx(
             m["response_length"] * B / m["time/generation"])

@@ -21,7 +21,7 @@ CONFIGS = {"distopt": DISTOPT, "distopt-sp": DISTOPT + SP, "distopt-sp-overlap":
 
 def _timing(key: str) -> bool:
     """Keys that measure time or the switch's own cost (bytes), not training."""
-    return key.startswith(("time/", "throughput/", "switch"))
+    return key.startswith(("time/", "throughput/", "switch", "memory/"))
 
 
 def _trained(metrics: dict) -> dict:

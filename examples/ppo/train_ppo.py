@@ -231,11 +231,17 @@ class Trainer:
         responses = rollout.responses
         timer.add("generation", rollout.generation_seconds, tokens=rollout.num_tokens)
         timer.add("switch", rollout.switch_seconds)
+        switch_metrics = {"switch/to_rollout_seconds": rollout.switch_seconds_each_way[0],
+                          "switch/to_training_seconds": rollout.switch_seconds_each_way[1],
+                          "switch/offload_seconds": rollout.offload_seconds_each_way[0],
+                          "switch/reload_seconds": rollout.offload_seconds_each_way[1],
+                          "switch/offload_gib": rollout.offload_bytes / 2**30}
         batch = rl.make_batch(prompts, responses, max_new_tokens=a.max_new_tokens, rollout_log_probs=rollout.log_probs,
                               seq_length=self.passes.config.seq_length, device=self.device,
                               routed_experts=rollout.routed_experts)  # replayed by the actor's passes
-        batch.scores_B = scores = self.scores(prompts, responses, batch, examples)
-        local: dict[str, Any] = {"reward_mean": float(scores.mean()),
+        with timer.phase("reward"):
+            batch.scores_B = scores = self.scores(prompts, responses, batch, examples)
+        local: dict[str, Any] = {**switch_metrics, "reward_mean": float(scores.mean()),
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
         if self.prompts.has_answers:  # the exact-match accuracy, whatever the reward
             local["accuracy"] = rl.accuracy(self.tokenizer, responses, examples)
@@ -281,7 +287,8 @@ class Trainer:
         local["lr"] = self.actor.optimizer.param_groups[0]["lr"]
         epochs: dict[str, list[float]] = {}
         for _ in range(a.ppo_epochs):
-            with timer.phase("update", tokens=batch.num_tokens):
+            trained = [m.model for m in (self.actor, self.critic) if m is not None]
+            with timer.phase("update", tokens=batch.num_tokens, flops=rl.training_flops(trained, batch.num_tokens)):
                 actor = rl.update(self.actor, batch, self.actor_loss, passes=self.passes, step=step + 1,
                                   name="the actor", scaled_by=self.scaled_by["the actor"])
                 critic = None if self.critic is None else rl.update(

@@ -33,7 +33,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, flag_values, reward_scores
 from .initialize import initialize
-from .metrics import MetricsLogger, StepTimer, aggregate_metrics, summary
+from .metrics import MetricsLogger, StepTimer, aggregate_metrics, peak_flops, summary, training_flops
 from .models import (ValueHead, architecture_from_args, build_critic, build_reference, build_stage, copy_weights,
                      load_parameters, load_value_model, parameters_state, save_value_model, wrap_ddp)
 from .optimizer import (TrainedModel, UpdateResult, build_scheduler, optimizer_config, setup_model_and_optimizer,
@@ -62,4 +62,5 @@ __all__ += ["Rollout", "StepTimer", "padded_seq_length"]
 __all__ += ["flag_values", "recompute_config", "rollout_fp8_config", "token_mean"]
 __all__ += ["Balance", "balance_batch", "balanced_partition"]
 __all__ += ["RolloutMemoryPolicy", "graph_reserve_bytes", "kv_bytes_per_token"]
+__all__ += ["peak_flops", "training_flops"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

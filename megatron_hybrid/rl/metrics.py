@@ -27,21 +27,51 @@ class StepTimer:
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
+        self.flops: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextlib.contextmanager
-    def phase(self, name: str, *, tokens: Optional[int] = None) -> Iterator[None]:
-        """Time the block as phase ``name`` (seconds and tokens add up over repeated phases)."""
+    def phase(self, name: str, *, tokens: Optional[int] = None, flops: Optional[float] = None) -> Iterator[None]:
+        """Time the block as phase ``name`` (seconds, tokens and this rank's model FLOPs add up over repeated
+        phases); on a GPU also the most memory PyTorch allocated in it (``torch.cuda.max_memory_allocated``)."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - start, tokens=tokens)
+            if self.cuda:
+                peak = torch.cuda.max_memory_allocated()
+                self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
+            self.add(name, time.perf_counter() - start, tokens=tokens, flops=flops)
 
-    def add(self, name: str, seconds: float, *, tokens: Optional[int] = None) -> None:
-        """Add ``seconds`` (and ``tokens``) measured elsewhere to phase ``name``."""
+    def add(self, name: str, seconds: float, *, tokens: Optional[int] = None, flops: Optional[float] = None) -> None:
+        """Add ``seconds`` (and ``tokens``, ``flops``) measured elsewhere to phase ``name``."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         if tokens is not None:
             self.tokens[name] = self.tokens.get(name, 0) + tokens
+        if flops is not None:
+            self.flops[name] = self.flops.get(name, 0.0) + flops
+
+
+#: Dense bf16 peak FLOP/s by device name (MFU's denominator); other devices get no MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops() -> Optional[float]:
+    """This rank's GPU's dense bf16 peak (:data:`PEAK_BF16_FLOPS`), or None (a CPU, an unlisted GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+
+
+def training_flops(models: list[torch.nn.Module], tokens: int) -> float:
+    """This rank's model FLOPs of a forward and backward pass over ``tokens`` (its DP replica's): 6 · its
+    parameters · tokens, Megatron-LM's count without the attention term. The mean over the ranks of flops / (seconds
+    · peak) is the run's MFU."""
+    return 6.0 * tokens * sum(p.numel() for m in models for p in m.parameters())
 
 
 def _reduce(key: str, vals: list[float]) -> float:
@@ -64,12 +94,18 @@ def aggregate_metrics(local: Optional[dict[str, Any]], timer: StepTimer, *,
     - ``throughput/<phase>_tokens_per_second``: the phase's tokens over all DP replicas (as the reporting ranks
       counted them) per second of ``time/<phase>``;
     - ``switch_bytes`` (this rank's received bytes) summed over all ranks, ``switch_seconds``: the slowest rank's
-      ``switch`` phase.
+      ``switch`` phase;
+    - on a GPU, ``memory/<phase>_peak_gib``: the most PyTorch allocated in the phase on any rank, and where the
+      phase counted model FLOPs on a GPU of known peak, ``throughput/<phase>_mfu``: the mean over the ranks of
+      FLOPs / (seconds · peak).
     """
     seconds = timer.seconds | {"step": time.perf_counter() - timer.start}
     everyone: list[Any] = [None] * dist.get_world_size()
+    peak = peak_flops()
+    mfu = {name: flops / max(seconds.get(name, 0.0), 1e-9) / peak for name, flops in timer.flops.items()} \
+        if peak else {}
     dist.all_gather_object(everyone, {"metrics": local, "seconds": seconds, "tokens": timer.tokens,
-                                      "switch_bytes": switch_bytes})
+                                      "switch_bytes": switch_bytes, "peak_bytes": timer.peak_bytes, "mfu": mfu})
     reporting = [e for e in everyone if e["metrics"] is not None]
     parts = [e["metrics"] for e in reporting]
     out: dict[str, Any] = {}
@@ -86,6 +122,10 @@ def aggregate_metrics(local: Optional[dict[str, Any]], timer: StepTimer, *,
     for name in timer.tokens:
         tokens = sum(e["tokens"].get(name, 0) for e in reporting)
         out[f"throughput/{name}_tokens_per_second"] = tokens / max(out[f"time/{name}"], 1e-9)
+    for name in timer.peak_bytes:
+        out[f"memory/{name}_peak_gib"] = max(e["peak_bytes"].get(name, 0) for e in everyone) / 2**30
+    for name in mfu:
+        out[f"throughput/{name}_mfu"] = sum(e["mfu"].get(name, 0.0) for e in everyone) / len(everyone)
     return out
 
 

@@ -31,6 +31,12 @@ class Rollout:
     """Both switches' seconds (to rollout and back); 0 in the training layout."""
     switch_bytes: float = 0.0
     """The bytes this rank received in the switch to rollout."""
+    switch_seconds_each_way: tuple[float, float] = (0.0, 0.0)
+    """The switch to rollout's seconds and the switch back's."""
+    offload_seconds_each_way: tuple[float, float] = (0.0, 0.0)
+    """Of those, moving the optimizer's states and gradients to the host, and back (0 without offload)."""
+    offload_bytes: int = 0
+    """The device bytes the offload moved to the host (each way)."""
     routed_experts: Optional[list[torch.Tensor]] = None
     """With ``--moe-enable-routing-replay``: each sequence's routing record (``GenerationResult.routed_experts``,
     ``[len(prompt) + len(response) - 1, M, k]``), for :func:`~megatron_hybrid.rl.make_batch`."""
@@ -76,10 +82,14 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
         generated = time.perf_counter()
         with phase("switch to training"):
             engine.switch_to_training()
+    back = time.perf_counter() - generated
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
-                   generation_seconds=generated - start,
-                   switch_seconds=report["switch_seconds"] + time.perf_counter() - generated,
-                   switch_bytes=float(report["total_bytes"]), routed_experts=_routed_experts(results))
+                   generation_seconds=generated - start, switch_seconds=report["switch_seconds"] + back,
+                   switch_bytes=float(report["total_bytes"]), routed_experts=_routed_experts(results),
+                   switch_seconds_each_way=(report["switch_seconds"], back),
+                   offload_seconds_each_way=(report.get("phases", {}).get("offload_seconds", 0.0),
+                                             getattr(engine, "last_reload_seconds", 0.0)),
+                   offload_bytes=getattr(engine, "last_offload_bytes", 0))
 
 
 def _routed_experts(results: list) -> Optional[list[torch.Tensor]]:

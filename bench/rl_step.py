@@ -1,0 +1,186 @@
+"""Whole RL steps of the recipe on one device (issue 45, step 5): where a GRPO step's time and memory go.
+
+    python bench/rl_step.py --out bench/results/rl_step_h100.json               # the 1.5B shape, one GPU
+    python bench/rl_step.py --shape qwen2.5-1.5b --rollout-fp8 --out rows.json  # FP8 rollout weights, same seeds
+    python bench/rl_step.py --smoke                                             # a tiny model on the CPU, seconds
+
+The recipe's own Trainer (examples/ppo/train_ppo.py) at world size 1, random weights, the built-in task (reward:
+the target token's share of the response) on variable prompts: ``--prompts`` prompts of 128-1,024 random tokens
+(``--prompt-range``), ``--num-samples-per-prompt`` 4 samples each, GRPO, at most ``--max-new-tokens`` 4,096 new
+tokens that end at a stop token: the bench gives the NullTokenizer token 0 as its end token, which a random model
+samples about once in ``--vocab-size`` tokens, so responses are long-tailed (geometric, mean ~ the vocabulary,
+cut at the maximum). Packed training passes (``--max-tokens-per-micro-batch``, sdpa), bf16 with fp32 main
+parameters. ``--warmup`` steps (CUDA graphs captured, kernels compiled), then ``--steps`` measured: one row per
+measured step with every phase's seconds (``time/*``), each way of the switch and of the offload, the peak memory
+of each phase (``memory/*``), generation tokens/s and the update's MFU, then a ``summary`` row of medians. Rows go
+to ``--out`` (a JSON list) with the command and the device; the phase table is printed as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import runpy
+import statistics
+import sys
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RECIPE = os.path.join(ROOT, "examples", "ppo", "train_ppo.py")
+#: Model flags of each shape (Megatron-LM names); the vocabulary is --vocab-size's.
+SHAPES = {
+    # Qwen2.5-1.5B's layers (28, hidden 1,536, 12 heads / 2 KV groups, SwiGLU 8,960, RMSNorm, RoPE), no QKV bias.
+    "qwen2.5-1.5b": ["--num-layers", "28", "--hidden-size", "1536", "--num-attention-heads", "12",
+                     "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "8960", "--swiglu",
+                     "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                     "--untie-embeddings-and-output-weights"],
+    "cpu-tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size",
+                 "128"],
+}
+PHASES = ("generation", "switch", "reward", "actor_log_probs", "reference_log_probs", "critic_values", "update",
+          "step")
+
+
+def prompt_file(path: str, *, count: int, lo: int, hi: int, vocab: int, seed: int) -> None:
+    """``count`` prompts of ``lo``-``hi`` random token ids (NullTokenizer text: ids separated by spaces), none the
+    end token 0."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+            f.write(" ".join(map(str, torch.randint(1, vocab, (n,), generator=g).tolist())) + "\n")
+
+
+def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
+    """The recipe's command line for the bench's settings."""
+    per_step = args.prompts * args.num_samples_per_prompt
+    argv = [*SHAPES[args.shape], "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab_size),
+            "--max-position-embeddings", str(args.prompt_range[1] + args.max_new_tokens),
+            "--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "1",
+            "--algorithm", "grpo", "--num-samples-per-prompt", str(args.num_samples_per_prompt),
+            "--global-batch-size", str(per_step), "--max-new-tokens", str(args.max_new_tokens),
+            "--prompt-file", prompts, "--train-iters", str(args.warmup + args.steps), "--no-progress",
+            "--attention-backend", "sdpa", "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
+            "--inference-max-requests", str(args.inference_max_requests), "--offload-optimizer", args.offload_optimizer,
+            "--target-token", "5"]
+    if not args.smoke:
+        argv.append("--bf16")
+    if args.rollout_fp8:
+        argv.append("--rollout-fp8")
+    return argv + args.recipe_args
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from megatron_hybrid import rl
+
+    import socket
+
+    with socket.socket() as sock:  # one process: a world of one, as torchrun --nproc_per_node 1 would set it up
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
+    recipe = runpy.run_path(RECIPE, run_name="recipe")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "prompts.txt")
+        prompt_file(path, count=args.prompts * (args.warmup + args.steps), lo=args.prompt_range[0],
+                    hi=args.prompt_range[1], vocab=args.vocab_size, seed=args.seed)
+        argv = recipe_argv(args, path)
+        parsed = recipe["parse_args"](argv)
+        task = rl.load_task(parsed)
+        task = dataclasses.replace(task, tokenizer=_with_end_token(task.tokenizer, 0))
+        history = []
+        with rl.initialize(parsed):
+            trainer = recipe["Trainer"](parsed, task)
+            for step in range(args.warmup + args.steps):
+                metrics = trainer.train_step()
+                history.append(metrics)
+                print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics['reward_mean']:.3f}, "
+                      f"response length {metrics['response_length']:.0f}", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rows = [{**{k: _scalar(v) for k, v in m.items()}, "kind": "step", "shape": args.shape, "device": device,
+             "command": " ".join(sys.argv), "recipe_argv": argv}
+            for i, m in enumerate(history) if i >= args.warmup]
+    summary = {"kind": "summary", "shape": args.shape, "device": device, "steps": len(rows),
+               "command": " ".join(sys.argv), "rollout_fp8": args.rollout_fp8}
+    for key in sorted({k for r in rows for k in r if isinstance(r[k], (int, float)) and not isinstance(r[k], bool)}
+                      - {"step"}):
+        values = [r[key] for r in rows if key in r]
+        summary[key] = statistics.median(values)
+    return rows + [summary]
+
+
+def _scalar(value: Any) -> Any:
+    """A metric as one number: a per-epoch list as its mean."""
+    return sum(value) / len(value) if isinstance(value, list) and value else value
+
+
+def _with_end_token(tokenizer: Any, token: int) -> Any:
+    """The task's NullTokenizer with ``token`` as its end token (the recipe stops each response there)."""
+    tokenizer.eod = token
+    return tokenizer
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The summary rows' phase seconds as a markdown table (one column per summary row)."""
+    summaries = [r for r in rows if r.get("kind") == "summary"]
+    head = "| phase | " + " | ".join(f"{r['shape']}{' fp8' if r.get('rollout_fp8') else ''} ({r['device']})"
+                                     for r in summaries) + " |"
+    lines = [head, "|---|" + "---|" * len(summaries)]
+    for phase in PHASES:
+        lines.append(f"| {phase} s | " + " | ".join(f"{r.get(f'time/{phase}', float('nan')):.2f}"
+                                                    for r in summaries) + " |")
+    for key, label in (("throughput/generation_tokens_per_second", "generation tok/s"),
+                       ("throughput/update_mfu", "update MFU"), ("response_length", "mean response tokens"),
+                       ("switch/offload_gib", "offloaded GiB"), ("memory/update_peak_gib", "update peak GiB"),
+                       ("memory/generation_peak_gib", "generation peak GiB")):
+        lines.append(f"| {label} | " + " | ".join(f"{r[key]:.3g}" if key in r else "—" for r in summaries) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    parser.add_argument("--num-samples-per-prompt", type=int, default=4)
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(128, 1024))
+    parser.add_argument("--max-new-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
+    parser.add_argument("--inference-max-requests", type=int, default=256)
+    parser.add_argument("--offload-optimizer", choices=["auto", "always", "never"], default="auto")
+    parser.add_argument("--rollout-fp8", action="store_true", help="FP8 rollout weights (--rollout-fp8)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and batch on whatever device there is")
+    parser.add_argument("--out", default=None, help="JSON list the rows are appended to")
+    parser.add_argument("--table", default=None, metavar="JSON", help="print a results file's table and exit")
+    parser.add_argument("recipe_args", nargs="*", help="after --: more flags for the recipe")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.load(open(args.table))))
+        return
+    if args.smoke:
+        args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 64, 2, (4, 12)
+        args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 64, 1, 2
+        args.inference_max_requests = 8
+    rows = run(args)
+    if args.out:
+        existing = json.load(open(args.out)) if os.path.exists(args.out) else []
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(existing + rows, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
