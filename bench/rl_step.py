@@ -3,6 +3,8 @@
     python bench/rl_step.py --out bench/results/rl_step_h100.json               # the 1.5B shape, one GPU
     python bench/rl_step.py --shape qwen2.5-1.5b --rollout-fp8 --out rows.json  # FP8 rollout weights, same seeds
     python bench/rl_step.py --smoke                                             # a tiny model on the CPU, seconds
+    python bench/rl_step.py --shape qwen2.5-7b --out rows.json -- --use-distributed-optimizer \
+        --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 
 The recipe's own Trainer (examples/ppo/train_ppo.py) at world size 1, random weights, the built-in task (reward:
 the target token's share of the response) on variable prompts: ``--prompts`` prompts of 128-1,024 random tokens
@@ -41,6 +43,13 @@ SHAPES = {
                      "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "8960", "--swiglu",
                      "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                      "--untie-embeddings-and-output-weights"],
+    # Qwen2.5-7B's layers (28, hidden 3,584, 28 heads / 4 KV groups, SwiGLU 18,944), no QKV bias: issue 45's 7B rows
+    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full
+    # --recompute-method uniform --recompute-num-layers 1).
+    "qwen2.5-7b": ["--num-layers", "28", "--hidden-size", "3584", "--num-attention-heads", "28",
+                   "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "18944", "--swiglu",
+                   "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                   "--untie-embeddings-and-output-weights"],
     "cpu-tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size",
                  "128"],
 }
