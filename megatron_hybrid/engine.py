@@ -475,7 +475,7 @@ class HybridEngine:
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0, config: Any = None,
-                 tempered_log_probs: bool = False) -> list:
+                 tempered_log_probs: bool = False, budget: Any = None, resume: Sequence[Any] = ()) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
         Called on every rank of the training layout (the generator switches to rollout first if needed, through
@@ -487,7 +487,10 @@ class HybridEngine:
         replicas and the results all-gathered back. ``vocab_size``: the real vocabulary, whose padded rows are
         never sampled. Returns ``GenerationResult``s with ``.generated_tokens`` and ``.generated_log_probs``
         (untempered, over the real vocabulary), and with ``tempered_log_probs`` also
-        ``.generated_tempered_log_probs`` (at the sampling temperature, before top-k/top-p).
+        ``.generated_tempered_log_probs`` (at the sampling temperature, before top-k/top-p). ``budget``
+        (:class:`~megatron_hybrid.inference.Budget`): stop early, the unfinished sequences returned with their tokens
+        so far (``finished`` False); every token carries :attr:`num_switches` (``weight_versions``). ``resume``:
+        such unfinished results, generated on after a re-prefill with the current weights (returned first).
         """
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
@@ -497,7 +500,7 @@ class HybridEngine:
             self._generator = RolloutGenerator(self, config)
         return self._generator.generate(prompts, sampling_params, vocab_size=vocab_size,
                                         stop_token_ids=stop_token_ids, seed=seed,
-                                        tempered_log_probs=tempered_log_probs)
+                                        tempered_log_probs=tempered_log_probs, budget=budget, resume=resume)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:

@@ -376,3 +376,73 @@ def bucketed_case(state: dict, stops: list[int]) -> dict:
     return {"generated": generated, "reference": recompute_greedy(model, prompts, set(stops), 40),
             "log_probs": [r.generated_log_probs for r in results], "report": report,
             "teacher_forced": teacher_forced_log_probs(model, prompts, generated), "buckets": seen}
+
+
+def budget_case(state: dict, stops: list[int], budgets: list[dict], *, slots: int = 3, count: int = 7,
+                mixed: Optional[int] = None) -> dict:
+    """Issue 46, step 1 (world size 1): greedy generation of ``count`` prompts through ``slots`` slots with stop
+    tokens, whole, then under each budget (``Budget(**kw)``) from the same generator; per run each result's tokens,
+    log-probs, ``finished`` and ``weight_versions``; and the engine's switch count."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import Budget, GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN,
+                                                          mixed_prefill_tokens=mixed,
+                                                          compact_slots=True if mixed else None))
+    prompts = prompts_for(0, count)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
+
+    def run(budget):
+        results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops, budget=budget)
+        return [{"tokens": r.generated_tokens, "log_probs": r.generated_log_probs, "finished": r.finished,
+                 "versions": r.weight_versions} for r in results]
+
+    out = {"whole": run(None), "budgets": [run(Budget(**kw)) for kw in budgets],
+           "switches": engine.num_switches, "decode_steps": generator.report()["decode_steps"]}
+    engine.switch_to_training()
+    return out
+
+
+def resume_case(state: dict, stops: list[int], *, change_weights: bool, mixed: Optional[int] = None) -> dict:
+    """Issue 46, step 2 (world size 1): 7 prompts through 3 slots, greedy, with stop tokens: whole; then under a
+    budget of 5 decode steps, and its unfinished sequences resumed by another call (after an in-place change of the
+    training weights and a switch, when ``change_weights``). Per prompt the whole run's and the joined run's tokens,
+    log-probs and weight versions, how many tokens the first call had made, and the final weights' teacher-forced
+    log-probs of the joined tokens."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import Budget, GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=3, max_sequence_length=MAX_LEN,
+                                                          mixed_prefill_tokens=mixed,
+                                                          compact_slots=True if mixed else None))
+    prompts = prompts_for(0, 7)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
+    kw = dict(vocab_size=VOCAB, stop_token_ids=stops)
+    whole = generator.generate(prompts, greedy, **kw)
+    part = generator.generate(prompts, greedy, **kw, budget=Budget(decode_steps=5))
+    unfinished = [i for i, r in enumerate(part) if not r.finished]
+    first = [len(r.generated_tokens) for r in part]
+    if change_weights:
+        engine.switch_to_training()
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # an optimizer step's worth of change, in place (the engine's views stay)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+    resumed = generator.generate([], greedy, **kw, resume=[part[i] for i in unfinished])
+    joined = list(part)
+    for i, r in zip(unfinished, resumed):
+        joined[i] = r
+    engine.switch_to_training()
+    tokens = [r.generated_tokens for r in joined]
+    return {"whole": [(r.generated_tokens, r.generated_log_probs) for r in whole],
+            "joined": [(r.generated_tokens, r.generated_log_probs, r.weight_versions, r.finished) for r in joined],
+            "first": first, "unfinished": unfinished, "versions": (part[0].weight_versions[:1], engine.num_switches),
+            "teacher": teacher_forced_log_probs(model, prompts, tokens)}

@@ -452,3 +452,67 @@ def test_bad_types_raise_on_every_rank(state):
         # numpy and torch integers are ints: the same tokens as the plain call, handed back as ints.
         assert r["alt"] == r["base"] and r["alt_types"] == ["int"], r
         assert "is not an integer token id" in r["refused"] and r["mode_after_refusal"] == "training", r
+
+
+@pytest.mark.parametrize("mixed", [None, 64], ids=["prefills", "mixed-steps"])
+def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed):
+    """Issue 46, step 1: a generate call under a budget stops once that many sequences have ended (or after that
+    many decode steps); the finished ones equal the unbudgeted call's token for token (greedy, same weights), the
+    unfinished ones are their prefixes (and their log-probs the same prefix), a prompt never admitted comes back
+    empty and unfinished; every token carries the engine's switch count."""
+    from megatron_hybrid.inference import Budget
+
+    budgets = [dict(finished=2), dict(decode_steps=5), dict(finished=1, decode_steps=40), dict(finished=7)]
+    out = run_distributed(cases.budget_case, 1, state, stops, budgets, mixed=mixed)[0]
+    whole = out["whole"]
+    assert all(r["finished"] for r in whole) and len({len(r["tokens"]) for r in whole}) > 1
+    for kw, run in zip(budgets, out["budgets"]):
+        finished = [r for r in run if r["finished"]]
+        if "finished" in kw and kw.get("decode_steps") is None:
+            assert len(finished) >= kw["finished"]
+        if kw == dict(finished=7):  # all of them: the same as no budget
+            assert run == whole
+        # 3 slots, 7 prompts: a budget met early leaves prompts unadmitted (no tokens) and slots mid-sequence.
+        if kw == dict(decode_steps=5):
+            assert any(not r["finished"] and r["tokens"] for r in run)
+            assert any(not r["finished"] and not r["tokens"] for r in run)
+        for r, w in zip(run, whole):
+            n = len(r["tokens"])
+            assert r["tokens"] == w["tokens"][:n] and r["log_probs"] == w["log_probs"][:n]
+            assert r["finished"] == (n == len(w["tokens"]))
+            assert r["versions"] == [out["switches"]] * n
+    with pytest.raises(ValueError, match=r"Budget.finished \(0\) must be a positive integer"):
+        Budget(finished=0)
+    with pytest.raises(ValueError, match="Budget needs finished"):
+        Budget()
+
+
+@pytest.mark.parametrize("mixed", [None, 64], ids=["prefills", "mixed-steps"])
+def test_resumed_generation_equals_the_uninterrupted_one(state, stops, mixed):
+    """Issue 46, step 2: sequences a budget left unfinished, resumed by a later call (their prompt and tokens so far
+    prefilled again), end exactly as an uninterrupted call's when the weights did not change (greedy): the same
+    tokens, the first call's log-probs kept and the new ones those of the uninterrupted run."""
+    out = run_distributed(cases.resume_case, 1, state, stops, change_weights=False, mixed=mixed)[0]
+    assert len(out["unfinished"]) >= 3 and any(out["first"][i] == 0 for i in out["unfinished"])
+    for i, ((tokens, logp), (joined, joined_logp, versions, finished)) in enumerate(zip(out["whole"], out["joined"])):
+        assert joined == tokens and finished
+        n = out["first"][i]
+        assert joined_logp[:n] == logp[:n]
+        # A re-prefilled prefix attends over the same keys in another order of sums: fp32 rounding, ~1e-7.
+        torch.testing.assert_close(torch.tensor(joined_logp[n:]), torch.tensor(logp[n:]), rtol=0, atol=1e-5)
+        assert len(set(versions)) == 1  # no switch in between
+
+
+def test_resumed_tokens_follow_the_new_weights(state, stops):
+    """Issue 46, step 2: after the weights changed (an in-place step, a switch), the resumed tokens' log-probs are the
+    new model's (a full forward over prompt + tokens) and carry the new weight version; the earlier ones keep
+    theirs."""
+    out = run_distributed(cases.resume_case, 1, state, stops, change_weights=True)[0]
+    old_version, switches = out["versions"]
+    for i in out["unfinished"]:
+        joined, logp, versions, _ = out["joined"][i]
+        n = out["first"][i]
+        assert versions == old_version * n + [switches] * (len(joined) - n) and switches > old_version[0]
+        # fp32, the same model: the KV-cache path against a full forward, ~1e-6.
+        torch.testing.assert_close(torch.tensor(logp[n:]), torch.tensor(out["teacher"][i][n:]), rtol=0, atol=1e-4)
+        assert n == 0 or logp[:n] != out["teacher"][i][:n]  # the earlier tokens' log-probs are the old model's

@@ -18,7 +18,7 @@ from ..groups import RolloutGroups, collective_errors
 from ..layout import ParallelLayout
 from ..rollout_memory import RolloutMemoryProvider
 from .config import GenerationConfig
-from .replica import GenerationResult, ReplicaGenerator
+from .replica import Budget, GenerationResult, ReplicaGenerator
 from .validation import SEED_LIMIT, Limits, check_generate_call
 
 #: Each rollout replica's sampling stream: the call's seed plus this much per replica index (mod 2**64).
@@ -89,6 +89,7 @@ class RolloutGenerator:
             raise ValueError(f"generation with virtual pipeline chunks ({len(chunks)} rollout model chunks) is not "
                              "supported")
         self.groups, self.layout, self.dp_rank = engine.rollout_groups, engine.layout, engine.dp_rank
+        self.engine = engine
         self.memory = engine.rollout_memory
         self.config = config if config is not None else GenerationConfig()
         tp, pp = self.groups.groups["tp"], self.groups.groups["pp"]
@@ -98,8 +99,10 @@ class RolloutGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0,
-                 tempered_log_probs: bool = False) -> list[GenerationResult]:
-        """Generate for this training rank's prompts on the rollout layout; results in prompt order.
+                 tempered_log_probs: bool = False, budget: Optional[Budget] = None,
+                 resume: Sequence[GenerationResult] = ()) -> list[GenerationResult]:
+        """Generate for this training rank's prompts on the rollout layout; results in prompt order (after the
+        resumed ones, when ``resume`` has any).
 
         Args:
             prompts: token-id lists, each non-empty.
@@ -110,6 +113,16 @@ class RolloutGenerator:
             seed: sampling seed in [0, 2**64); each rollout replica draws from its own stream derived from it.
             tempered_log_probs: also return each token's log-prob at the sampling temperature
                 (``generated_tempered_log_probs``); the same on every rank.
+            budget: stop once it is met (:class:`~.replica.Budget`), returning the sequences not ended with
+                ``finished`` False and their tokens so far (partial rollout). One rollout replica per training
+                replica for now (no micro-DP, widening or exchange layout): a ``ValueError`` otherwise.
+            resume: unfinished results of earlier calls (a budget's), generated on: each one's prompt and tokens so
+                far are prefilled again with the current weights (in the same prefills and mixed steps as new
+                prompts) and it goes on for what its ``num_tokens_to_generate`` left. Each comes back first, whole:
+                its earlier tokens with their log-probs and weight versions, then the new ones. Same layouts as
+                ``budget``.
+
+        Each generated token carries the engine's switch count (``weight_versions``): the weights it came from.
 
         Every argument is checked on every rank before any generation collective (integers are ints, numpy
         integers or integer tensor scalars, never bools or floats); a bad one raises the same ``ValueError`` on
@@ -118,17 +131,35 @@ class RolloutGenerator:
         :class:`~megatron_hybrid.groups.CollectiveError` naming it otherwise).
         """
         groups = self.groups
+        resume = list(resume)
+        unfinished_only = [i for i, r in enumerate(resume) if not isinstance(r, GenerationResult) or r.finished]
+        if unfinished_only:
+            raise ValueError(f"resume takes unfinished GenerationResults (finished False); item {unfinished_only[0]} "
+                             "is not one")
         with groups.errors("generate", "the ranks' agreement on the inputs"):
-            call = check_generate_call(prompts, sampling_params, vocab_size=vocab_size,
-                                       stop_token_ids=stop_token_ids, seed=seed, limits=self.replica.limits,
-                                       group=groups.world)
+            # The resumed sequences' own prompts: the fit and vocabulary checks of their first call.
+            given = [r.prompt_tokens for r in resume] + list(prompts) if resume else prompts  # (raw: checked)
+            call = check_generate_call(given, sampling_params,
+                                       vocab_size=vocab_size, stop_token_ids=stop_token_ids, seed=seed,
+                                       limits=self.replica.limits, group=groups.world)
         prompts, params = call.prompts, call.params
         lay = self.layout
+        if (budget is not None or resume) and (lay.exchange or lay.widens or lay.d_g > 1):
+            what = "a generate budget" if budget is not None else "resuming sequences"
+            raise ValueError(f"{what} needs one rollout replica per training replica for now; this layout has "
+                             + ("an exchange layout" if lay.exchange else "a widening layout" if lay.widens
+                                else f"{lay.d_g} micro-DP replicas per training replica"))
+        if resume:
+            return self._resumed(resume, prompts, params, vocab_size=call.vocab_size,
+                                 stop_token_ids=call.stop_token_ids, seed=replica_seed(call.seed, groups.replica),
+                                 tempered_log_probs=tempered_log_probs, budget=budget)
         kwargs = dict(vocab_size=call.vocab_size, stop_token_ids=call.stop_token_ids,
-                      seed=replica_seed(call.seed, groups.replica), tempered_log_probs=tempered_log_probs)
+                      seed=replica_seed(call.seed, groups.replica), tempered_log_probs=tempered_log_probs,
+                      budget=budget)
         # The one place a generate call switches to rollout: the engine's provider switches when entered (on every
         # rank, also one whose replica gets no prompts: the switch's collectives need every rank).
         with self.memory.backed():
+            kwargs["weight_version"] = int(getattr(self.engine, "num_switches", 0))  # after the switch it made
             if lay.exchange:
                 return self._generate_exchanged(prompts, params, kwargs)
             if lay.widens:
@@ -151,6 +182,23 @@ class RolloutGenerator:
         with groups.errors("generate", "the micro-DP gather of the results"):
             dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
         return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+
+    def _resumed(self, resume: list[GenerationResult], prompts: list, params, **kwargs) -> list[GenerationResult]:
+        """Resume ``resume`` (then ``prompts[len(resume):]``, new) on this replica: prompt + tokens so far as the
+        prefix, what is left of the length limit as the limit; the results joined onto the earlier ones."""
+        n = int(params.num_tokens_to_generate)
+        inputs = [p + r.generated_tokens for p, r in zip(prompts, resume)] + prompts[len(resume):]
+        limits = [n - len(r.generated_tokens) for r in resume] + [n] * (len(prompts) - len(resume))
+        with self.memory.backed():
+            version = int(getattr(self.engine, "num_switches", 0))
+            results = self.replica.generate(inputs, params, **kwargs, weight_version=version, limits=limits)
+        for i, (old, new) in enumerate(zip(resume, results)):
+            results[i] = GenerationResult(
+                list(old.prompt_tokens), old.generated_tokens + new.generated_tokens,
+                old.generated_log_probs + new.generated_log_probs,
+                old.generated_tempered_log_probs + new.generated_tempered_log_probs, finished=new.finished,
+                weight_versions=old.weight_versions + new.weight_versions, routed_experts=new.routed_experts)
+        return results
 
     def _generate_exchanged(self, prompts: list, params, kwargs: dict) -> list[GenerationResult]:
         """An exchange layout's data flow: its rollout replicas need not lie inside training replicas, so every

@@ -59,11 +59,40 @@ class GenerationResult:
     generated_tempered_log_probs: list[float] = field(default_factory=list)
     """log p(token) under softmax(logits / temperature) over the real vocabulary, before top-k/top-p: what training
     passes at the sampling temperature compute (filled when generating with ``tempered_log_probs=True``)."""
+    finished: bool = True
+    """Whether the sequence ended (a stop token or the length limit); False for one a ``budget`` left unfinished:
+    its tokens so far (none if it never got a slot), to be resumed."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Per generated token, the version of the weights that produced it (the engine's switch count, or the call's
+    ``weight_version``)."""
     routed_experts: Optional[torch.Tensor] = None
     """With ``GenerationConfig.record_routing`` (an MoE model): ``[P + n - 1, M, k]`` int16 on the host (int32 past
     32,767 experts), the top-k experts each of the model's M MoE layers chose for every token the rollout ran
     through the model: the P prompt tokens and the first n - 1 of the n generated ones (the last generated token is
     never an input). Row i is token i of prompt + response; every rank of the replica gets all layers."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When a generate call stops before every sequence has ended (partial rollout): once ``finished`` of its
+    sequences have ended, or once it has run ``decode_steps`` decode steps, whichever comes first. The sequences
+    still running (and those still waiting for a slot) come back with ``finished`` False and their tokens so far.
+    Checked where the host reads each step's tokens anyway: no extra synchronisation."""
+
+    finished: Optional[int] = None
+    decode_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("finished", "decode_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Budget.{name} ({value!r}) must be a positive integer")
+        if self.finished is None and self.decode_steps is None:
+            raise ValueError("Budget needs finished (sequences wanted) or decode_steps")
+
+    def met(self, ended: int, decode_steps: int) -> bool:
+        return (self.finished is not None and ended >= self.finished) or \
+            (self.decode_steps is not None and decode_steps >= self.decode_steps)
 
 
 @dataclass
@@ -85,8 +114,8 @@ class _Call:
     results: list[GenerationResult]
     schedule: CallSchedule
     stops: set[int]
-    limit: int
-    """Tokens per sequence at most."""
+    limit: list[int]
+    """Per sequence, the tokens this call may generate at most."""
     closed: list[bool]
     """Per sequence: no more steps will be launched for it; its slot is free."""
     ended: list[bool]
@@ -176,10 +205,14 @@ class ReplicaGenerator:
     # -- the loop ----------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[list[int]], params, *, vocab_size: int, stop_token_ids: Sequence[int] = (),
-                 seed: int = 0, tempered_log_probs: bool = False) -> list[GenerationResult]:
+                 seed: int = 0, tempered_log_probs: bool = False, budget: Optional[Budget] = None,
+                 weight_version: int = 0, limits: Optional[Sequence[int]] = None) -> list[GenerationResult]:
         """Generate for ``prompts`` (checked: non-empty, ids below ``vocab_size``, each fits a slot); every rank of
         the replica gets every result (``tempered_log_probs``, the same on every rank: also fill
-        ``generated_tempered_log_probs``)."""
+        ``generated_tempered_log_probs``). ``budget``: stop early (:class:`Budget`; every rank of the replica
+        decides alike, from the same tokens). Each generated token is tagged with ``weight_version``. ``limits``:
+        per prompt, the tokens to generate at most (default: ``num_tokens_to_generate`` each; a resumed sequence
+        has what it had left)."""
         results = [GenerationResult(list(p)) for p in prompts]
         if not prompts and self.lockstep_group is None:  # in lockstep, a replica without prompts steps idle
             return results
@@ -188,7 +221,8 @@ class ReplicaGenerator:
                                       seed=seed)
         stops = set(stop_token_ids) | ({int(params.termination_id)} if params.termination_id is not None else set())
         call = _Call(results, self.planner.schedule(prompts, signature=signature), stops,
-                     limit=int(params.num_tokens_to_generate), closed=[False] * len(prompts),
+                     limit=[int(params.num_tokens_to_generate)] * len(prompts) if limits is None else list(limits),
+                     closed=[False] * len(prompts),
                      ended=[False] * len(prompts))
         depth = 1 if self.overlap else 0
         was_training = self.chunk.training
@@ -206,7 +240,10 @@ class ReplicaGenerator:
                         plan = self._agree(plan)
                     self._launched(call, plan, self.runner.run(plan))
                     self._drain(call, depth)
+                    if budget is not None and budget.met(sum(call.ended), call.schedule.scheduler.decode_steps):
+                        break
                 self._drain(call, 0)
+                self._leave_unfinished(call)
                 if self.lockstep_group is not None:
                     self._idle_until_done()
                 if call.rows:
@@ -216,6 +253,8 @@ class ReplicaGenerator:
         finally:
             self.chunk.train(was_training)
             self.runner.end()
+        for result in results:
+            result.weight_versions = [weight_version] * len(result.generated_tokens)
         sched = call.schedule.scheduler
         for key in ("decode_steps", "idle_slot_steps"):
             self.stats[key] += getattr(sched, key)
@@ -262,8 +301,17 @@ class ReplicaGenerator:
         call.flight.append(self._in_flight(out.tokens, owners))
         launched = call.schedule.launched  # counted as the plans were made
         for seq in owners:
-            if seq is not None and launched[seq] == call.limit and not call.closed[seq]:
+            if seq is not None and launched[seq] == call.limit[seq] and not call.closed[seq]:
                 self._close(call, seq)
+
+    def _leave_unfinished(self, call: _Call) -> None:
+        """After a budget stopped the call: the sequences that have not ended are unfinished (their slots freed,
+        their routing rows taken)."""
+        for seq, ended in enumerate(call.ended):
+            if not ended:
+                call.results[seq].finished = False
+                if not call.closed[seq] and seq in call.schedule.scheduler.slot_of:
+                    self._close(call, seq)
 
     def _close(self, call: _Call, seq: int) -> None:
         call.closed[seq] = True
@@ -299,7 +347,7 @@ class ReplicaGenerator:
                     continue
                 out = call.results[seq].generated_tokens
                 out.append(tok)
-                if tok in call.stops or len(out) == call.limit:
+                if tok in call.stops or len(out) == call.limit[seq]:
                     call.ended[seq] = True
                     if not call.closed[seq]:
                         self._close(call, seq)
@@ -323,10 +371,12 @@ class ReplicaGenerator:
     def _collect_routing(self, call: _Call) -> None:
         """Each result's routing record: the rows of the tokens it ran, every stage's MoE layers (one copy to the
         host and one merge over the pipeline for the whole call)."""
-        lengths = [len(r.prompt_tokens) + len(r.generated_tokens) - 1 for r in call.results]
-        stage = torch.cat([call.routed[seq][:n] for seq, n in enumerate(lengths)])
-        for result, rows in zip(call.results, self.runner.merge_routing(stage).split(lengths)):
-            result.routed_experts = rows
+        # (A sequence a budget left waiting never ran: no rows.)
+        lengths = [len(r.prompt_tokens) + len(r.generated_tokens) - 1 if seq in call.routed else 0
+                   for seq, r in enumerate(call.results)]
+        stage = torch.cat([call.routed[seq][:n] for seq, n in enumerate(lengths) if seq in call.routed])
+        for seq, (result, rows) in enumerate(zip(call.results, self.runner.merge_routing(stage).split(lengths))):
+            result.routed_experts = rows if seq in call.routed else None
 
     def report(self) -> dict[str, Any]:
         """Counters for the engine's communication report."""
