@@ -407,7 +407,8 @@ def budget_case(state: dict, stops: list[int], budgets: list[dict], *, slots: in
     return out
 
 
-def resume_case(state: dict, stops: list[int], *, change_weights: bool, mixed: Optional[int] = None) -> dict:
+def resume_case(state: dict, stops: list[int], *, change_weights: bool, mixed: Optional[int] = None,
+                rollout: tuple[int, int] = (1, 1)) -> dict:
     """Issue 46, step 2 (world size 1): 7 prompts through 3 slots, greedy, with stop tokens: whole; then under a
     budget of 5 decode steps, and its unfinished sequences resumed by another call (after an in-place change of the
     training weights and a switch, when ``change_weights``). Per prompt the whole run's and the joined run's tokens,
@@ -418,12 +419,14 @@ def resume_case(state: dict, stops: list[int], *, change_weights: bool, mixed: O
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import Budget, GenerationConfig, RolloutGenerator
 
+    from megatron.core import parallel_state as ps
+
     model = _training_model(state)
-    engine = HybridEngine(model, RolloutLayout(1, 1))
+    engine = HybridEngine(model, RolloutLayout(*rollout))
     generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=3, max_sequence_length=MAX_LEN,
                                                           mixed_prefill_tokens=mixed,
                                                           compact_slots=True if mixed else None))
-    prompts = prompts_for(0, 7)
+    prompts = prompts_for(ps.get_data_parallel_rank(), 7)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
     kw = dict(vocab_size=VOCAB, stop_token_ids=stops)
     whole = generator.generate(prompts, greedy, **kw)

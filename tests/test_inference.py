@@ -454,7 +454,7 @@ def test_bad_types_raise_on_every_rank(state):
         assert "is not an integer token id" in r["refused"] and r["mode_after_refusal"] == "training", r
 
 
-@pytest.mark.parametrize("mixed", [None, 64], ids=["prefills", "mixed-steps"])
+@pytest.mark.parametrize("mixed", [None, pytest.param(64, marks=pytest.mark.slow)], ids=["prefills", "mixed-steps"])
 def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed):
     """Issue 46, step 1: a generate call under a budget stops once that many sequences have ended (or after that
     many decode steps); the finished ones equal the unbudgeted call's token for token (greedy, same weights), the
@@ -487,13 +487,25 @@ def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed)
         Budget()
 
 
-@pytest.mark.parametrize("mixed", [None, 64], ids=["prefills", "mixed-steps"])
-def test_resumed_generation_equals_the_uninterrupted_one(state, stops, mixed):
-    """Issue 46, step 2: sequences a budget left unfinished, resumed by a later call (their prompt and tokens so far
-    prefilled again), end exactly as an uninterrupted call's when the weights did not change (greedy): the same
-    tokens, the first call's log-probs kept and the new ones those of the uninterrupted run."""
-    out = run_distributed(cases.resume_case, 1, state, stops, change_weights=False, mixed=mixed)[0]
-    assert len(out["unfinished"]) >= 3 and any(out["first"][i] == 0 for i in out["unfinished"])
+# (t, p) -> (t_g, p_g), mixed_prefill_tokens: one rank; TP 2 -> TP 1 (two micro-DP replicas per training replica,
+# the budget shared out between them); PP 2 -> PP 2 (the last stage's tokens, every stage's decision).
+RESUME_LAYOUTS = [((1, 1), (1, 1), None), pytest.param((1, 1), (1, 1), 64, marks=pytest.mark.slow),
+                  pytest.param((2, 1), (1, 1), None, marks=pytest.mark.slow),
+                  pytest.param((1, 2), (1, 2), None, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("training, rollout, mixed", RESUME_LAYOUTS,
+                         ids=["one-rank", "one-rank-mixed-steps", "micro-dp", "pp2"])
+def test_resumed_generation_equals_the_uninterrupted_one(state, stops, training, rollout, mixed):
+    """Issue 46, steps 2 and 3: sequences a budget left unfinished, resumed by a later call (their prompt and tokens
+    so far prefilled again), end exactly as an uninterrupted call's when the weights did not change (greedy): the
+    same tokens, the first call's log-probs kept and the new ones those of the uninterrupted run; on every rank."""
+    runs = run_distributed(cases.resume_case, training[0] * training[1], state, stops, change_weights=False,
+                           mixed=mixed, rollout=rollout, tensor_model_parallel_size=training[0],
+                           pipeline_model_parallel_size=training[1])
+    out = runs[0]
+    assert all(r["joined"] == out["joined"] for r in runs)
+    assert len(out["unfinished"]) >= 2 and any(out["first"][i] == 0 for i in out["unfinished"])
     for i, ((tokens, logp), (joined, joined_logp, versions, finished)) in enumerate(zip(out["whole"], out["joined"])):
         assert joined == tokens and finished
         n = out["first"][i]

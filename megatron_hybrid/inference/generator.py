@@ -144,18 +144,16 @@ class RolloutGenerator:
                                        limits=self.replica.limits, group=groups.world)
         prompts, params = call.prompts, call.params
         lay = self.layout
-        if (budget is not None or resume) and (lay.exchange or lay.widens or lay.d_g > 1):
+        if (budget is not None or resume) and (lay.exchange or lay.widens):
             what = "a generate budget" if budget is not None else "resuming sequences"
-            raise ValueError(f"{what} needs one rollout replica per training replica for now; this layout has "
-                             + ("an exchange layout" if lay.exchange else "a widening layout" if lay.widens
-                                else f"{lay.d_g} micro-DP replicas per training replica"))
-        if resume:
-            return self._resumed(resume, prompts, params, vocab_size=call.vocab_size,
-                                 stop_token_ids=call.stop_token_ids, seed=replica_seed(call.seed, groups.replica),
-                                 tempered_log_probs=tempered_log_probs, budget=budget)
+            raise ValueError(f"{what} needs rollout replicas inside training replicas for now (micro-DP, TP or PP "
+                             f"rollout layouts); this is {'an exchange' if lay.exchange else 'a widening'} layout")
+        # A resumed sequence's prompt and tokens so far are its prefix; it may generate what its limit left.
+        n = int(params.num_tokens_to_generate)
+        inputs = [p + r.generated_tokens for p, r in zip(prompts, resume)] + prompts[len(resume):]
+        limits = [n - len(r.generated_tokens) for r in resume] + [n] * (len(prompts) - len(resume))
         kwargs = dict(vocab_size=call.vocab_size, stop_token_ids=call.stop_token_ids,
-                      seed=replica_seed(call.seed, groups.replica), tempered_log_probs=tempered_log_probs,
-                      budget=budget)
+                      seed=replica_seed(call.seed, groups.replica), tempered_log_probs=tempered_log_probs)
         # The one place a generate call switches to rollout: the engine's provider switches when entered (on every
         # rank, also one whose replica gets no prompts: the switch's collectives need every rank).
         with self.memory.backed():
@@ -175,30 +173,16 @@ class RolloutGenerator:
                 return results[start: start + len(prompts)]
             replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
             lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
-            results = self.replica.generate(prompts[lo:hi], params, **kwargs)
-        if lay.d_g == 1:
-            return results
-        gathered: list[Any] = [None] * lay.d_g
-        with groups.errors("generate", "the micro-DP gather of the results"):
-            dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
-        return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
-
-    def _resumed(self, resume: list[GenerationResult], prompts: list, params, **kwargs) -> list[GenerationResult]:
-        """Resume ``resume`` (then ``prompts[len(resume):]``, new) on this replica: prompt + tokens so far as the
-        prefix, what is left of the length limit as the limit; the results joined onto the earlier ones."""
-        n = int(params.num_tokens_to_generate)
-        inputs = [p + r.generated_tokens for p, r in zip(prompts, resume)] + prompts[len(resume):]
-        limits = [n - len(r.generated_tokens) for r in resume] + [n] * (len(prompts) - len(resume))
-        with self.memory.backed():
-            version = int(getattr(self.engine, "num_switches", 0))
-            results = self.replica.generate(inputs, params, **kwargs, weight_version=version, limits=limits)
-        for i, (old, new) in enumerate(zip(resume, results)):
-            results[i] = GenerationResult(
-                list(old.prompt_tokens), old.generated_tokens + new.generated_tokens,
-                old.generated_log_probs + new.generated_log_probs,
-                old.generated_tempered_log_probs + new.generated_tempered_log_probs, finished=new.finished,
-                weight_versions=old.weight_versions + new.weight_versions, routed_experts=new.routed_experts)
-        return results
+            # A budget of finished sequences is shared out with the prompts (each micro-DP replica stops on its own
+            # share, no collective per step); decode steps are every replica's.
+            share = None if budget is None else budget.share(hi - lo, len(prompts))
+            results = self.replica.generate(inputs[lo:hi], params, **kwargs, budget=share, limits=limits[lo:hi])
+        if lay.d_g > 1:
+            gathered: list[Any] = [None] * lay.d_g
+            with groups.errors("generate", "the micro-DP gather of the results"):
+                dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
+            results = [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+        return _joined(resume, results)
 
     def _generate_exchanged(self, prompts: list, params, kwargs: dict) -> list[GenerationResult]:
         """An exchange layout's data flow: its rollout replicas need not lie inside training replicas, so every
@@ -231,6 +215,19 @@ class RolloutGenerator:
 
     def close(self) -> None:
         self.replica.close()
+
+
+def _joined(resume: list[GenerationResult], results: list[GenerationResult]) -> list[GenerationResult]:
+    """``results``, the first ``len(resume)`` of which continue ``resume``'s sequences, each joined onto its earlier
+    tokens, log-probs and weight versions (its prompt the original one)."""
+    if resume:
+        for i, (old, new) in enumerate(zip(resume, results)):
+            results[i] = GenerationResult(
+                list(old.prompt_tokens), old.generated_tokens + new.generated_tokens,
+                old.generated_log_probs + new.generated_log_probs,
+                old.generated_tempered_log_probs + new.generated_tempered_log_probs, finished=new.finished,
+                weight_versions=old.weight_versions + new.weight_versions, routed_experts=new.routed_experts)
+    return results
 
 
 def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]], sampling_params, *, tp_group,

@@ -90,6 +90,14 @@ class Budget:
         if self.finished is None and self.decode_steps is None:
             raise ValueError("Budget needs finished (sequences wanted) or decode_steps")
 
+    def share(self, part: int, whole: int) -> Optional["Budget"]:
+        """This budget for ``part`` of ``whole`` sequences (a micro-DP replica's): the finished quota in
+        proportion, rounded up (None when the part is empty); decode steps unchanged."""
+        if part == 0:
+            return None
+        finished = None if self.finished is None else max(1, -(-self.finished * part // whole))
+        return Budget(finished, self.decode_steps)
+
     def met(self, ended: int, decode_steps: int) -> bool:
         return (self.finished is not None and ended >= self.finished) or \
             (self.decode_steps is not None and decode_steps >= self.decode_steps)
