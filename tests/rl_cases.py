@@ -68,6 +68,19 @@ def _full(model, select) -> dict[str, torch.Tensor]:
     return full
 
 
+def _spy_main_grads(trained) -> dict:
+    """A dict that the next ``trained.optimizer.step()`` fills with the full fp32 main gradients it steps with."""
+    grads: dict = {}
+    step = trained.optimizer.step
+
+    def spying_step():
+        grads.update(_full(trained.model, lambda p: p.main_grad))
+        return step()
+
+    trained.optimizer.step = spying_step
+    return grads
+
+
 #: Acceptance 2's run: bf16, a warmup of 4 iterations then cosine decay to --min-lr at iteration 10, AdamW with
 #: weight decay, and a clip that bites (the NLL's gradient norm here is ~1).
 OPTIMIZER_FLAGS = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--bf16",
@@ -203,14 +216,7 @@ def token_mean_gradient_case(micro_batch_size: int, *, sequences: int = 8) -> di
     mine = rl.Batch(whole.tokens_BS[lo: lo + per_rank], whole.index_BN[lo: lo + per_rank],
                     whole.mask_BN[lo: lo + per_rank], whole.scores_B[lo: lo + per_rank],
                     {k: v[lo: lo + per_rank] for k, v in whole.data.items()})
-    grads: dict = {}
-    step = trained.optimizer.step
-
-    def spying_step():
-        grads.update(_full(trained.model, lambda p: p.main_grad))
-        return step()
-
-    trained.optimizer.step = spying_step
+    grads = _spy_main_grads(trained)
     result = rl.update(trained, mine, _nll(passes), passes=passes, step=1)
     return {"grads": grads, "tokens": result.tokens, "nll": [float(s["nll"]) for s in result.stats],
             "mean_nll": result.mean("nll")}
@@ -315,14 +321,7 @@ def packed_dp_gradient_case(capacity: int, balance: bool, *, sequences: int = 8)
         mine, info = rl.balance_batch(mine, unit_size=2, group=dp_group)
         report = {"before": info.tokens_before, "after": info.tokens_after, "sent": info.sequences_sent,
                   "metrics": info.metrics()}
-    grads: dict = {}
-    step = trained.optimizer.step
-
-    def spying_step():
-        grads.update(_full(trained.model, lambda p: p.main_grad))
-        return step()
-
-    trained.optimizer.step = spying_step
+    grads = _spy_main_grads(trained)
     result = rl.update(trained, mine, _nll(passes), passes=passes, step=1)
     lengths_mine = (mine.data["end"] + 1).tolist()
     return {"grads": grads, "tokens": result.tokens, "origin": mine.scores_B.long().tolist(),
@@ -364,14 +363,7 @@ def packed_layout_case(capacity: int, sequence_parallel: bool) -> dict:
         logp = passes.log_probs(trained.model, batch)
         res.update(logp=None if logp is None else logp[0], entropy=None if logp is None else logp[1],
                    values=passes.values(critic, batch), scores=passes.scores(critic, batch))
-        grads: dict = {}
-        step = trained.optimizer.step
-
-        def spying_step(grads=grads, step=step, trained=trained):
-            grads.update(_full(trained.model, lambda p: p.main_grad))
-            return step()
-
-        trained.optimizer.step = spying_step
+        grads = _spy_main_grads(trained)
         rl.update(trained, batch, _nll(passes), passes=passes, step=1)
         res["grads"] = grads
         out[name] = res
