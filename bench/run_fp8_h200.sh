@@ -25,9 +25,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-ln -sfn "$PWD/patches" megatron_hybrid/patches
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__,
 'megatron-core', m.__version__)" >> "$OUT/gpus.txt" 2>&1

@@ -10,9 +10,8 @@ set -u
 STEPS=${STEPS:-"four_ranks four_ranks_cpu one_gpu"}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-ln -sfn "$PWD/patches" megatron_hybrid/patches
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+export OMP_NUM_THREADS=2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__,
 'visible GPUs', torch.cuda.device_count())" >> "$OUT/gpus.txt" 2>&1

@@ -24,9 +24,7 @@ OUT=${OUT:-/tmp/out}
 LAYERS=${LAYERS:-8}
 SHAPE=${SHAPE:-qwen3-30b-a3b}
 mkdir -p "$OUT/logs"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-ln -sfn "$PWD/patches" megatron_hybrid/patches
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/logs/gpus.txt"
 python3 -c "import torch, triton, transformers, megatron.core as m; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)" \

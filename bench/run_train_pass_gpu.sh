@@ -13,11 +13,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ ! -d /tmp/site/megatron ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-ln -sfn "$PWD/patches" megatron_hybrid/patches
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 case ${MIX:-long} in
   long) mix=(--max-tokens-per-micro-batch "${BUDGET:-12288}") ;;
