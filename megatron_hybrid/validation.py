@@ -105,11 +105,29 @@ def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None}
 
 
+#: megatron-core's config fields for pipeline stages of uneven depth (and their defaults): the plan splits the layers
+#: evenly over the stages and chunks (``exchange.stage_layers``), so a model built with any of them is refused.
+UNEVEN_STAGE_FIELDS = {"num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+                       "pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
+                       "account_for_loss_in_pipeline_split": False}
+
+
+def check_even_stages(config: Any) -> None:
+    """``ValueError`` naming the fields where ``config`` asks for pipeline stages of uneven depth."""
+    uneven = [f"{name} ({getattr(config, name)!r})" for name, default in UNEVEN_STAGE_FIELDS.items()
+              if getattr(config, name, default) not in (None, False, default)]
+    if uneven:
+        raise ValueError(f"the model's config sets {', '.join(uneven)}: pipeline stages of uneven depth are not "
+                         "resharded (the HybridEngine splits the layers evenly over the stages and virtual chunks); "
+                         "build the model with an even split")
+
+
 def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str,
                 rollout_weights: str = "model") -> None:
     """The model (its unwrapped chunks; the first one's ``config``) against the layout, the weight mode and the
     rollout weights."""
     lay, config = layout, modules[0].config
+    check_even_stages(config)
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if heads % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "

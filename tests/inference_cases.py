@@ -449,3 +449,18 @@ def resume_case(state: dict, stops: list[int], *, change_weights: bool, mixed: O
             "joined": [(r.generated_tokens, r.generated_log_probs, r.weight_versions, r.finished) for r in joined],
             "first": first, "unfinished": unfinished, "versions": (part[0].weight_versions[:1], engine.num_switches),
             "teacher": teacher_forced_log_probs(model, prompts, tokens)}
+
+
+def uneven_stages_case(state: dict, fields: dict) -> Optional[str]:
+    """Issue 48, step 1: a model whose config asks for uneven pipeline stages (``fields`` set on it after the
+    build), given to a HybridEngine: the error's message (None if it was accepted)."""
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    model = _training_model(state)
+    for name, value in fields.items():
+        setattr(model.config, name, value)
+    try:
+        HybridEngine(model, RolloutLayout(1, 1)).close()
+    except ValueError as error:
+        return str(error)
+    return None

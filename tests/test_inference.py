@@ -528,3 +528,18 @@ def test_resumed_tokens_follow_the_new_weights(state, stops):
         # fp32, the same model: the KV-cache path against a full forward, ~1e-6.
         torch.testing.assert_close(torch.tensor(logp[n:]), torch.tensor(out["teacher"][i][n:]), rtol=0, atol=1e-4)
         assert n == 0 or logp[:n] != out["teacher"][i][:n]  # the earlier tokens' log-probs are the old model's
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(num_layers_in_first_pipeline_stage=1), "num_layers_in_first_pipeline_stage (1)"),
+    (dict(num_layers_in_last_pipeline_stage=1, account_for_loss_in_pipeline_split=True),
+     "num_layers_in_last_pipeline_stage (1), account_for_loss_in_pipeline_split (True)"),
+])
+def test_uneven_pipeline_stages_are_refused(state, fields, named):
+    """Issue 48, step 1: the plan splits layers evenly over stages (exchange.stage_layers), so a model built for
+    uneven stages would be resharded wrong without a word; the engine refuses it, naming the fields, before any
+    collective."""
+    message = run_distributed(cases.uneven_stages_case, 1, state, fields)[0]
+    assert message is not None and message.startswith(f"the model's config sets {named}: pipeline stages of "
+                                                       "uneven depth are not resharded")
+    assert run_distributed(cases.uneven_stages_case, 1, state, {})[0] is None  # the even split is served
