@@ -46,7 +46,8 @@ from .memory import HostOffload, ReservedBuffer, optimizer_tensors
 from .placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
 from .rollout_model import ModelProvider, build_rollout_chunks
 from .sharding import is_expert
-from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
+from .validation import (WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model,
+                         check_moe_chunks)
 
 __all__ = ["HybridEngine", "CollectiveRecord", "WEIGHT_MODES"]
 DEFAULT_BUCKET_MB_GPU = 1024.0
@@ -168,6 +169,7 @@ class HybridEngine:
             # Virtual pipeline chunks: the rollout model is one chunk per rank (a rollout stage's layers in one model,
             # which the generator runs), so its tensors come from several training chunks: an exchange layout.
             self.layout = lay = dataclasses.replace(lay, exchange=True)
+        check_moe_chunks(lay, num_chunks=len(self.chunks), moe=self.modules[0].config.num_moe_experts is not None)
         check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
         check_model(self.modules, lay, weight_mode=weight_mode, rollout_weights=rollout_weights)

@@ -122,12 +122,25 @@ def check_even_stages(config: Any) -> None:
                          "build the model with an even split")
 
 
+def check_moe_chunks(layout: ParallelLayout, *, num_chunks: int, moe: bool) -> None:
+    """``ValueError`` for an MoE model with virtual pipeline chunks and ``p_g ≠ p``: its rollout stages would take
+    layers of several training chunks, an exchange layout, and the exchange plan does not place routed experts."""
+    if moe and num_chunks > 1 and layout.p_g != layout.p:
+        raise ValueError(f"an MoE model with virtual pipeline chunks ({num_chunks} a rank) reshards only to rollout "
+                         f"pipeline_model_parallel_size = pipeline_model_parallel_size ({layout.p}), not "
+                         f"{layout.p_g}: its rollout stages would take layers of several training chunks, and the "
+                         "exchange plan does not place routed experts yet")
+
+
 def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str,
                 rollout_weights: str = "model") -> None:
     """The model (its unwrapped chunks; the first one's ``config``) against the layout, the weight mode and the
     rollout weights."""
     lay, config = layout, modules[0].config
     check_even_stages(config)
+    if getattr(config, "mtp_num_layers", None):  # before any collective (the rollout model's build came after some)
+        raise ValueError(f"the model's config sets mtp_num_layers ({config.mtp_num_layers}): multi-token prediction "
+                         "layers are not resharded (the rollout model has none); build the model without them")
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if heads % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "

@@ -543,3 +543,11 @@ def test_uneven_pipeline_stages_are_refused(state, fields, named):
     assert message is not None and message.startswith(f"the model's config sets {named}: pipeline stages of "
                                                        "uneven depth are not resharded")
     assert run_distributed(cases.uneven_stages_case, 1, state, {})[0] is None  # the even split is served
+
+
+def test_multi_token_prediction_is_refused_before_any_collective(state):
+    """Issue 50, step 1: the refusal of multi-token prediction comes with the engine's other checks, before the
+    rollout groups are made (it came from the rollout model's build, after them)."""
+    message = run_distributed(cases.uneven_stages_case, 1, state, {"mtp_num_layers": 1})[0]
+    assert message is not None and message.startswith("the model's config sets mtp_num_layers (1): multi-token "
+                                                       "prediction layers are not resharded")
