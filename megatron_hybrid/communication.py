@@ -100,12 +100,18 @@ def reduce_scatter_rows(rows_MC: torch.Tensor, group, *, out: Optional[torch.Ten
     return out
 
 
+def collective_device(group) -> torch.device:
+    """Where ``group``'s collectives take tensors: this rank's GPU for NCCL, the CPU otherwise (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree_max(values: list[int], group, *, errors: Optional[ContextManager] = None) -> list[int]:
     """The element-wise maximum of ``values`` over ``group`` (every rank passes as many), on the host: a CPU tensor
     on a gloo group; on an NCCL group a device tensor, read back (a host sync: pass a gloo group where the caller
     cares)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    tensor = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     with errors if errors is not None else nullcontext():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()

@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..communication import collective_device
+
 # SamplingParams fields that would change what generate returns: refused rather than silently ignored.
 UNSUPPORTED_FIELDS = ("num_tokens_total", "top_n_logprobs", "return_prompt_top_n_logprobs", "return_segments",
                       "stop_words")
@@ -196,7 +198,7 @@ def check_generate_call(prompts: Any, params, *, vocab_size: Any, stop_token_ids
         checked = CheckedCall(clean, params, vocab, stops, seed)
     except _Refused as refused:
         problem = str(refused)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = collective_device(group)
     table = torch.zeros(dist.get_world_size(group), MESSAGE_BYTES, dtype=torch.uint8)
     data = problem.encode()[:MESSAGE_BYTES]
     if data:

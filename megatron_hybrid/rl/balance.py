@@ -16,12 +16,13 @@ result is the same whatever the order the collectives complete in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..communication import collective_device
 from .batch import Batch
 
 
@@ -85,7 +86,7 @@ def balance_batch(batch: Batch, *, unit_size: int, group: dist.ProcessGroup) -> 
     lengths = (batch.data["end"] + 1).to(torch.long)
     unit_tokens = lengths.view(-1, unit_size).sum(1).cpu()
     # Every rank's unit count, then every unit's tokens (padded to the largest count for the all-gather).
-    device = _device(group, batch.tokens_BS.device)
+    device = collective_device(group)
     count = torch.tensor([unit_tokens.numel()], dtype=torch.long, device=device)
     counts_t = [torch.zeros_like(count) for _ in range(size)]
     dist.all_gather(counts_t, count, group=group)
@@ -124,18 +125,9 @@ def balance_batch(batch: Batch, *, unit_size: int, group: dist.ProcessGroup) -> 
         dist.all_to_all_single(out, src, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
         return out.to(t.device)
 
-    moved = Batch(**{f.name: getattr(batch, f.name) for f in fields(Batch)})
-    moved.tokens_BS, moved.index_BN, moved.mask_BN = move(batch.tokens_BS), move(batch.index_BN), move(batch.mask_BN)
-    moved.scores_B = move(batch.scores_B)
-    moved.data = {k: move(v) for k, v in batch.data.items()}
+    moved = Batch(move(batch.tokens_BS), move(batch.index_BN), move(batch.mask_BN), move(batch.scores_B),
+                  {k: move(v) for k, v in batch.data.items()})
     after = [sum(costs[i] for i in bins[bin_of_rank[r]]) for r in range(size)]
     before = [sum(costs[first[r]: first[r] + counts[r]]) for r in range(size)]
     return moved, Balance(before, after, sum(send_splits) - send_splits[rank])
 
-
-def _device(group: dist.ProcessGroup, fallback: torch.device) -> torch.device:
-    """Where ``group``'s collectives take tensors: the GPU for NCCL, the CPU for gloo."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu") if backend == "gloo" else fallback

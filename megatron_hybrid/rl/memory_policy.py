@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..communication import agree_max
+
 if TYPE_CHECKING:
     from ..inference import GenerationConfig
 
@@ -138,11 +140,10 @@ class RolloutMemoryPolicy:
         fraction = self.fraction or AUTO_FRACTION
         need = self.full_cache_bytes + self.reserve
         room = int(fraction * info.total) - info.used
-        short = torch.tensor([max(0, need - room)], dtype=torch.long,
-                             device=self.device if self.device.type == "cuda" else None)
+        short = max(0, need - room)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(short, op=dist.ReduceOp.MAX)
-        if int(short) == 0:
+            short = agree_max([short], dist.group.WORLD)[0]
+        if short == 0:
             return False
         if self.mode == "never":
             raise ValueError(f"--offload-optimizer never: the rollout needs {need / 2**30:.2f} GiB (a KV cache of "
@@ -163,11 +164,8 @@ class RolloutMemoryPolicy:
             info = self.memory_info(self.device)
             tokens = cache_tokens(fraction=self.fraction, total=info.total, used=info.used, reserve=self.reserve,
                                   per_token=self.per_token)
-            agreed = torch.tensor([tokens], dtype=torch.long,
-                                  device=self.device if self.device.type == "cuda" else None)
             if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            tokens = int(agreed)
+                tokens = -agree_max([-tokens], dist.group.WORLD)[0]  # the smallest
             if tokens < config.max_sequence_length:
                 raise ValueError(f"--inference-memory-fraction ({self.fraction}): the KV cache gets {tokens} positions "
                                  f"({tokens * self.per_token / 2**30:.2f} GiB of {self.fraction} x "

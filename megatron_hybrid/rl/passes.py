@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from ..communication import agree_max
 from ..compat import megatron_groups
 from . import ppo
 from .batch import Batch, make_batch  # noqa: F401  (make_batch: the passes' batch, re-exported)
@@ -144,9 +145,7 @@ class TrainingPasses:
         groups = first_fit_decreasing(lengths, capacity)
         _, _, dp_group, _ = megatron_groups()
         if dp_group.size() > 1:  # the same number on every DP rank (a collective: every rank packs its batch)
-            count = torch.tensor([len(groups)], device=batch.tokens_BS.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-            groups = split_to(groups, lengths, int(count))
+            groups = split_to(groups, lengths, agree_max([len(groups)], dp_group)[0])
         return packed_micro_batches(batch, capacity, groups, multiple=self.pack_multiple, fixed=self.pack_fixed)
 
     def run(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn, *, forward_only: bool,

@@ -27,12 +27,10 @@ class Rollout:
     tokens, up to the numerical mismatch between the two layouts."""
     generation_seconds: float
     """Wall-clock seconds of generation proper (without the switches)."""
-    switch_seconds: float = 0.0
-    """Both switches' seconds (to rollout and back); 0 in the training layout."""
     switch_bytes: float = 0.0
     """The bytes this rank received in the switch to rollout."""
     switch_seconds_each_way: tuple[float, float] = (0.0, 0.0)
-    """The switch to rollout's seconds and the switch back's."""
+    """The switch to rollout's seconds and the switch back's; 0 in the training layout."""
     offload_seconds_each_way: tuple[float, float] = (0.0, 0.0)
     """Of those, moving the optimizer's states and gradients to the host, and back (0 without offload)."""
     offload_bytes: int = 0
@@ -40,6 +38,11 @@ class Rollout:
     routed_experts: Optional[list[torch.Tensor]] = None
     """With ``--moe-enable-routing-replay``: each sequence's routing record (``GenerationResult.routed_experts``,
     ``[len(prompt) + len(response) - 1, M, k]``), for :func:`~megatron_hybrid.rl.make_batch`."""
+
+    @property
+    def switch_seconds(self) -> float:
+        """Both switches' seconds (to rollout and back)."""
+        return sum(self.switch_seconds_each_way)
 
     @property
     def num_tokens(self) -> int:
@@ -84,9 +87,8 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
             engine.switch_to_training()
     back = time.perf_counter() - generated
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
-                   generation_seconds=generated - start, switch_seconds=report["switch_seconds"] + back,
-                   switch_bytes=float(report["total_bytes"]), routed_experts=_routed_experts(results),
-                   switch_seconds_each_way=(report["switch_seconds"], back),
+                   generation_seconds=generated - start, switch_bytes=float(report["total_bytes"]),
+                   routed_experts=_routed_experts(results), switch_seconds_each_way=(report["switch_seconds"], back),
                    offload_seconds_each_way=(report.get("phases", {}).get("offload_seconds", 0.0),
                                              getattr(engine, "last_reload_seconds", 0.0)),
                    offload_bytes=getattr(engine, "last_offload_bytes", 0))

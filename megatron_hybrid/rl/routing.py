@@ -29,6 +29,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..communication import collective_device
 from ..compat import unwrap_model
 from ..inference.moe import moe_layer_ordinals, route
 
@@ -216,8 +217,7 @@ class TrainingRouting:
         replay, what the routers would have chosen on the replayed inputs); and the recorded tokens counted. A
         collective over the model's tensor- and pipeline-parallel groups: call it on every rank of them."""
         flags = torch.stack([self.used_X, self.own_X]).view(2, *self.shape_BS)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.pp_group) == "nccl" \
-            else torch.device("cpu")
+        device = collective_device(self.pp_group)
         flags = flags.to(device)
         for group in (self.tp_group, self.pp_group):
             if group.size() > 1:
