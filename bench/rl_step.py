@@ -28,7 +28,7 @@ import runpy
 import statistics
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -86,7 +86,10 @@ def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
     return argv + args.recipe_args
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any]]], None]] = None
+        ) -> list[dict[str, Any]]:
+    """The measured steps' rows and their summary; ``on_step`` gets them after every measured step (so a run cut
+    short by a time limit leaves the steps it measured)."""
     from megatron_hybrid import rl
 
     import socket
@@ -114,6 +117,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 history.append(metrics)
                 print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics['reward_mean']:.3f}, "
                       f"response length {metrics['response_length']:.0f}", flush=True)
+                if on_step is not None and step >= args.warmup:
+                    on_step(_rows(args, argv, history))
+    return _rows(args, argv, history)
+
+
+def _rows(args: argparse.Namespace, argv: list[str], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = [{**{k: _scalar(v) for k, v in m.items()}, "kind": "step", "shape": args.shape, "device": device,
              "command": " ".join(sys.argv), "recipe_argv": argv}
@@ -182,12 +191,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 64, 2, (4, 12)
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 64, 1, 2
         args.inference_max_requests = 8
-    rows = run(args)
-    if args.out:
-        existing = json.load(open(args.out)) if os.path.exists(args.out) else []
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(existing + rows, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+    existing = json.load(open(args.out)) if args.out and os.path.exists(args.out) else []
+
+    def write(rows: list[dict[str, Any]]) -> None:  # the file's earlier rows, then this run's so far
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(existing + rows, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+
+    rows = run(args, on_step=write)
+    write(rows)
     print(table(rows))
 
 

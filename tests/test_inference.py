@@ -462,13 +462,17 @@ def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed)
     empty and unfinished; every token carries the engine's switch count."""
     from megatron_hybrid.inference import Budget
 
-    budgets = [dict(finished=2), dict(decode_steps=5), dict(finished=1, decode_steps=40), dict(finished=7)]
+    budgets = [dict(finished=2), dict(decode_steps=5), dict(finished=1, decode_steps=40), dict(finished=7),
+               dict(finished=2, groups=(0, 0, 1, 1, 1, 2, 2))]
     out = run_distributed(cases.budget_case, 1, state, stops, budgets, mixed=mixed)[0]
     whole = out["whole"]
     assert all(r["finished"] for r in whole) and len({len(r["tokens"]) for r in whole}) > 1
     for kw, run in zip(budgets, out["budgets"]):
         finished = [r for r in run if r["finished"]]
-        if "finished" in kw and kw.get("decode_steps") is None:
+        if "groups" in kw:  # groups all of whose sequences ended
+            ended = {g: all(r["finished"] for r, h in zip(run, kw["groups"]) if h == g) for g in kw["groups"]}
+            assert sum(ended.values()) >= kw["finished"]
+        elif "finished" in kw and kw.get("decode_steps") is None:
             assert len(finished) >= kw["finished"]
         if kw == dict(finished=7):  # all of them: the same as no budget
             assert run == whole
@@ -485,6 +489,28 @@ def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed)
         Budget(finished=0)
     with pytest.raises(ValueError, match="Budget needs finished"):
         Budget()
+
+
+def test_a_group_budget_splits_and_shares_whole_groups():
+    """Issue 46, step 4: a budget counting groups (GRPO's) cuts micro-DP shares only between groups, about evenly,
+    shares the quota by groups (rounded up, never more than a share's groups) and counts a group once all of its
+    sequences ended."""
+    from megatron_hybrid.inference import Budget
+
+    b = Budget(finished=3, groups=(0, 0, 0, 1, 1, 2, 2, 2, 3, 3))  # groups start at 0, 3, 5, 8
+    assert b.split(10, 2) == [(0, 5), (5, 10)]
+    assert b.split(10, 3) == [(0, 3), (3, 8), (8, 10)]  # 3.3 -> 3; 6.7 -> 8 (nearer than 5)
+    assert b.split(10, 1) == [(0, 10)]
+    assert b.share(0, 5, 10) == Budget(2, None, (0, 0, 0, 1, 1))  # 2 of 4 groups: 3 * 2 / 4 rounded up
+    assert b.share(8, 10, 10) == Budget(1, None, (3, 3)) and b.share(4, 4, 10) is None
+    assert Budget(finished=4, groups=(7, 7, 8)).share(0, 2, 3).finished == 1  # at most the share's groups
+    assert Budget(finished=3).share(0, 4, 10) == Budget(2) and Budget(finished=3).split(10, 3) == [(0, 4), (4, 7),
+                                                                                                (7, 10)]
+    ended = [True, True, True, True, False, True, True, True, False, False]
+    assert b.complete(ended) == 2 and not b.met(ended, 0) and b.met(ended[:8] + [True, True], 0)
+    assert Budget(finished=3).complete(ended) == 7
+    with pytest.raises(ValueError, match="group 0 must be consecutive"):
+        Budget(finished=1, groups=(0, 1, 0))
 
 
 # (t, p) -> (t_g, p_g), mixed_prefill_tokens: one rank; TP 2 -> TP 1 (two micro-DP replicas per training replica,

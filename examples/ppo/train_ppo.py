@@ -227,7 +227,8 @@ class Trainer:
         base = self.prompts.for_step(step, dp_rank=self.dp_rank, dp_size=self.dp_size)
         examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
         prompts = [e.tokens for e in examples]
-        rollout = self.generate(prompts, seed=a.seed * 7919 + step)
+        with timer.peak("generation"):  # the switch's and the rollout's seconds are measured inside
+            rollout = self.generate(prompts, seed=a.seed * 7919 + step)
         responses = rollout.responses
         timer.add("generation", rollout.generation_seconds, tokens=rollout.num_tokens)
         timer.add("switch", rollout.switch_seconds)

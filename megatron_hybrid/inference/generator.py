@@ -114,8 +114,9 @@ class RolloutGenerator:
             tempered_log_probs: also return each token's log-prob at the sampling temperature
                 (``generated_tempered_log_probs``); the same on every rank.
             budget: stop once it is met (:class:`~.replica.Budget`), returning the sequences not ended with
-                ``finished`` False and their tokens so far (partial rollout). One rollout replica per training
-                replica for now (no micro-DP, widening or exchange layout): a ``ValueError`` otherwise.
+                ``finished`` False and their tokens so far (partial rollout). Rollout replicas inside training
+                replicas (micro-DP, TP and PP layouts; a widening or exchange layout is a ``ValueError``): each
+                micro-DP replica stops on its share of the quota (:meth:`~.replica.Budget.share`).
             resume: unfinished results of earlier calls (a budget's), generated on: each one's prompt and tokens so
                 far are prefilled again with the current weights (in the same prefills and mixed steps as new
                 prompts) and it goes on for what its ``num_tokens_to_generate`` left. Each comes back first, whole:
@@ -136,6 +137,9 @@ class RolloutGenerator:
         if unfinished_only:
             raise ValueError(f"resume takes unfinished GenerationResults (finished False); item {unfinished_only[0]} "
                              "is not one")
+        if budget is not None and budget.groups is not None and len(budget.groups) != len(resume) + len(prompts):
+            raise ValueError(f"Budget.groups has {len(budget.groups)} labels for {len(resume)} resumed sequences "
+                             f"and {len(prompts)} prompts: one per sequence")
         with groups.errors("generate", "the ranks' agreement on the inputs"):
             # The resumed sequences' own prompts: the fit and vocabulary checks of their first call.
             given = [r.prompt_tokens for r in resume] + list(prompts) if resume else prompts  # (raw: checked)
@@ -172,10 +176,11 @@ class RolloutGenerator:
                 start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
                 return results[start: start + len(prompts)]
             replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
-            lo, hi = split_evenly(len(prompts), lay.d_g)[replica]
-            # A budget of finished sequences is shared out with the prompts (each micro-DP replica stops on its own
-            # share, no collective per step); decode steps are every replica's.
-            share = None if budget is None else budget.share(hi - lo, len(prompts))
+            parts = split_evenly(len(prompts), lay.d_g) if budget is None else budget.split(len(prompts), lay.d_g)
+            lo, hi = parts[replica]
+            # A budget of finished sequences (or groups: each on one replica) is shared out with the prompts (each
+            # micro-DP replica stops on its own share, no collective per step); decode steps are every replica's.
+            share = None if budget is None else budget.share(lo, hi, len(prompts))
             results = self.replica.generate(inputs[lo:hi], params, **kwargs, budget=share, limits=limits[lo:hi])
         if lay.d_g > 1:
             gathered: list[Any] = [None] * lay.d_g

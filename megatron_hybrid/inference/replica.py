@@ -77,10 +77,15 @@ class Budget:
     """When a generate call stops before every sequence has ended (partial rollout): once ``finished`` of its
     sequences have ended, or once it has run ``decode_steps`` decode steps, whichever comes first. The sequences
     still running (and those still waiting for a slot) come back with ``finished`` False and their tokens so far.
-    Checked where the host reads each step's tokens anyway: no extra synchronisation."""
+    Checked where the host reads each step's tokens anyway: no extra synchronisation.
+
+    ``groups``: per sequence of the call (the resumed ones first, then the prompts), a group label, each group's
+    sequences consecutive; ``finished`` then counts the groups all of whose sequences in the call have ended (a GRPO
+    group trains once all its samples are done), and a micro-DP split keeps every group on one replica."""
 
     finished: Optional[int] = None
     decode_steps: Optional[int] = None
+    groups: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("finished", "decode_steps"):
@@ -89,18 +94,60 @@ class Budget:
                 raise ValueError(f"Budget.{name} ({value!r}) must be a positive integer")
         if self.finished is None and self.decode_steps is None:
             raise ValueError("Budget needs finished (sequences wanted) or decode_steps")
+        if self.groups is not None:
+            object.__setattr__(self, "groups", tuple(self.groups))
+            seen: set = set()
+            for i, label in enumerate(self.groups):
+                if label in seen and self.groups[i - 1] != label:
+                    raise ValueError(f"Budget.groups: the sequences of group {label!r} must be consecutive "
+                                     f"(sequence {i} is apart from the rest)")
+                seen.add(label)
 
-    def share(self, part: int, whole: int) -> Optional["Budget"]:
-        """This budget for ``part`` of ``whole`` sequences (a micro-DP replica's): the finished quota in
-        proportion, rounded up (None when the part is empty); decode steps unchanged."""
-        if part == 0:
+    def _runs(self, count: int) -> list[int]:
+        """The start of every group among ``count`` sequences (each sequence its own group without ``groups``)."""
+        if self.groups is None:
+            return list(range(count))
+        return [i for i in range(count) if i == 0 or self.groups[i] != self.groups[i - 1]]
+
+    def split(self, count: int, parts: int) -> list[tuple[int, int]]:
+        """``count`` sequences in ``parts`` contiguous [start, end) chunks (micro-DP replicas' shares) of about
+        equal size, cut only between groups."""
+        if self.groups is None:
+            from .generator import split_evenly
+
+            return split_evenly(count, parts)
+        cuts, runs = [0], self._runs(count) + [count]
+        for j in range(1, parts):  # the group start nearest each even cut, never before the previous cut
+            target = j * count / parts
+            cuts.append(max(cuts[-1], min(runs, key=lambda r: (abs(r - target), r))))
+        cuts.append(count)
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def share(self, lo: int, hi: int, whole: int) -> Optional["Budget"]:
+        """This budget for sequences [lo, hi) of ``whole`` (a micro-DP replica's, from :meth:`split`): the finished
+        quota in proportion to its sequences (or groups), rounded up (None when the part is empty); decode steps
+        unchanged."""
+        if hi == lo:
             return None
-        finished = None if self.finished is None else max(1, -(-self.finished * part // whole))
-        return Budget(finished, self.decode_steps)
+        if self.finished is None:
+            return Budget(None, self.decode_steps)
+        if self.groups is None:
+            return Budget(max(1, -(-self.finished * (hi - lo) // whole)), self.decode_steps)
+        mine, total = len(self._runs(hi)) - len(self._runs(lo)), len(self._runs(whole))
+        return Budget(min(mine, max(1, -(-self.finished * mine // total))), self.decode_steps, self.groups[lo:hi])
 
-    def met(self, ended: int, decode_steps: int) -> bool:
-        return (self.finished is not None and ended >= self.finished) or \
-            (self.decode_steps is not None and decode_steps >= self.decode_steps)
+    def complete(self, ended: Sequence[bool]) -> int:
+        """How many groups (or sequences, without ``groups``) have ended."""
+        if self.groups is None:
+            return sum(ended)
+        runs = self._runs(len(ended)) + [len(ended)]
+        return sum(all(ended[a:b]) for a, b in zip(runs[:-1], runs[1:]))
+
+    def met(self, ended: Sequence[bool], decode_steps: int) -> bool:
+        if self.decode_steps is not None and decode_steps >= self.decode_steps:
+            return True
+        # Every group has a sequence: fewer ended sequences than the quota cannot make it up.
+        return self.finished is not None and sum(ended) >= self.finished and self.complete(ended) >= self.finished
 
 
 @dataclass
@@ -248,7 +295,7 @@ class ReplicaGenerator:
                         plan = self._agree(plan)
                     self._launched(call, plan, self.runner.run(plan))
                     self._drain(call, depth)
-                    if budget is not None and budget.met(sum(call.ended), call.schedule.scheduler.decode_steps):
+                    if budget is not None and budget.met(call.ended, call.schedule.scheduler.decode_steps):
                         break
                 self._drain(call, 0)
                 self._leave_unfinished(call)

@@ -35,16 +35,25 @@ class StepTimer:
     def phase(self, name: str, *, tokens: Optional[int] = None, flops: Optional[float] = None) -> Iterator[None]:
         """Time the block as phase ``name`` (seconds, tokens and this rank's model FLOPs add up over repeated
         phases); on a GPU also the most memory PyTorch allocated in it (``torch.cuda.max_memory_allocated``)."""
+        start = time.perf_counter()
+        try:
+            with self.peak(name):
+                yield
+        finally:
+            self.add(name, time.perf_counter() - start, tokens=tokens, flops=flops)
+
+    @contextlib.contextmanager
+    def peak(self, name: str) -> Iterator[None]:
+        """Only the most memory PyTorch allocated in the block, as phase ``name``'s (on a GPU; no seconds): for a
+        phase whose seconds are measured inside it and given to :meth:`add`, as the rollout's are."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
         try:
             yield
         finally:
             if self.cuda:
                 peak = torch.cuda.max_memory_allocated()
                 self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
-            self.add(name, time.perf_counter() - start, tokens=tokens, flops=flops)
 
     def add(self, name: str, seconds: float, *, tokens: Optional[int] = None, flops: Optional[float] = None) -> None:
         """Add ``seconds`` (and ``tokens``, ``flops``) measured elsewhere to phase ``name``."""

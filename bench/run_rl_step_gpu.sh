@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 45's measurements on one GPU, as the device tool runs it (repository root, megatron-core's wheel carried in
+# .whl/, no install of this package). Each step is one process with its own time limit; its log goes to
+# $OUT/<step>.txt and its rows to $OUT (file names carry the GPU's name):
+#   memory     tests/gpu_rollout_memory.py: the 7B ragged rollout at batch 256 (the default graph pool, then the
+#              old fixed 4 GiB one, expected to fail)               -> rollout_memory_<gpu>.json
+#   bf16       bench/rl_step.py, the 1.5B shape                    -> rl_step_<gpu>.json
+#   fp8        the same with --rollout-fp8, same seeds             -> rl_step_<gpu>.json
+#   7b         the 7B shape: distributed optimizer, its CPU offload, full recompute -> rl_step_<gpu>.json
+#   learn      the 1.5B shape, 1,024-token vocabulary, 20 steps: the reward's rise -> rl_step_learn_<gpu>.json
+# STEPS="bf16 fp8" runs a subset; WARMUP and MEASURED set the rl_step steps (default 2 and 5); LIMIT_<STEP> a limit.
+set -u
+STEPS=${STEPS:-"memory bf16 fp8 7b"}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/gpus.txt"
+steps=(--warmup "${WARMUP:-2}" --steps "${MEASURED:-5}")
+step() {  # step NAME DEFAULT_LIMIT_S COMMAND...
+  local name=$1 limit_var="LIMIT_${1^^}" limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return ;; esac
+  local t0=$SECONDS
+  timeout "${!limit_var:-$limit}" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: rc=$? $((SECONDS - t0)) s: $*" | tee -a "$OUT/steps.txt"
+}
+step memory 300 python3 tests/gpu_rollout_memory.py --timeout 140 --output "$OUT/rollout_memory_$gpu.json"
+step bf16 300 python3 bench/rl_step.py "${steps[@]}" --out "$OUT/rl_step_$gpu.json"
+step fp8 300 python3 bench/rl_step.py "${steps[@]}" --rollout-fp8 --out "$OUT/rl_step_$gpu.json"
+step 7b 400 python3 bench/rl_step.py --shape qwen2.5-7b "${steps[@]}" --out "$OUT/rl_step_$gpu.json" -- \
+  --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
+  --recompute-num-layers 1
+step learn 500 python3 bench/rl_step.py --warmup 0 --steps 20 --prompts 32 --max-new-tokens 1024 \
+  --out "$OUT/rl_step_learn_$gpu.json"
+for f in "$OUT"/rl_step_*.json; do [ -f "$f" ] && python3 bench/rl_step.py --table "$f"; done
+grep -h -i "error" "$OUT"/*.txt | grep -v -i warn | sort | uniq -c | head -20
