@@ -124,7 +124,7 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
 
 def _rows(args: argparse.Namespace, argv: list[str], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    rows = [{**{k: _scalar(v) for k, v in m.items()}, "kind": "step", "shape": args.shape, "device": device,
+    rows = [{**{k: v if k == "partial/staleness" else _scalar(v) for k, v in m.items()}, "kind": "step", "shape": args.shape, "device": device,
              "command": " ".join(sys.argv), "recipe_argv": argv}
             for i, m in enumerate(history) if i >= args.warmup]
     summary = {"kind": "summary", "shape": args.shape, "device": device, "steps": len(rows),
@@ -157,6 +157,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {phase} s | " + " | ".join(f"{r.get(f'time/{phase}', float('nan')):.2f}"
                                                     for r in summaries) + " |")
     for key, label in (("throughput/generation_tokens_per_second", "generation tok/s"),
+                       ("throughput/effective_tokens_per_second", "effective tok/s (trained / step time)"),
+                       ("rollout/busy_fraction", "decode steps with ≥ half the slots busy"),
                        ("throughput/update_mfu", "update MFU"), ("response_length", "mean response tokens"),
                        ("switch/offload_gib", "offloaded GiB"), ("memory/update_peak_gib", "update peak GiB"),
                        ("memory/generation_peak_gib", "generation peak GiB")):

@@ -504,6 +504,11 @@ class HybridEngine:
                                         stop_token_ids=stop_token_ids, seed=seed,
                                         tempered_log_probs=tempered_log_probs, budget=budget, resume=resume)
 
+    def generation_report(self) -> dict[str, Any]:
+        """The generator's counters since it was made (decode steps, busy ones, CUDA graphs, KV cache: see
+        ``ReplicaGenerator.report``); empty before the first :meth:`generate`."""
+        return {} if self._generator is None else self._generator.report()
+
     # ---- reporting -----------------------------------------------------------------------------------------
     def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
         return {

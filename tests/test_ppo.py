@@ -132,6 +132,8 @@ def test_grpo_advantages_and_whitening():
     # Mean 2 and unbiased variance 1 over the masked positions.
     white = ppo.masked_whiten(T([[1.0, 2.0, 3.0, 4.0]]), T([[1.0, 1.0, 1.0, 0.0]]), eps=0.0)
     torch.testing.assert_close(white, T([[-1.0, 0.0, 1.0, 0.0]]))
+    # Nothing masked in (partial rollout's off-policy mask can leave a step none): zeros, not a division by zero.
+    assert ppo.masked_whiten(T([[1.0, 2.0]]), T([[0.0, 0.0]])).tolist() == [[0.0, 0.0]]
 
 
 def _reference_logp_entropy(full, labels, vocab_size, temperature):

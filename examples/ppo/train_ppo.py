@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -68,6 +69,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         validate_args(args, world)
     except ValueError as e:
         parser.error(str(e))
+    if args.partial_rollout and args.tis_imp_ratio_cap is None and not args.mask_offpolicy_in_partial_rollout:
+        warnings.warn("--partial-rollout without --tis-imp-ratio-cap or --mask-offpolicy-in-partial-rollout: the "
+                      "tokens of earlier weights train as if the current weights had made them", stacklevel=2)
     if args.kl_loss_coef is None:
         args.kl_loss_coef = 0.01 if args.algorithm == "grpo" else 0.0
     if args.save_interval is not None and args.save is None:
@@ -151,6 +155,12 @@ class Trainer:
             rl.padded_seq_length(a.max_new_tokens + self.prompts.max_length, sequence_parallel=a.sequence_parallel),
             a.micro_batch_size, self.tokenizer.vocab_size, a.temperature,
             max_tokens_per_micro_batch=a.max_tokens_per_micro_batch))
+        # --partial-rollout: this DP rank's samples across steps; a unit trains whole (a GRPO group, a PPO sample).
+        unit = a.num_samples_per_prompt if a.algorithm == "grpo" else 1
+        self.partial = None if not a.partial_rollout else rl.PartialRollout(
+            quota=a.global_batch_size // self.dp_size // unit, in_flight=a.partial_rollout_in_flight // self.dp_size,
+            samples_per_prompt=a.num_samples_per_prompt, unit_size=unit, max_staleness=a.max_staleness,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, vocab_size=self.tokenizer.vocab_size)
 
     @contextlib.contextmanager
     def _reference_on_device(self) -> Iterator[torch.nn.Module]:
@@ -161,14 +171,14 @@ class Trainer:
             if self.args.offload_reference:
                 self.reference.to("cpu")
 
-    def generate(self, prompts: list[list[int]], seed: int, *, greedy: bool = False) -> rl.Rollout:
+    def generate(self, prompts: list[list[int]], seed: int, *, greedy: bool = False, **partial: Any) -> rl.Rollout:
         from megatron.core.inference.sampling_params import SamplingParams
 
         a = self.args
         params = SamplingParams(temperature=a.temperature, top_k=1 if greedy else a.top_k,
                                 top_p=0.0 if greedy else a.top_p, num_tokens_to_generate=a.max_new_tokens)
         kwargs = dict(vocab_size=self.tokenizer.vocab_size, seed=seed,
-                      stop_token_ids=[] if self.tokenizer.eod is None else [self.tokenizer.eod])
+                      stop_token_ids=([] if self.tokenizer.eod is None else [self.tokenizer.eod]) + a.stop_token_ids)
         if self.engine is None:
             return rl.generate_in_training_layout(self.actor.model, prompts, params, **kwargs,
                                                   rollout_layout=self.rollout_layout,
@@ -176,7 +186,8 @@ class Trainer:
         offload = self.memory.offload()  # --offload-optimizer: always, never, or when the rollout needs the room
         return rl.generate_on_engine(self.engine, prompts, params, **kwargs, offload_grads=offload,
                                      offload_optimizer=self.actor.optimizer if offload else None,
-                                     config=self.memory.sized)  # --inference-memory-fraction: sized at the first
+                                     config=self.memory.sized,  # --inference-memory-fraction: sized at the first
+                                     **partial)  # budget=, resume=: --partial-rollout
 
     def evaluate(self) -> dict[str, float]:
         """Greedy exact-match accuracy on --eval-prompt-data, and its seconds (not in the step's ``time/step``)."""
@@ -194,6 +205,27 @@ class Trainer:
         scores = self.passes.scores(self.reward_model, batch)
         rl.check_finite(self.step + 1, {f"the rewards of --reward-model-load {self.args.reward_model_load}": scores})
         return scores
+
+    def partial_rollout(self, timer: rl.StepTimer) -> tuple[list[rl.Example], rl.Rollout, dict[str, Any]]:
+        """--partial-rollout's rollout (rl.partial): drop the stale units, admit prompts, generate on under the
+        budget of the units still needed; the step's finished units as examples and a Rollout of their samples
+        (``weight_versions``: the update count that made each token), and the step's counts."""
+        a, step, buffer = self.args, self.step, self.partial
+        counts = rl.partial.Counts()
+        buffer.drop_stale(step, counts)
+        buffer.admit(lambda index: self.prompts.example(index).tokens, counts)
+        resume, budget = buffer.requests(counts)
+        with timer.peak("generation"):  # nothing to generate when finished units already make the quota
+            rollout = self.generate([], seed=a.seed * 7919 + step, budget=budget, resume=resume)
+        generated = buffer.absorb(rollout.results, version=step)
+        units = buffer.take()
+        samples = [s for u in units for s in u.samples]
+        waiting, parked = buffer.held()
+        counts.extra = {"generated_tokens": generated, "waiting": waiting, "parked": parked,
+                        "staleness": rl.staleness_histogram(units, step, a.max_staleness)}
+        trained = dataclasses.replace(rollout, responses=[s.generated_tokens for s in samples],
+                                      log_probs=[s.generated_tempered_log_probs for s in samples], results=samples)
+        return [self.prompts.example(u.index) for u in units for _ in u.samples], trained, counts
 
     # -- losses (Megatron's loss_func of one micro-batch) -----------------------------------------------------
     def actor_loss(self, output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
@@ -224,13 +256,17 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         a, step = self.args, self.step
         timer = rl.StepTimer()
-        base = self.prompts.for_step(step, dp_rank=self.dp_rank, dp_size=self.dp_size)
-        examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
-        prompts = [e.tokens for e in examples]
-        with timer.peak("generation"):  # the switch's and the rollout's seconds are measured inside
-            rollout = self.generate(prompts, seed=a.seed * 7919 + step)
-        responses = rollout.responses
-        timer.add("generation", rollout.generation_seconds, tokens=rollout.num_tokens)
+        if self.partial is None:
+            base = self.prompts.for_step(step, dp_rank=self.dp_rank, dp_size=self.dp_size)
+            examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
+            with timer.peak("generation"):  # the switch's and the rollout's seconds are measured inside
+                rollout = self.generate([e.tokens for e in examples], seed=a.seed * 7919 + step)
+            generated, partial = rollout.num_tokens, None
+        else:  # finished samples of this step and earlier ones
+            examples, rollout, partial = self.partial_rollout(timer)
+            generated = partial.extra["generated_tokens"]
+        prompts, responses = [e.tokens for e in examples], rollout.responses
+        timer.add("generation", rollout.generation_seconds, tokens=generated)
         timer.add("switch", rollout.switch_seconds)
         switch_metrics = {"switch/to_rollout_seconds": rollout.switch_seconds_each_way[0],
                           "switch/to_training_seconds": rollout.switch_seconds_each_way[1],
@@ -242,10 +278,16 @@ class Trainer:
                               routed_experts=rollout.routed_experts)  # replayed by the actor's passes
         with timer.phase("reward"):
             batch.scores_B = scores = self.scores(prompts, responses, batch, examples)
+        decode, busy = rollout.decode_steps  # the generator's decode steps, and those with half its slots busy
+        switch_metrics.update({"rollout/decode_steps": decode, "rollout/busy_fraction": busy / max(decode, 1)})
         local: dict[str, Any] = {**switch_metrics, "reward_mean": float(scores.mean()),
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
         if self.prompts.has_answers:  # the exact-match accuracy, whatever the reward
             local["accuracy"] = rl.accuracy(self.tokenizer, responses, examples)
+        if partial is not None:
+            local.update(self.partial_metrics(partial))
+            if a.mask_offpolicy_in_partial_rollout:  # only the tokens of the weights that train take part
+                batch.mask_BN = batch.mask_BN * rl.partial.onpolicy_mask(rollout.results, step, batch.mask_BN)
         if a.max_tokens_per_micro_batch is not None and self.dp_size > 1:  # packed passes: balance the DP ranks
             batch, balance = rl.balance_batch(batch, group=self.dp_group,  # whole GRPO groups
                                               unit_size=a.num_samples_per_prompt if a.algorithm == "grpo" else 1)
@@ -312,20 +354,51 @@ class Trainer:
         local.update(epochs)
         metrics = rl.aggregate_metrics(local if self.reports else None, timer, switch_bytes=rollout.switch_bytes)
         metrics.update(step=step + 1, kl_coef=self.kl_ctl.value)
+        # The response tokens the step trained on (its samples' lengths), per second of the whole step.
+        metrics["throughput/effective_tokens_per_second"] = \
+            metrics["response_length"] * a.global_batch_size / metrics["time/step"]
         self.kl_ctl.update(metrics["kl"], a.global_batch_size)
         self.step += 1
         return metrics
+
+    def partial_metrics(self, counts: Any) -> dict[str, Any]:
+        """--partial-rollout's counts, summed over the DP replicas (a collective of the DP group), and the share
+        of the trained tokens at each staleness (0 ... --max-staleness versions)."""
+        buffer, extra = self.partial, counts.extra
+        keys = ("admitted", "resumed", "dropped", "waiting", "parked")
+        mine = [counts.admitted, counts.resumed, counts.dropped, extra["waiting"], extra["parked"], buffer.dropped,
+                buffer.admitted]
+        total = rl.partial.dp_sums(mine, self.dp_group)
+        return {**{f"partial/{k}": v for k, v in zip(keys, total)}, "partial/dropped_total": total[5],
+                "partial/admitted_total": total[6], "partial/staleness": extra["staleness"]}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:  # checkpointed by name: parameters, optimizers, schedulers
         return {"actor": self.actor, "critic": self.critic, "reference": self.reference}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"consumed_prompts": self.step * self.prompts.per_step(), "kl_controller": self.kl_ctl.state_dict()}
+    def state_dict(self) -> dict[str, Any]:  # called on every rank (--partial-rollout: a gather over DP)
+        state = {"consumed_prompts": self.step * self.prompts.per_step(), "kl_controller": self.kl_ctl.state_dict()}
+        if self.partial is not None:  # every DP replica's samples (the checkpoint's common part is rank 0's)
+            ranks: list[Any] = [None] * self.dp_size
+            dist.all_gather_object(ranks, self.partial.state_dict(), group=self.dp_group)
+            state["consumed_prompts"] = sum(r["admitted"] for r in ranks)
+            state["partial_rollout"] = {"dp_size": self.dp_size, "vocab_size": self.tokenizer.vocab_size,
+                                        "ranks": ranks}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.step = state["step"]
+        saved = state.get("partial_rollout")
+        if self.partial is not None and saved is not None:  # the same on every rank: a ValueError on all
+            rl.check_resumable(saved, dp_size=self.dp_size, vocab_size=self.tokenizer.vocab_size)
+            self.partial.load_state_dict(saved["ranks"][self.dp_rank])
+        elif self.partial is not None:  # from a synchronous run: admission goes on from its data position
+            self.partial.admitted = state["consumed_prompts"] // self.dp_size
+        elif saved is not None and dist.get_rank() == 0:
+            parked = sum(len(r["units"]) for r in saved["ranks"])
+            warnings.warn(f"--load: the checkpoint's {parked} partial-rollout units are dropped (this run has no "
+                          "--partial-rollout)", stacklevel=2)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:

@@ -18,22 +18,11 @@ from ..groups import RolloutGroups, collective_errors
 from ..layout import ParallelLayout
 from ..rollout_memory import RolloutMemoryProvider
 from .config import GenerationConfig
-from .replica import Budget, GenerationResult, ReplicaGenerator
+from .replica import Budget, GenerationResult, ReplicaGenerator, split_evenly
 from .validation import SEED_LIMIT, Limits, check_generate_call
 
 #: Each rollout replica's sampling stream: the call's seed plus this much per replica index (mod 2**64).
 REPLICA_SEED_STRIDE = 1_000_003
-
-
-def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) chunks of n items over ``parts`` takers, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for j in range(parts):
-        end = start + base + (1 if j < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
 
 
 def replica_seed(seed: int, replica: int) -> int:

@@ -72,6 +72,17 @@ class GenerationResult:
     never an input). Row i is token i of prompt + response; every rank of the replica gets all layers."""
 
 
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) chunks of n items over ``parts`` takers, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for j in range(parts):
+        end = start + base + (1 if j < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
 @dataclass(frozen=True)
 class Budget:
     """When a generate call stops before every sequence has ended (partial rollout): once ``finished`` of its
@@ -113,8 +124,6 @@ class Budget:
         """``count`` sequences in ``parts`` contiguous [start, end) chunks (micro-DP replicas' shares) of about
         equal size, cut only between groups."""
         if self.groups is None:
-            from .generator import split_evenly
-
             return split_evenly(count, parts)
         cuts, runs = [0], self._runs(count) + [count]
         for j in range(1, parts):  # the group start nearest each even cut, never before the previous cut
@@ -226,8 +235,9 @@ class ReplicaGenerator:
         self.compact = self.runner.use_graphs if config.compact_slots is None else config.compact_slots
         self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
         self.planner: Optional[StepPlanner] = None  # made with the runner's buffers, at the first call
-        self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "idle_slot_steps": 0,
-                      "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
+        # busy_steps: decode steps with at least half of the slots decoding.
+        self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "busy_steps": 0,
+                      "idle_slot_steps": 0, "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
                       "slot_moves": 0, "lockstep_steps": 0, "lockstep_idle_steps": 0, "lockstep_padded_rows": 0}
 
     # The runner's state, under the names tests and tools read it by.
@@ -311,7 +321,7 @@ class ReplicaGenerator:
         for result in results:
             result.weight_versions = [weight_version] * len(result.generated_tokens)
         sched = call.schedule.scheduler
-        for key in ("decode_steps", "idle_slot_steps"):
+        for key in ("decode_steps", "busy_steps", "idle_slot_steps"):
             self.stats[key] += getattr(sched, key)
         self.stats["max_active_slots"] = max(self.stats["max_active_slots"], sched.max_active)
         self.stats["calls"] += 1

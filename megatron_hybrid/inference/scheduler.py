@@ -25,6 +25,8 @@ class SlotScheduler:
         self.idle_slot_steps = 0
         """Free slots summed over decode steps that ran while a prompt waited (0 by construction)."""
         self.max_active = 0
+        self.busy_steps = 0
+        """Decode steps that ran with at least half of the slots decoding."""
 
     def admit(self) -> list[tuple[int, int]]:
         """Give free slots (lowest first) to waiting sequences; ``[(sequence, slot), ...]`` in waiting order."""
@@ -62,6 +64,8 @@ class SlotScheduler:
         if not running:
             return 0
         self.decode_steps += 1
+        if 2 * len(running) >= len(self.slots):
+            self.busy_steps += 1
         if self.waiting:
             self.idle_slot_steps += len(self.slots) - len(running)
         return running[-1] + 1

@@ -11,6 +11,7 @@ One module per piece, over megatron-core:
   tokens routed differently from the rollout; :mod:`.packing`: packed micro-batches (``--max-tokens-per-micro-batch``);
   :mod:`.balance`: the step's sequences moved between DP ranks so that each trains about the same tokens;
   :mod:`.memory_policy`: the rollout's KV cache sized to the card and the optimizer offloaded when needed;
+  :mod:`.partial`: partial rollout across steps (``--partial-rollout``: quotas, parked samples, staleness);
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
   rollout's log-probs at the sampling temperature and its costs;
@@ -29,6 +30,7 @@ One module per piece, over megatron-core:
 from .arguments import recompute_config, rollout_fp8_config
 from .balance import Balance, balance_batch, balanced_partition
 from .memory_policy import RolloutMemoryPolicy, graph_reserve_bytes, kv_bytes_per_token
+from .partial import PartialRollout, check_resumable, staleness_histogram
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, flag_values, reward_scores
@@ -63,4 +65,5 @@ __all__ += ["flag_values", "recompute_config", "rollout_fp8_config", "token_mean
 __all__ += ["Balance", "balance_batch", "balanced_partition"]
 __all__ += ["RolloutMemoryPolicy", "graph_reserve_bytes", "kv_bytes_per_token"]
 __all__ += ["peak_flops", "training_flops"]
+__all__ += ["PartialRollout", "check_resumable", "staleness_histogram"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

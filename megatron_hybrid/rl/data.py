@@ -241,6 +241,14 @@ class Prompts:
         per = n // dp_size
         return everything[dp_rank * per: (dp_rank + 1) * per]
 
+    def example(self, index: int) -> Example:
+        """The data set's prompt ``index`` (partial rollout admits prompts one by one, not a step's at a time): the
+        file's, cycling, or drawn at random from ``--seed`` and ``index``."""
+        if self.examples is not None:
+            return self.examples[index % len(self.examples)]
+        g = torch.Generator().manual_seed((self.args.seed << 32) + index)  # --seed < 2**32, index < 2**32
+        return Example(torch.randint(0, self.vocab, (self.args.prompt_length,), generator=g).tolist())
+
 
 def data_file_error(flag: str, path: str) -> Optional[str]:
     """Why ``path`` cannot be a ``flag`` prompt file without reading it (missing, unknown suffix, parquet without

@@ -40,6 +40,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, group=None, shift_mean
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)
     total, total_sq, count = stats.tolist()
+    if count == 0:  # nothing to whiten (every token masked: e.g. all off-policy under partial rollout's mask)
+        return x * mask
     mean = total / count
     var = (total_sq - count * mean * mean) / max(count - 1, 1)
     out = (x - mean) / math.sqrt(max(var, 0.0) + eps)

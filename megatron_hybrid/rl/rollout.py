@@ -38,6 +38,11 @@ class Rollout:
     routed_experts: Optional[list[torch.Tensor]] = None
     """With ``--moe-enable-routing-replay``: each sequence's routing record (``GenerationResult.routed_experts``,
     ``[len(prompt) + len(response) - 1, M, k]``), for :func:`~megatron_hybrid.rl.make_batch`."""
+    results: Optional[list] = None
+    """The generator's results (``GenerationResult``: finished or not, weight versions), on the HybridEngine."""
+    decode_steps: tuple[int, int] = (0, 0)
+    """This rank's rollout replica's decode steps in the call, and of them those with at least half of the slots
+    decoding (the generator busy); on the HybridEngine."""
 
     @property
     def switch_seconds(self) -> float:
@@ -66,32 +71,41 @@ def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
 @recorded("generate")
 def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *, vocab_size: int,
                        stop_token_ids: Sequence[int], seed: int, offload_optimizer: Optional[Any] = None,
-                       offload_grads: bool = False, config: Any = None) -> Rollout:
+                       offload_grads: bool = False, config: Any = None, budget: Any = None,
+                       resume: Sequence[Any] = ()) -> Rollout:
     """Switch to rollout (moving ``offload_optimizer``'s states and fp32 main parameters, and the gradient buffers
     with ``offload_grads``, to host memory), generate this rank's responses, switch back. ``config``: the
     :class:`~megatron_hybrid.inference.GenerationConfig` (see :func:`generation_config`), or a function that
     returns it, called after the switch (:meth:`~.memory_policy.RolloutMemoryPolicy.sized`: the cache sized to
-    what the switch left free)."""
+    what the switch left free). ``budget`` and ``resume``: the engine's (partial rollout: stop early, go on with
+    unfinished results of an earlier call); the responses are then the resumed ones, then the prompts', finished or
+    not (see ``Rollout.results``)."""
     with phase("switch to rollout"):
         engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
+    counters = engine.generation_report()
     start = time.perf_counter()
     try:
         if callable(config):
             config = config()
         results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                                  seed=seed, tempered_log_probs=True, config=config)
+                                  seed=seed, tempered_log_probs=True, config=config, budget=budget,
+                                  resume=resume)
     finally:  # also after an error (bad input is refused on every rank alike): the caller gets its training layout
         generated = time.perf_counter()
         with phase("switch to training"):
             engine.switch_to_training()
     back = time.perf_counter() - generated
+    after = engine.generation_report()
+    # (A generator made anew in the call, for another config, counted from 0.)
+    steps = tuple(after.get(k, 0) - counters.get(k, 0) if after.get(k, 0) >= counters.get(k, 0) else after[k]
+                  for k in ("decode_steps", "busy_steps"))
     return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
                    generation_seconds=generated - start, switch_bytes=float(report["total_bytes"]),
                    routed_experts=_routed_experts(results), switch_seconds_each_way=(report["switch_seconds"], back),
                    offload_seconds_each_way=(report.get("phases", {}).get("offload_seconds", 0.0),
                                              getattr(engine, "last_reload_seconds", 0.0)),
-                   offload_bytes=getattr(engine, "last_offload_bytes", 0))
+                   offload_bytes=getattr(engine, "last_offload_bytes", 0), results=results, decode_steps=steps)
 
 
 def _routed_experts(results: list) -> Optional[list[torch.Tensor]]:

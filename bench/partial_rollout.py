@@ -1,0 +1,111 @@
+"""Partial rollout against synchronous steps (issue 46, step 5): effective tokens/s and how busy the generator is.
+
+    python bench/partial_rollout.py --out bench/results/partial_rollout_h100.json     # one GPU, the 1.5B shape
+    python bench/partial_rollout.py --smoke                                           # a tiny model, any device
+    python bench/partial_rollout.py --table bench/results/partial_rollout_h100.json   # the rows as a table
+
+Two runs of the recipe's own Trainer through bench/rl_step.py (each in its own process: one model on the card at a
+time), same seeds and workload: GRPO on the 1.5B-like shape, ``--prompts`` prompts of 32-512 random tokens a step,
+4 samples each, at most 4,096 new tokens, ended by a stop token the random model samples about once in
+``--vocab-size`` tokens (response lengths geometric, long-tailed, cut at 4,096); ``--warmup`` steps, then
+``--steps`` measured. The first run is synchronous (a step waits for its longest sample); the second adds
+``--partial-rollout --max-staleness 1 --tis-imp-ratio-cap 2`` (a step trains once its quota of groups finished,
+the rest resume in the next step), with twice the step's prompts in flight. Per run: effective tokens/s (the
+response tokens trained per second of whole steps, the median over measured steps), the share of decode steps with
+at least half the slots decoding, the generation and step seconds, the staleness of the trained tokens, and the
+parked, resumed and dropped counts; then the ratio of the two effective rates. Rows (every measured step, a
+summary per run, the ratio) go to ``--out`` with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTIAL = ["--partial-rollout", "--max-staleness", "1", "--tis-imp-ratio-cap", "2"]
+KEYS = (("throughput/effective_tokens_per_second", "effective tok/s", ".0f"),
+        ("rollout/busy_fraction", "decode steps ≥ half the slots busy", ".2f"),
+        ("time/generation", "generation s", ".1f"), ("time/step", "step s", ".1f"),
+        ("throughput/generation_tokens_per_second", "generation tok/s", ".0f"),
+        ("response_length", "mean trained response tokens", ".0f"),
+        ("partial/resumed", "samples resumed", ".0f"), ("partial/parked", "groups parked", ".0f"),
+        ("partial/dropped", "groups dropped", ".0f"))
+
+
+def run(mode: str, args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
+    """One bench/rl_step.py run (``mode``: sync or partial); its rows, tagged with the mode."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "rl_step.py"), "--shape", args.shape,
+               "--vocab-size", str(args.vocab_size), "--prompts", str(args.prompts), "--prompt-range",
+               *map(str, args.prompt_range), "--max-new-tokens", str(args.max_new_tokens),
+               "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--inference-max-requests",
+               str(args.inference_max_requests), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--out", out, "--", *extra]
+        print(" ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT)
+        rows = json.load(open(out)) if os.path.exists(out) else []
+        if proc.returncode and not rows:
+            return [{"kind": "error", "mode": mode, "returncode": proc.returncode}]
+        return [{**r, "mode": mode} for r in rows]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    summaries = {r["mode"]: r for r in rows if r.get("kind") == "summary"}
+    lines = ["| | " + " | ".join(summaries) + " |", "|---|" + "---|" * len(summaries)]
+    for key, label, fmt in KEYS:
+        lines.append(f"| {label} | " + " | ".join(format(s[key], fmt) if key in s else "—"
+                                                  for s in summaries.values()) + " |")
+    ratio = [r for r in rows if r.get("kind") == "ratio"]
+    if ratio:
+        lines.append(f"\npartial / synchronous effective tokens/s: {ratio[-1]['effective_speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-1.5b")
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per step (4 samples each)")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512))
+    parser.add_argument("--max-new-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
+    parser.add_argument("--inference-max-requests", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps (warm-up + measured: 10 by default)")
+    parser.add_argument("--modes", nargs="+", choices=["sync", "partial"], default=["sync", "partial"])
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and batch on whatever device there is")
+    parser.add_argument("--out", default=None, help="JSON list the rows are appended to")
+    parser.add_argument("--table", default=None, metavar="JSON", help="print a results file's table and exit")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.load(open(args.table))))
+        return
+    if args.smoke:
+        args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 16, 4, (4, 12)
+        args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 256, 1, 2
+        args.inference_max_requests = 8
+    rows = []
+    for mode in args.modes:
+        rows += run(mode, args, PARTIAL if mode == "partial" else [])
+    summaries = {r["mode"]: r for r in rows if r.get("kind") == "summary"}
+    if len(summaries) == 2:
+        key = "throughput/effective_tokens_per_second"
+        rows.append({"kind": "ratio", "effective_speedup": summaries["partial"][key] / summaries["sync"][key],
+                     "command": " ".join(sys.argv), "device": summaries["sync"]["device"]})
+    if args.out:
+        existing = json.load(open(args.out)) if os.path.exists(args.out) else []
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(existing + rows, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
