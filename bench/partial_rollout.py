@@ -91,19 +91,24 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 16, 4, (4, 12)
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 256, 1, 2
         args.inference_max_requests = 8
-    rows = []
+    existing = json.load(open(args.out)) if args.out and os.path.exists(args.out) else []
+
+    def write(rows: list[dict[str, Any]]) -> None:  # after each run: a time limit leaves the runs measured
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(existing + rows, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+
+    rows: list[dict[str, Any]] = []
     for mode in args.modes:
         rows += run(mode, args, PARTIAL if mode == "partial" else [])
+        write(rows)
     summaries = {r["mode"]: r for r in rows if r.get("kind") == "summary"}
     if len(summaries) == 2:
         key = "throughput/effective_tokens_per_second"
         rows.append({"kind": "ratio", "effective_speedup": summaries["partial"][key] / summaries["sync"][key],
                      "command": " ".join(sys.argv), "device": summaries["sync"]["device"]})
-    if args.out:
-        existing = json.load(open(args.out)) if os.path.exists(args.out) else []
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(existing + rows, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write(rows)
     print(table(rows))
 
 
