@@ -104,6 +104,7 @@ class Trainer:
         self.dp_group, self.dp_rank, self.dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), \
             ps.get_data_parallel_world_size()
         self.reports = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        self.env = None  # --env: the multi-turn environments' runner (rl.envs)
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
 
@@ -151,8 +152,16 @@ class Trainer:
             "the critic's values": rl.flag_values(a, "lr" if a.critic_lr is None else "critic_lr"),
             "the token rewards": rl.flag_values(a, *kl),
             "the advantages": rl.flag_values(a, *kl)}
+        # --env: a sample's response is its turns and observations; its first prompt what the KV cache holds.
+        self.response_tokens, longest = a.max_new_tokens, self.prompts.max_length
+        if a.env is not None:
+            self.response_tokens = a.max_sample_tokens
+            longest = self.generation_config.max_sequence_length - a.max_new_tokens - a.max_sample_tokens
+            self.env = rl.EnvRunner(rl.load_env(a.env), name=a.env, vocab_size=self.tokenizer.vocab_size,
+                                    max_turns=a.max_turns, budget=a.max_sample_tokens, max_prompt_tokens=longest,
+                                    group=ps.get_model_parallel_group())
         self.passes = rl.TrainingPasses(rl.PassConfig(  # with --sequence-parallel a multiple of TP
-            rl.padded_seq_length(a.max_new_tokens + self.prompts.max_length, sequence_parallel=a.sequence_parallel),
+            rl.padded_seq_length(self.response_tokens + longest, sequence_parallel=a.sequence_parallel),
             a.micro_batch_size, self.tokenizer.vocab_size, a.temperature,
             max_tokens_per_micro_batch=a.max_tokens_per_micro_batch))
         # --partial-rollout: this DP rank's samples across steps; a unit trains whole (a GRPO group, a PPO sample).
@@ -206,6 +215,16 @@ class Trainer:
         rl.check_finite(self.step + 1, {f"the rewards of --reward-model-load {self.args.reward_model_load}": scores})
         return scores
 
+    def env_driver(self, examples: list[rl.Example], step: int) -> dict[str, Any]:
+        """--env: ``generate``'s driver, the samples' turns inside one rollout phase (rl.envs); else nothing."""
+        if self.env is None:
+            return {}
+        seed = self.args.seed * 7919 + step  # each turn its own sampling stream
+
+        def turn(call: Any) -> rl.Episodes:
+            return self.env.run(examples, lambda prompts, t: call(prompts, seed + 104_729 * t), step=step + 1)
+        return {"driver": turn}
+
     def partial_rollout(self, timer: rl.StepTimer) -> tuple[list[rl.Example], rl.Rollout, dict[str, Any]]:
         """--partial-rollout's rollout (rl.partial): drop the stale units, admit prompts, generate on under the
         budget of the units still needed; the step's finished units as examples and a Rollout of their samples
@@ -256,16 +275,20 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         a, step = self.args, self.step
         timer = rl.StepTimer()
+        partial = episodes = None
         if self.partial is None:
             base = self.prompts.for_step(step, dp_rank=self.dp_rank, dp_size=self.dp_size)
             examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
             with timer.peak("generation"):  # the switch's and the rollout's seconds are measured inside
-                rollout = self.generate([e.tokens for e in examples], seed=a.seed * 7919 + step)
-            generated, partial = rollout.num_tokens, None
+                rollout = self.generate([e.tokens for e in examples], seed=a.seed * 7919 + step,
+                                        **self.env_driver(examples, step))
+            generated, episodes = rollout.num_tokens, rollout.episodes
         else:  # finished samples of this step and earlier ones
             examples, rollout, partial = self.partial_rollout(timer)
             generated = partial.extra["generated_tokens"]
         prompts, responses = [e.tokens for e in examples], rollout.responses
+        if episodes is not None:  # --env: the environments' first prompts; observations are no model tokens
+            prompts, generated = episodes.prompts, episodes.model_tokens
         timer.add("generation", rollout.generation_seconds, tokens=generated)
         timer.add("switch", rollout.switch_seconds)
         switch_metrics = {"switch/to_rollout_seconds": rollout.switch_seconds_each_way[0],
@@ -273,17 +296,23 @@ class Trainer:
                           "switch/offload_seconds": rollout.offload_seconds_each_way[0],
                           "switch/reload_seconds": rollout.offload_seconds_each_way[1],
                           "switch/offload_gib": rollout.offload_bytes / 2**30}
-        batch = rl.make_batch(prompts, responses, max_new_tokens=a.max_new_tokens, rollout_log_probs=rollout.log_probs,
-                              seq_length=self.passes.config.seq_length, device=self.device,
-                              routed_experts=rollout.routed_experts)  # replayed by the actor's passes
+        batch = rl.make_batch(prompts, responses, max_new_tokens=self.response_tokens,
+                              rollout_log_probs=rollout.log_probs, seq_length=self.passes.config.seq_length,
+                              device=self.device, routed_experts=rollout.routed_experts,  # replayed by the actor
+                              loss_masks=None if episodes is None else episodes.loss_masks)
         with timer.phase("reward"):
-            batch.scores_B = scores = self.scores(prompts, responses, batch, examples)
+            batch.scores_B = scores = self.scores(prompts, responses, batch, examples) if episodes is None else \
+                torch.tensor(episodes.rewards)
         decode, busy = rollout.decode_steps  # the generator's decode steps, and those with half its slots busy
         switch_metrics.update({"rollout/decode_steps": decode, "rollout/busy_fraction": busy / max(decode, 1)})
         local: dict[str, Any] = {**switch_metrics, "reward_mean": float(scores.mean()),
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
-        if self.prompts.has_answers:  # the exact-match accuracy, whatever the reward
+        if self.prompts.has_answers and episodes is None:  # the exact-match accuracy, whatever the reward
             local["accuracy"] = rl.accuracy(self.tokenizer, responses, examples)
+        if episodes is not None:
+            local.update({"env/turns": sum(episodes.turns) / max(len(episodes.turns), 1),
+                          "env/truncated_fraction": episodes.truncated / max(len(episodes.turns), 1),
+                          "env/seconds": episodes.env_seconds})
         if partial is not None:
             local.update(self.partial_metrics(partial))
             if a.mask_offpolicy_in_partial_rollout:  # only the tokens of the weights that train take part

@@ -12,6 +12,7 @@ One module per piece, over megatron-core:
   :mod:`.balance`: the step's sequences moved between DP ranks so that each trains about the same tokens;
   :mod:`.memory_policy`: the rollout's KV cache sized to the card and the optimizer offloaded when needed;
   :mod:`.partial`: partial rollout across steps (``--partial-rollout``: quotas, parked samples, staleness);
+  :mod:`.envs`: multi-turn environments (``--env``: reset/step, loss masks over observations);
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
   rollout's log-probs at the sampling temperature and its costs;
@@ -31,6 +32,7 @@ from .arguments import recompute_config, rollout_fp8_config
 from .balance import Balance, balance_batch, balanced_partition
 from .memory_policy import RolloutMemoryPolicy, graph_reserve_bytes, kv_bytes_per_token
 from .partial import PartialRollout, check_resumable, staleness_histogram
+from .envs import Environment, EnvRunner, Episodes, load_env, max_response_tokens
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data
 from .faults import StepFailure, check_finite, flag_values, reward_scores
@@ -66,4 +68,5 @@ __all__ += ["Balance", "balance_batch", "balanced_partition"]
 __all__ += ["RolloutMemoryPolicy", "graph_reserve_bytes", "kv_bytes_per_token"]
 __all__ += ["peak_flops", "training_flops"]
 __all__ += ["PartialRollout", "check_resumable", "staleness_histogram"]
+__all__ += ["Environment", "EnvRunner", "Episodes", "load_env", "max_response_tokens"]
 __all__ += ["PhaseRecorder", "PhaseTimeout", "phase", "recorded", "recording"]

@@ -361,6 +361,15 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "rollout records every token's top-k experts per MoE layer and the actor's log-prob and update "
                    "passes route each token to them (megatron-core's RouterReplay); logs moe/routing_mismatch_tokens")
     add_partial_rollout_args(parser)
+    g = parser.add_argument_group("multi-turn environments (megatron_hybrid/rl/envs.py)")
+    g.add_argument("--env", default=None, help="module:Class, made once per sample: reset(example) -> first prompt "
+                   "tokens, step(model tokens) -> (observation tokens, reward, done); the sample's reward is the sum "
+                   "of its steps', observation tokens never train")
+    g.add_argument("--max-turns", type=int, default=None, help="with --env: generate calls per sample at most "
+                   "(default 4)")
+    g.add_argument("--max-sample-tokens", type=int, default=None, help="with --env: a sample's response tokens "
+                   "(its turns and the observations between them) at most; a sample reaching it ends there, counted "
+                   "(default: --max-new-tokens x --max-turns)")
     g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
                    "package)")
@@ -384,6 +393,30 @@ def add_partial_rollout_args(parser: argparse.ArgumentParser) -> None:
                    "held in flight over all DP replicas, parked ones included, so the generator stays busy while "
                    "the step's quota finishes (default: twice the step's prompts, --global-batch-size / "
                    "--num-samples-per-prompt)")
+
+
+def _validate_env(args: argparse.Namespace) -> None:
+    given = [f for f, on in (("--max-turns", args.max_turns is not None),
+                             ("--max-sample-tokens", args.max_sample_tokens is not None)) if on]
+    if args.env is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} needs --env")
+        return
+    from .envs import load_env
+
+    load_env(args.env)
+    args.max_turns = 4 if args.max_turns is None else args.max_turns
+    args.max_sample_tokens = args.max_sample_tokens or args.max_new_tokens * args.max_turns
+    refused = [flag for flag, on in (("--partial-rollout", args.partial_rollout),
+                                     ("--no-hybrid-rollout", args.no_hybrid_rollout),
+                                     ("--moe-enable-routing-replay", args.moe_enable_routing_replay),
+                                     ("--reward-fn", args.reward_fn is not None),
+                                     ("--reward-type", args.reward_type is not None),
+                                     ("--reward-model-load", args.reward_model_load is not None)) if on]
+    if refused:
+        raise ValueError(f"--env ({args.env}) does not work with {refused[0]} (the environment gives the rewards; "
+                         "multi-turn rollouts run on the HybridEngine, without partial rollout or routing replay "
+                         "for now)")
 
 
 def _validate_partial_rollout(args: argparse.Namespace, *, t: int, p: int, d: int) -> None:
@@ -429,7 +462,8 @@ _RANGES: dict[str, dict] = {
                      "inference_max_seq_length", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                      "moe_shared_expert_intermediate_size", "expert_model_parallel_size",
                      "expert_tensor_parallel_size", "rollout_expert_model_parallel_size",
-                     "rollout_expert_tensor_parallel_size", "max_tokens_per_micro_batch"), {"ge": 1}),
+                     "rollout_expert_tensor_parallel_size", "max_tokens_per_micro_batch", "max_turns",
+                     "max_sample_tokens"), {"ge": 1}),
     **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
                      "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters",
                      "moe_aux_loss_coeff"),
@@ -515,6 +549,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.algorithm == "grpo" and args.num_samples_per_prompt < 2:
         raise ValueError(f"--algorithm grpo needs --num-samples-per-prompt ≥ 2 (got {args.num_samples_per_prompt})")
     _validate_partial_rollout(args, t=t, p=p, d=d)
+    _validate_env(args)
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
                          f"({args.hidden_size})")

@@ -48,12 +48,14 @@ class Batch:
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_tokens: int, seq_length: int,
                device: torch.device, rollout_log_probs: Optional[list[list[float]]] = None,
-               routed_experts: Optional[list[torch.Tensor]] = None) -> Batch:
+               routed_experts: Optional[list[torch.Tensor]] = None,
+               loss_masks: Optional[list[list[int]]] = None) -> Batch:
     """The batch of ``prompts[b] + responses[b]``; scores are zero until the reward is known.
     ``rollout_log_probs``: the generator's log-probs of the response tokens, kept as ``data["rollout_logp"]``
     (``[B, N]``, zero-padded). ``routed_experts``: the generator's routing records
     (``GenerationResult.routed_experts``), kept on the host as ``data["routed_experts"]`` (``[B, S, M, k]``, -1
-    where nothing was recorded; :mod:`.routing`): the passes then replay or count them."""
+    where nothing was recorded; :mod:`.routing`): the passes then replay or count them. ``loss_masks``: per
+    response, 1 at the tokens that train and 0 at the others (a multi-turn sample's observations), in the mask."""
     B, N = len(prompts), max_new_tokens
     tokens = torch.zeros(B, seq_length, dtype=torch.long)
     index = torch.zeros(B, N, dtype=torch.long)
@@ -64,7 +66,7 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], *, max_new_
         tokens[b, : len(seq)] = torch.tensor(seq)
         # Padding positions past a short response point inside the sequence; the mask drops them.
         index[b] = (len(p) - 1 + torch.arange(N)).clamp(max=seq_length - 2)
-        mask[b, : len(r)] = 1.0
+        mask[b, : len(r)] = 1.0 if loss_masks is None else torch.tensor(loss_masks[b], dtype=mask.dtype)
         end[b] = len(seq) - 1
     data = {"end": end.to(device)}
     if rollout_log_probs is not None:

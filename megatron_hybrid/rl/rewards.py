@@ -119,19 +119,21 @@ def text_reward(score: Callable[[str, Optional[str]], float], tokenizer: Tokeniz
     return reward
 
 
-def load_callable(spec: str) -> Callable:
-    """``--reward-fn``'s ``module:function`` → the function; ``ValueError`` naming the spec when it is not there."""
+def load_callable(spec: str, flag: str = "--reward-fn") -> Callable:
+    """``flag``'s ``module:function`` (or ``module:Class``) → the function; ``ValueError`` naming the flag and the
+    spec when it is not there."""
+    kind = "function" if flag == "--reward-fn" else "Class"
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--reward-fn ({spec!r}) must be 'module:function'")
+        raise ValueError(f"{flag} ({spec!r}) must be 'module:{kind}'")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # the user's module runs on import: a SyntaxError, a missing package, its own raise
-        raise ValueError(f"--reward-fn ({spec!r}): cannot import module {module_name!r}: {type(e).__name__}: "
+        raise ValueError(f"{flag} ({spec!r}): cannot import module {module_name!r}: {type(e).__name__}: "
                          f"{e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"--reward-fn ({spec!r}): module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{flag} ({spec!r}): module {module_name!r} has no {kind.lower()} {attr!r}")
     return fn
 
 

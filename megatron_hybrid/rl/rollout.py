@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -40,6 +40,8 @@ class Rollout:
     ``[len(prompt) + len(response) - 1, M, k]``), for :func:`~megatron_hybrid.rl.make_batch`."""
     results: Optional[list] = None
     """The generator's results (``GenerationResult``: finished or not, weight versions), on the HybridEngine."""
+    episodes: Any = None
+    """With a ``driver`` (``--env``): its :class:`~.envs.Episodes` (first prompts, loss masks, rewards)."""
     decode_steps: tuple[int, int] = (0, 0)
     """This rank's rollout replica's decode steps in the call, and of them those with at least half of the slots
     decoding (the generator busy); on the HybridEngine."""
@@ -60,10 +62,13 @@ def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
     ``--inference-max-seq-length`` positions (default: ``max_prompt_length`` + ``--max-new-tokens``). Sizing the
     slots to the model's whole context instead would cost, for a 135 M-parameter model with 8,192 positions and
     64 slots, 24 GiB of cache."""
-    length = args.inference_max_seq_length or max_prompt_length + args.max_new_tokens
-    if length < max_prompt_length + args.max_new_tokens:
+    # With --env a turn's prompt is the first prompt and the sample's response so far (up to --max-sample-tokens).
+    new = args.max_new_tokens + (args.max_sample_tokens if getattr(args, "env", None) else 0)
+    what = "--max-new-tokens" + (" + --max-sample-tokens" if getattr(args, "env", None) else "")
+    length = args.inference_max_seq_length or max_prompt_length + new
+    if length < max_prompt_length + new:
         raise ValueError(f"--inference-max-seq-length ({length}) must hold the longest prompt ({max_prompt_length} "
-                         f"tokens) plus --max-new-tokens ({args.max_new_tokens})")
+                         f"tokens) plus {what} ({new})")
     return GenerationConfig(max_batch_size=args.inference_max_requests, max_sequence_length=max(length, 2),
                             record_routing=args.moe_enable_routing_replay)
 
@@ -72,14 +77,16 @@ def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
 def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *, vocab_size: int,
                        stop_token_ids: Sequence[int], seed: int, offload_optimizer: Optional[Any] = None,
                        offload_grads: bool = False, config: Any = None, budget: Any = None,
-                       resume: Sequence[Any] = ()) -> Rollout:
+                       resume: Sequence[Any] = (), driver: Optional[Callable] = None) -> Rollout:
     """Switch to rollout (moving ``offload_optimizer``'s states and fp32 main parameters, and the gradient buffers
     with ``offload_grads``, to host memory), generate this rank's responses, switch back. ``config``: the
     :class:`~megatron_hybrid.inference.GenerationConfig` (see :func:`generation_config`), or a function that
     returns it, called after the switch (:meth:`~.memory_policy.RolloutMemoryPolicy.sized`: the cache sized to
     what the switch left free). ``budget`` and ``resume``: the engine's (partial rollout: stop early, go on with
     unfinished results of an earlier call); the responses are then the resumed ones, then the prompts', finished or
-    not (see ``Rollout.results``)."""
+    not (see ``Rollout.results``). ``driver``: instead of one generate call, ``driver(call)`` inside the one rollout
+    phase, where ``call(prompts, seed)`` generates; it returns :class:`~.envs.Episodes` (``--env``: a call per
+    turn), whose responses and log-probs the Rollout holds."""
     with phase("switch to rollout"):
         engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
@@ -88,9 +95,14 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
     try:
         if callable(config):
             config = config()
-        results = engine.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                                  seed=seed, tempered_log_probs=True, config=config, budget=budget,
-                                  resume=resume)
+        def call(inputs: list[list[int]], call_seed: int, **kw: Any) -> list:
+            return engine.generate(inputs, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                   seed=call_seed, tempered_log_probs=True, config=config, **kw)
+
+        if driver is None:
+            results, episodes = call(prompts, seed, budget=budget, resume=resume), None
+        else:
+            results, episodes = None, driver(call)
     finally:  # also after an error (bad input is refused on every rank alike): the caller gets its training layout
         generated = time.perf_counter()
         with phase("switch to training"):
@@ -100,12 +112,15 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
     # (A generator made anew in the call, for another config, counted from 0.)
     steps = tuple(after.get(k, 0) - counters.get(k, 0) if after.get(k, 0) >= counters.get(k, 0) else after[k]
                   for k in ("decode_steps", "busy_steps"))
-    return Rollout([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results],
-                   generation_seconds=generated - start, switch_bytes=float(report["total_bytes"]),
-                   routed_experts=_routed_experts(results), switch_seconds_each_way=(report["switch_seconds"], back),
+    responses, log_probs = (episodes.responses, episodes.log_probs) if episodes is not None else \
+        ([r.generated_tokens for r in results], [r.generated_tempered_log_probs for r in results])
+    return Rollout(responses, log_probs, generation_seconds=generated - start,
+                   switch_bytes=float(report["total_bytes"]), routed_experts=_routed_experts(results or []),
+                   switch_seconds_each_way=(report["switch_seconds"], back),
                    offload_seconds_each_way=(report.get("phases", {}).get("offload_seconds", 0.0),
                                              getattr(engine, "last_reload_seconds", 0.0)),
-                   offload_bytes=getattr(engine, "last_offload_bytes", 0), results=results, decode_steps=steps)
+                   offload_bytes=getattr(engine, "last_offload_bytes", 0), results=results, decode_steps=steps,
+                   episodes=episodes)
 
 
 def _routed_experts(results: list) -> Optional[list[torch.Tensor]]:

@@ -37,10 +37,11 @@ def check_token_budget(args: argparse.Namespace, *, longest_prompt: int) -> None
     """``ValueError`` when ``--max-tokens-per-micro-batch`` cannot hold the longest training sequence (the longest
     prompt + ``--max-new-tokens``): a packed micro-batch never splits a sequence."""
     budget = getattr(args, "max_tokens_per_micro_batch", None)
-    if budget is not None and budget < longest_prompt + args.max_new_tokens:
+    new, flag = (args.max_sample_tokens, "--max-sample-tokens") if getattr(args, "env", None) else \
+        (args.max_new_tokens, "--max-new-tokens")
+    if budget is not None and budget < longest_prompt + new:
         raise ValueError(f"--max-tokens-per-micro-batch ({budget}) must be at least the longest sequence: the longest "
-                         f"prompt ({longest_prompt} tokens) + --max-new-tokens ({args.max_new_tokens}) = "
-                         f"{longest_prompt + args.max_new_tokens}")
+                         f"prompt ({longest_prompt} tokens) + {flag} ({new}) = {longest_prompt + new}")
 
 
 def load_task(args: argparse.Namespace) -> Task:

@@ -1,0 +1,210 @@
+"""Multi-turn environments (``--env module:Class``): the model answers, the environment replies, the model goes on;
+only the model's own tokens train.
+
+An environment is a class the recipe makes once per sample (``Class()``), with two methods::
+
+    class MyEnv:
+        def reset(self, example: rl.Example) -> list[int]:
+            ...  # the first prompt's token ids (e.g. example.tokens, or a system turn around them)
+        def step(self, tokens: list[int]) -> tuple[list[int], float, bool]:
+            ...  # the model's tokens of this turn -> (observation token ids, reward, done)
+
+A sample's rollout (:class:`EnvRunner`): ``reset``, then up to ``--max-turns`` turns of generating (each turn a
+generate call over the sample's whole sequence so far, prefilled again) and ``step``; the observation is appended
+to the sequence unless the episode is done. The sample's response is everything after the first prompt; its loss
+mask is 1 at the model's tokens and 0 at the observations' (context, never trained); its reward is the sum of its
+steps' rewards. A sample whose response reaches ``--max-sample-tokens`` is cut there and ends (counted).
+
+Each sample's environment lives on one rank of its training replica (sample i on rank i mod the replica's
+model-parallel size), and what it returns is gathered to the others, so it runs once however the replica is laid
+out. What an environment returns is checked (token ids in the vocabulary, a finite reward, tokens that fit); a bad
+value or an exception stops every rank with a :class:`~.faults.StepFailure` naming the sample, before anything of
+the step is saved.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch.distributed as dist
+
+from .data import Example
+from .faults import raise_on_every_rank
+
+
+class Environment(Protocol):
+    """What ``--env module:Class`` names (module docstring)."""
+
+    def reset(self, example: Example) -> list[int]: ...
+
+    def step(self, tokens: list[int]) -> tuple[list[int], float, bool]: ...
+
+
+@dataclass
+class Episodes:
+    """One step's multi-turn samples on this rank (its training replica's, in order)."""
+
+    prompts: list[list[int]]
+    """Each sample's first prompt (``reset``'s)."""
+    responses: list[list[int]] = field(default_factory=list)
+    """Everything after it: the model's turns and the observations between them."""
+    log_probs: list[list[float]] = field(default_factory=list)
+    """The rollout's log-probs of the response tokens (at the sampling temperature); 0.0 at observation tokens."""
+    loss_masks: list[list[int]] = field(default_factory=list)
+    """1 at the model's tokens, 0 at the observations'."""
+    rewards: list[float] = field(default_factory=list)
+    """The sum of each sample's step rewards."""
+    turns: list[int] = field(default_factory=list)
+    """The generate calls each sample took part in."""
+    truncated: int = 0
+    """Samples cut at the token budget."""
+    env_seconds: float = 0.0
+    """This rank's seconds in ``reset`` and ``step``."""
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(sum(m) for m in self.loss_masks)
+
+
+#: generate(prompts, turn) -> one ``GenerationResult`` per prompt (the engine's, at the sampling temperature).
+Generate = Callable[[list[list[int]], int], list]
+
+
+class EnvRunner:
+    """Runs a step's samples through their environments (module docstring). ``group``: the training replica's
+    model-parallel group (None: this rank alone); ``max_prompt_tokens``: the longest first prompt the rollout's
+    KV cache was sized for."""
+
+    def __init__(self, make_env: Callable[[], Any], *, name: str, vocab_size: int, max_turns: int, budget: int,
+                 max_prompt_tokens: int, group: Any = None) -> None:
+        self.make_env, self.name, self.vocab_size = make_env, name, vocab_size
+        self.max_turns, self.budget, self.max_prompt_tokens, self.group = max_turns, budget, max_prompt_tokens, group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+
+    # -- one call on every sample this rank owns, checked, gathered --------------------------------------------------
+    def _on_owners(self, indices: list[int], fn: Callable[[int], Any], *, step: int, what: str,
+                   episodes: Episodes) -> dict[int, Any]:
+        """``fn(i)`` for the samples ``indices`` this rank owns; the failures stop every rank (one all-reduce of
+        the world), the values are gathered over the replica."""
+        mine: dict[int, Any] = {}
+        errors = []
+        start = time.perf_counter()
+        for i in indices:
+            if i % self.size != self.rank:
+                continue
+            try:
+                mine[i] = fn(i)
+            except Exception as e:  # the user's environment, or a check of what it returned
+                errors.append(f"--env {self.name}: sample {i}'s {what}: {type(e).__name__}: {e}")
+        episodes.env_seconds += time.perf_counter() - start
+        raise_on_every_rank(step, errors)
+        if self.size == 1:
+            return mine
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {i: v for part in everyone for i, v in part.items()}
+
+    def _tokens(self, tokens: Any, what: str) -> list[int]:
+        if not isinstance(tokens, (list, tuple)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens):
+            raise ValueError(f"{what} must be a list of token ids, not {tokens!r:.80}")
+        bad = [int(t) for t in tokens if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} holds token {bad[0]}, outside the vocabulary [0, {self.vocab_size - 1}]")
+        return [int(t) for t in tokens]
+
+    def _reset(self, envs: dict[int, Any], examples: list[Example], i: int) -> list[int]:
+        envs[i] = self.make_env()
+        tokens = self._tokens(envs[i].reset(examples[i]), "reset's prompt")
+        if not tokens or len(tokens) > self.max_prompt_tokens:
+            raise ValueError(f"reset's prompt has {len(tokens)} tokens: it needs 1 to {self.max_prompt_tokens} (the "
+                             "longest prompt the rollout's KV cache holds beside --max-sample-tokens; raise "
+                             "--inference-max-seq-length)")
+        return tokens
+
+    def _step(self, envs: dict[int, Any], i: int, tokens: list[int]) -> tuple[list[int], float, bool]:
+        out = envs[i].step(list(tokens))
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise ValueError(f"step must return (observation tokens, reward, done), not {out!r:.80}")
+        observation, reward, done = out
+        observation = self._tokens(observation, "step's observation")
+        if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise ValueError(f"step's reward ({reward!r}) must be a finite number")
+        return observation, float(reward), bool(done)
+
+    # -- a step's samples ---------------------------------------------------------------------------------------
+    def run(self, examples: list[Example], generate: Generate, *, step: int) -> Episodes:
+        """Reset every sample's environment, then turns of ``generate`` and ``step`` until every sample is done
+        (or took ``max_turns`` turns). Called on every rank: the world runs as many turns as its longest
+        replica (a replica with nothing left generates for no prompts), and every rank of a replica returns the
+        same episodes."""
+        from ..communication import agree_max
+
+        envs: dict[int, Any] = {}
+        n = len(examples)
+        episodes = Episodes([])
+        firsts = self._on_owners(list(range(n)), lambda i: self._reset(envs, examples, i), step=step,
+                                 what="reset", episodes=episodes)
+        episodes.prompts = [firsts[i] for i in range(n)]
+        episodes.responses, episodes.log_probs = [[] for _ in range(n)], [[] for _ in range(n)]
+        episodes.loss_masks, episodes.rewards, episodes.turns = [[] for _ in range(n)], [0.0] * n, [0] * n
+        live = list(range(n))
+        for turn in range(self.max_turns):
+            if not agree_max([len(live)], dist.group.WORLD)[0]:
+                break
+            results = generate([episodes.prompts[i] + episodes.responses[i] for i in live], turn)
+            said: dict[int, list[int]] = {}  # each sample's tokens of this turn (cut at the budget)
+            for i, r in zip(live, results):
+                room = self.budget - len(episodes.responses[i])
+                said[i] = list(r.generated_tokens)[:room]
+                episodes.responses[i] += said[i]
+                episodes.log_probs[i] += list(r.generated_tempered_log_probs)[:room]
+                episodes.loss_masks[i] += [1] * len(said[i])
+                episodes.turns[i] += 1
+                if len(r.generated_tokens) > room:
+                    episodes.truncated += 1
+            replies = self._on_owners(live, lambda i: self._step(envs, i, said[i]), step=step,
+                                      what=f"step (turn {turn + 1})", episodes=episodes)
+            going = []
+            for i in live:
+                observation, reward, done = replies[i]
+                episodes.rewards[i] += reward
+                if done or turn + 1 == self.max_turns or len(episodes.responses[i]) >= self.budget:
+                    continue
+                room = self.budget - len(episodes.responses[i])
+                if len(observation) >= room:  # no room left for the model to answer: cut here
+                    episodes.responses[i] += observation[:room]
+                    episodes.log_probs[i] += [0.0] * min(len(observation), room)
+                    episodes.loss_masks[i] += [0] * min(len(observation), room)
+                    episodes.truncated += 1
+                    continue
+                episodes.responses[i] += observation
+                episodes.log_probs[i] += [0.0] * len(observation)
+                episodes.loss_masks[i] += [0] * len(observation)
+                going.append(i)
+            live = going
+        return episodes
+
+
+def load_env(spec: str) -> Callable[[], Any]:
+    """``--env module:Class`` → the class; ``ValueError`` naming the spec when it is not there or lacks
+    ``reset``/``step``."""
+    from .rewards import load_callable
+
+    cls = load_callable(spec, flag="--env")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"--env ({spec!r}) has no {' or '.join(missing)} method: an environment has "
+                         "reset(example) -> tokens and step(tokens) -> (observation tokens, reward, done)")
+    return cls
+
+
+def max_response_tokens(args: Any) -> int:
+    """The most response tokens a sample has: ``--max-sample-tokens`` with ``--env`` (model turns and
+    observations), else ``--max-new-tokens``."""
+    return args.max_sample_tokens if getattr(args, "env", None) else args.max_new_tokens

@@ -1,0 +1,47 @@
+"""Environments for the multi-turn tests (``--env tests.env_fixtures:Class``; megatron_hybrid/rl/envs.py)."""
+
+from __future__ import annotations
+
+#: The built-in task's target token (the recipe's --target-token default).
+TARGET = 3
+
+
+class ThreeTurns:
+    """Three turns: after each model turn the environment answers with the observation [1, 2] (after the third it is
+    done); each step's reward is the share of that turn's model tokens equal to the target token, over 3."""
+
+    def reset(self, example):
+        self.turn = 0
+        return list(example.tokens)
+
+    def step(self, tokens):
+        self.turn += 1
+        reward = sum(t == TARGET for t in tokens) / max(len(tokens), 1) / 3
+        return [1, 2], reward, self.turn == 3
+
+
+class OutOfVocabulary(ThreeTurns):
+    def step(self, tokens):
+        return [1, 99], 0.0, False
+
+
+class NotFinite(ThreeTurns):
+    def step(self, tokens):
+        return [1], float("nan"), False
+
+
+class Raises(ThreeTurns):
+    def step(self, tokens):
+        raise KeyError("the tool is down")
+
+
+class LongObservation(ThreeTurns):
+    """An observation of 30 tokens: past any small --max-sample-tokens."""
+
+    def step(self, tokens):
+        return [2] * 30, 1.0, False
+
+
+class NoStep:
+    def reset(self, example):
+        return list(example.tokens)

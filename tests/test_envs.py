@@ -1,0 +1,136 @@
+"""Multi-turn environments (issue 47, steps 1-2; megatron_hybrid/rl/envs.py): the turn loop against hand-made
+generations, what a bad environment gets, the loss masks over observations, and the recipe with ``--env`` on 4 gloo
+ranks (training TP 2 × DP 2, rollout TP 1)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_hybrid import rl
+from megatron_hybrid.inference import GenerationResult
+from megatron_hybrid.rl import ppo
+from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args
+from tests import env_fixtures, ppo_cases
+from tests.harness import run_distributed
+
+EXAMPLES = [rl.Example([7, 8]), rl.Example([9])]
+
+
+def runner_case(env: str, budget: int, max_turns: int = 3) -> dict:
+    """An :class:`~megatron_hybrid.rl.EnvRunner` over two samples whose generator answers turn t with the tokens
+    [3, t] (log-probs -0.5); the episodes, or the error it raised, and every prompt it generated for."""
+    prompts_seen = []
+
+    def generate(prompts, turn):
+        prompts_seen.append([list(p) for p in prompts])
+        return [GenerationResult(list(p), [3, turn], [-1.0, -1.0], [-0.5, -0.5]) for p in prompts]
+
+    runner = rl.EnvRunner(getattr(env_fixtures, env), name=f"tests.env_fixtures:{env}", vocab_size=16,
+                          max_turns=max_turns, budget=budget, max_prompt_tokens=4)
+    try:
+        episodes = runner.run(EXAMPLES, generate, step=5)
+    except rl.StepFailure as e:
+        return {"error": str(e)}
+    return {"episodes": vars(episodes), "prompts": prompts_seen}
+
+
+def test_turns_append_the_observations_and_mask_them():
+    out = run_distributed(runner_case, 1, "ThreeTurns", 100)[0]
+    ep = out["episodes"]
+    # Turn t's model tokens [3, t], then the observation [1, 2] (not after the third, done, turn).
+    assert ep["responses"] == [[3, 0, 1, 2, 3, 1, 1, 2, 3, 2]] * 2
+    assert ep["loss_masks"] == [[1, 1, 0, 0, 1, 1, 0, 0, 1, 1]] * 2
+    assert ep["log_probs"] == [[-0.5, -0.5, 0.0, 0.0, -0.5, -0.5, 0.0, 0.0, -0.5, -0.5]] * 2
+    # Each turn's prompt is the first prompt and the response so far: the whole sequence prefilled again.
+    assert out["prompts"][1] == [[7, 8, 3, 0, 1, 2], [9, 3, 0, 1, 2]]
+    assert ep["rewards"] == pytest.approx([0.5, 0.5])  # half of each turn's tokens are the target, over 3 turns
+    assert ep["turns"] == [3, 3] and ep["truncated"] == 0 and ep["prompts"] == [[7, 8], [9]]
+
+
+def test_a_sample_at_its_token_budget_ends_there_counted():
+    # LongObservation answers 30 tokens: past the budget of 12 after the first turn's 2 model tokens.
+    ep = run_distributed(runner_case, 1, "LongObservation", 12)[0]["episodes"]
+    assert ep["responses"] == [[3, 0] + [2] * 10] * 2 and ep["loss_masks"] == [[1, 1] + [0] * 10] * 2
+    assert ep["truncated"] == 2 and ep["turns"] == [1, 1]
+    # A model turn past the budget is cut too.
+    ep = run_distributed(runner_case, 1, "ThreeTurns", 5)[0]["episodes"]
+    assert ep["responses"] == [[3, 0, 1, 2, 3]] * 2 and ep["truncated"] == 2
+
+
+@pytest.mark.parametrize("env, message", [
+    ("OutOfVocabulary", "sample 0's step (turn 1): ValueError: step's observation holds token 99, outside the "
+                        "vocabulary [0, 15]"),
+    ("NotFinite", "sample 0's step (turn 1): ValueError: step's reward (nan) must be a finite number"),
+    ("Raises", "sample 0's step (turn 1): KeyError: 'the tool is down'"),
+])
+def test_a_bad_environment_stops_the_step_naming_the_sample(env, message):
+    error = run_distributed(runner_case, 1, env, 100)[0]["error"]
+    assert error.startswith(f"step 5: --env tests.env_fixtures:{env}: {message}"), error
+    assert "sample 1" in error and "before anything of this step is saved" in error
+
+
+def test_observation_tokens_take_no_part_in_the_losses():
+    """The loss mask of a multi-turn sample is 0 at its observations in the batch every pass reads: changing an
+    observation token's log-prob changes neither the policy loss, nor the KL and entropy means."""
+    batch = rl.make_batch([[5, 6]], [[3, 4, 1, 2, 3]], max_new_tokens=6, seq_length=8, device=torch.device("cpu"),
+                          loss_masks=[[1, 1, 0, 0, 1]])
+    assert batch.mask_BN.tolist() == [[1, 1, 0, 0, 1, 0]]
+    g = torch.Generator().manual_seed(0)
+    logp, old, adv = (torch.randn(1, 6, generator=g) for _ in range(3))
+    changed = logp.clone()
+    changed[0, 2:4] += 5.0  # the observation's positions
+    mask = batch.mask_BN
+    for f in (lambda x: ppo.policy_loss(x, old, adv, mask, clip_ratio=0.2)[0],
+              lambda x: ppo.masked_mean(ppo.kl_per_token(x, old, "k3"), mask), lambda x: ppo.masked_mean(x, mask)):
+        assert f(changed) == f(logp)
+    assert ppo.policy_loss(changed, old, adv, torch.ones(1, 6), clip_ratio=0.2)[0] != \
+        ppo.policy_loss(logp, old, adv, torch.ones(1, 6), clip_ratio=0.2)[0]  # unmasked, it would
+
+
+def _validate(*argv: str) -> argparse.Namespace:
+    args = add_hybrid_args(add_megatron_args(argparse.ArgumentParser())).parse_args(argv)
+    validate_args(args, 4)
+    return args
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-turns", "2"], "--max-turns needs --env"),
+    (["--env", "tests.env_fixtures:ThreeTurns", "--max-turns", "0"], "--max-turns (0) must be ≥ 1"),
+    (["--env", "tests.env_fixtures:NoStep"], "--env ('tests.env_fixtures:NoStep') has no step method"),
+    (["--env", "tests.env_fixtures"], "--env ('tests.env_fixtures') must be 'module:Class'"),
+    (["--env", "tests.env_fixtures:Nothing"], "--env ('tests.env_fixtures:Nothing'): module 'tests.env_fixtures' "
+                                              "has no class 'Nothing'"),
+    (["--env", "tests.env_fixtures:ThreeTurns", "--partial-rollout"],
+     "--env (tests.env_fixtures:ThreeTurns) does not work with --partial-rollout"),
+    (["--env", "tests.env_fixtures:ThreeTurns", "--reward-type", "format"],
+     "--env (tests.env_fixtures:ThreeTurns) does not work with --reward-type"),
+])
+def test_env_flags_are_checked(argv, message):
+    with pytest.raises(ValueError) as e:
+        _validate(*argv)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_env_defaults():
+    args = _validate("--env", "tests.env_fixtures:ThreeTurns", "--max-new-tokens", "5")
+    assert (args.max_turns, args.max_sample_tokens) == (4, 20)
+    # The KV cache holds a turn's prompt (the first prompt and the sample so far) and its new tokens.
+    assert rl.generation_config(args, max_prompt_length=4).max_sequence_length == 4 + 20 + 5
+
+
+def test_the_recipe_trains_on_three_turn_samples(tmp_path):
+    """The recipe with --env (GRPO, 4 samples a prompt): 3 turns a sample, the observations masked (the response
+    length counts the 3 × 8 model tokens only), and the rollout's log-probs of the model tokens, each turn generated
+    over the re-prefilled sequence, equal the training layout's recompute of the whole final sequence."""
+    history = run_distributed(ppo_cases.run_main, 4, ["--train-iters", "2", "--env", "tests.env_fixtures:ThreeTurns",
+                                                      "--max-turns", "3", "--max-sample-tokens", "28", "--algorithm",
+                                                      "grpo", "--num-samples-per-prompt", "4"],
+                              str(tmp_path), tensor_model_parallel_size=2)[0]
+    for m in history:
+        assert m["env/turns"] == 3 and m["env/truncated_fraction"] == 0 and m["response_length"] == 24
+        # fp32 on the CPU, two layouts: rounding (seen 4.8e-7).
+        assert m["rollout_mismatch/logp_abs_diff_max"] < 1e-5
+        assert 0 <= m["reward_mean"] <= 1 and m["switch_bytes"] > 0
