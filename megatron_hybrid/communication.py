@@ -107,6 +107,13 @@ def collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+def sum_over(values: list[float], group) -> list[float]:
+    """``values`` summed over ``group`` (one all-reduce, in float64; every rank of the group calls it)."""
+    total = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(total, group=group)
+    return total.tolist()
+
+
 def agree_max(values: list[int], group, *, errors: Optional[ContextManager] = None) -> list[int]:
     """The element-wise maximum of ``values`` over ``group`` (every rank passes as many), on the host: a CPU tensor
     on a gloo group; on an NCCL group a device tensor, read back (a host sync: pass a gloo group where the caller

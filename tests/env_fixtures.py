@@ -45,3 +45,10 @@ class LongObservation(ThreeTurns):
 class NoStep:
     def reset(self, example):
         return list(example.tokens)
+
+
+def target_anywhere(prompts, responses):
+    """A ``--reward-fn`` (the dynamic-sampling tests): 1 when the response holds the target token at all. An untrained
+    16-token policy hits it in 8 tokens with probability 1 - (15/16)^8 ≈ 0.40, so about 15 % of groups of 4 are all
+    0 or all 1."""
+    return [float(TARGET in r) for r in responses]

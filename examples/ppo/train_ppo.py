@@ -49,6 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_hybrid import rl  # noqa: E402
+from megatron_hybrid.communication import sum_over  # noqa: E402
 from megatron_hybrid.rl import ppo  # noqa: E402
 from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args  # noqa: E402
 
@@ -105,6 +106,7 @@ class Trainer:
             ps.get_data_parallel_world_size()
         self.reports = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         self.env = None  # --env: the multi-turn environments' runner (rl.envs)
+        self.admitted = 0  # --filter-groups: prompts this rank admitted (the data position)
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
 
@@ -215,6 +217,27 @@ class Trainer:
         rl.check_finite(self.step + 1, {f"the rewards of --reward-model-load {self.args.reward_model_load}": scores})
         return scores
 
+    def filter_driver(self, step: int) -> Any:
+        """--filter-groups: ``generate``'s driver, rounds of admitted prompts scored and filtered inside one rollout
+        phase (rl.filtering); the rewards come with the samples."""
+        a = self.args
+
+        def admit() -> rl.Example:  # rank r's k-th prompt is the data set's k * DP + r
+            self.admitted += 1
+            return self.prompts.example((self.admitted - 1) * self.dp_size + self.dp_rank)
+
+        def score(examples: list[rl.Example], prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+            return rl.reward_scores(self.reward.for_examples(examples), prompts, responses, step=step + 1,
+                                    name=self.reward.name)
+
+        def rounds(call: Any) -> rl.filtering.FilteredSamples:
+            out = rl.filtering.filter_groups(
+                admit, lambda prompts, r: call(prompts, a.seed * 7919 + step + 15_485_863 * r), score,
+                quota=a.global_batch_size // self.dp_size // a.num_samples_per_prompt,
+                group_size=a.num_samples_per_prompt, max_rounds=a.max_filter_rounds)
+            return out
+        return rounds
+
     def env_driver(self, examples: list[rl.Example], step: int) -> dict[str, Any]:
         """--env: ``generate``'s driver, the samples' turns inside one rollout phase (rl.envs); else nothing."""
         if self.env is None:
@@ -275,8 +298,13 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         a, step = self.args, self.step
         timer = rl.StepTimer()
-        partial = episodes = None
-        if self.partial is None:
+        partial = episodes = filtered = None
+        if a.filter_groups:  # --filter-groups: rounds of prompts until the step has its groups with spread
+            with timer.peak("generation"):
+                rollout = self.generate([], seed=a.seed * 7919 + step, driver=self.filter_driver(step))
+            filtered = rollout.episodes
+            examples, generated = filtered.examples, filtered.counts.pop("tokens")
+        elif self.partial is None:
             base = self.prompts.for_step(step, dp_rank=self.dp_rank, dp_size=self.dp_size)
             examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
             with timer.peak("generation"):  # the switch's and the rollout's seconds are measured inside
@@ -301,8 +329,9 @@ class Trainer:
                               device=self.device, routed_experts=rollout.routed_experts,  # replayed by the actor
                               loss_masks=None if episodes is None else episodes.loss_masks)
         with timer.phase("reward"):
-            batch.scores_B = scores = self.scores(prompts, responses, batch, examples) if episodes is None else \
-                torch.tensor(episodes.rewards)
+            given = episodes.rewards if episodes is not None else filtered.scores if filtered is not None else None
+            batch.scores_B = scores = self.scores(prompts, responses, batch, examples) if given is None else \
+                torch.tensor(given)
         decode, busy = rollout.decode_steps  # the generator's decode steps, and those with half its slots busy
         switch_metrics.update({"rollout/decode_steps": decode, "rollout/busy_fraction": busy / max(decode, 1)})
         local: dict[str, Any] = {**switch_metrics, "reward_mean": float(scores.mean()),
@@ -313,6 +342,12 @@ class Trainer:
             local.update({"env/turns": sum(episodes.turns) / max(len(episodes.turns), 1),
                           "env/truncated_fraction": episodes.truncated / max(len(episodes.turns), 1),
                           "env/seconds": episodes.env_seconds})
+        if a.algorithm == "grpo":  # groups whose rewards are all equal: no policy gradient (DAPO's count)
+            counts = {"grpo/zero_variance_groups": rl.filtering.zero_variance_groups(scores, a.num_samples_per_prompt)}
+            if filtered is not None:  # --filter-groups: the rounds (every rank's), the groups over DP
+                local["filter/rounds"] = filtered.counts.pop("rounds")
+                counts.update({f"filter/{k}_groups": v for k, v in filtered.counts.items()})
+            local.update(zip(counts, sum_over(list(counts.values()), self.dp_group)))
         if partial is not None:
             local.update(self.partial_metrics(partial))
             if a.mask_offpolicy_in_partial_rollout:  # only the tokens of the weights that train take part
@@ -397,7 +432,7 @@ class Trainer:
         keys = ("admitted", "resumed", "dropped", "waiting", "parked")
         mine = [counts.admitted, counts.resumed, counts.dropped, extra["waiting"], extra["parked"], buffer.dropped,
                 buffer.admitted]
-        total = rl.partial.dp_sums(mine, self.dp_group)
+        total = sum_over(mine, self.dp_group)
         return {**{f"partial/{k}": v for k, v in zip(keys, total)}, "partial/dropped_total": total[5],
                 "partial/admitted_total": total[6], "partial/staleness": extra["staleness"]}
 
@@ -405,8 +440,12 @@ class Trainer:
     def models(self) -> dict[str, Any]:  # checkpointed by name: parameters, optimizers, schedulers
         return {"actor": self.actor, "critic": self.critic, "reference": self.reference}
 
-    def state_dict(self) -> dict[str, Any]:  # called on every rank (--partial-rollout: a gather over DP)
+    def state_dict(self) -> dict[str, Any]:  # called on every rank (--partial-rollout, --filter-groups: over DP)
         state = {"consumed_prompts": self.step * self.prompts.per_step(), "kl_controller": self.kl_ctl.state_dict()}
+        if self.args.filter_groups:  # each DP rank's admitted prompts
+            admitted: list[Any] = [None] * self.dp_size
+            dist.all_gather_object(admitted, self.admitted, group=self.dp_group)
+            state.update(consumed_prompts=sum(admitted), admitted=admitted)
         if self.partial is not None:  # every DP replica's samples (the checkpoint's common part is rank 0's)
             ranks: list[Any] = [None] * self.dp_size
             dist.all_gather_object(ranks, self.partial.state_dict(), group=self.dp_group)
@@ -418,6 +457,9 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.step = state["step"]
+        if self.args.filter_groups:  # the data position: each rank's own at the same DP size, else past them all
+            admitted = state.get("admitted", [state["consumed_prompts"] // self.dp_size] * self.dp_size)
+            self.admitted = admitted[self.dp_rank] if len(admitted) == self.dp_size else max(admitted)
         saved = state.get("partial_rollout")
         if self.partial is not None and saved is not None:  # the same on every rank: a ValueError on all
             rl.check_resumable(saved, dp_size=self.dp_size, vocab_size=self.tokenizer.vocab_size)

@@ -13,6 +13,7 @@ One module per piece, over megatron-core:
   :mod:`.memory_policy`: the rollout's KV cache sized to the card and the optimizer offloaded when needed;
   :mod:`.partial`: partial rollout across steps (``--partial-rollout``: quotas, parked samples, staleness);
   :mod:`.envs`: multi-turn environments (``--env``: reset/step, loss masks over observations);
+  :mod:`.filtering`: DAPO's dynamic sampling (``--filter-groups``: uniform GRPO groups dropped and refilled);
 - :mod:`.optimizer`: Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler``, and one update;
 - :mod:`.rollout`: generation on the HybridEngine (or, for comparisons, the training layout), with the
   rollout's log-probs at the sampling temperature and its costs;
@@ -32,6 +33,7 @@ from .arguments import recompute_config, rollout_fp8_config
 from .balance import Balance, balance_batch, balanced_partition
 from .memory_policy import RolloutMemoryPolicy, graph_reserve_bytes, kv_bytes_per_token
 from .partial import PartialRollout, check_resumable, staleness_histogram
+from . import filtering
 from .envs import Environment, EnvRunner, Episodes, load_env, max_response_tokens
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Example, Prompts, eval_prompts, load_prompt_data

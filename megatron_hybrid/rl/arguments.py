@@ -361,6 +361,12 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "rollout records every token's top-k experts per MoE layer and the actor's log-prob and update "
                    "passes route each token to them (megatron-core's RouterReplay); logs moe/routing_mismatch_tokens")
     add_partial_rollout_args(parser)
+    g = parser.add_argument_group("dynamic sampling (megatron_hybrid/rl/filtering.py)")
+    g.add_argument("--filter-groups", action="store_true", help="GRPO (DAPO's dynamic sampling): drop the groups "
+                   "whose rewards are all equal (no gradient) and generate more prompts until the step has its "
+                   "groups, over at most --max-filter-rounds rounds")
+    g.add_argument("--max-filter-rounds", type=int, default=None, help="with --filter-groups: generate rounds per "
+                   "step at most; still short after them, a step fills in dropped groups (counted; default 4)")
     g = parser.add_argument_group("multi-turn environments (megatron_hybrid/rl/envs.py)")
     g.add_argument("--env", default=None, help="module:Class, made once per sample: reset(example) -> first prompt "
                    "tokens, step(model tokens) -> (observation tokens, reward, done); the sample's reward is the sum "
@@ -393,6 +399,22 @@ def add_partial_rollout_args(parser: argparse.ArgumentParser) -> None:
                    "held in flight over all DP replicas, parked ones included, so the generator stays busy while "
                    "the step's quota finishes (default: twice the step's prompts, --global-batch-size / "
                    "--num-samples-per-prompt)")
+
+
+def _validate_filter(args: argparse.Namespace) -> None:
+    if not args.filter_groups:
+        if args.max_filter_rounds is not None:
+            raise ValueError("--max-filter-rounds needs --filter-groups")
+        return
+    args.max_filter_rounds = 4 if args.max_filter_rounds is None else args.max_filter_rounds
+    refused = [why for why, on in (
+        (f"--algorithm {args.algorithm} (it filters GRPO groups: use --algorithm grpo)", args.algorithm != "grpo"),
+        ("--partial-rollout", args.partial_rollout), ("--env", args.env is not None),
+        ("--no-hybrid-rollout", args.no_hybrid_rollout),
+        ("--moe-enable-routing-replay", args.moe_enable_routing_replay),
+        ("--reward-model-load (its scores are a training pass)", args.reward_model_load is not None)) if on]
+    if refused:
+        raise ValueError(f"--filter-groups does not work with {refused[0]} for now")
 
 
 def _validate_env(args: argparse.Namespace) -> None:
@@ -463,7 +485,7 @@ _RANGES: dict[str, dict] = {
                      "moe_shared_expert_intermediate_size", "expert_model_parallel_size",
                      "expert_tensor_parallel_size", "rollout_expert_model_parallel_size",
                      "rollout_expert_tensor_parallel_size", "max_tokens_per_micro_batch", "max_turns",
-                     "max_sample_tokens"), {"ge": 1}),
+                     "max_sample_tokens", "max_filter_rounds"), {"ge": 1}),
     **dict.fromkeys(("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "value_clip", "kl_coef",
                      "kl_loss_coef", "entropy_coef", "value_loss_coef", "target_token", "lr_warmup_iters",
                      "moe_aux_loss_coeff"),
@@ -550,6 +572,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--algorithm grpo needs --num-samples-per-prompt ≥ 2 (got {args.num_samples_per_prompt})")
     _validate_partial_rollout(args, t=t, p=p, d=d)
     _validate_env(args)
+    _validate_filter(args)
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
                          f"({args.hidden_size})")

@@ -214,14 +214,3 @@ def check_resumable(state: dict[str, Any], *, dp_size: int, vocab_size: int) -> 
         raise ValueError(f"--load: the checkpoint's parked partial-rollout samples are of a vocabulary of "
                          f"{state['vocab_size']} tokens; this run's has {vocab_size}")
 
-
-def dp_sums(values: list[float], group: Any) -> list[float]:
-    """``values`` summed over the data-parallel ``group`` (one all-reduce; every rank of the group calls it)."""
-    import torch
-    import torch.distributed as dist
-
-    from ..communication import collective_device
-
-    total = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(total, group=group)
-    return total.tolist()

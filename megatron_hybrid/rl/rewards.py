@@ -30,7 +30,9 @@ text with the response's final-answer text (both stripped).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -120,14 +122,21 @@ def text_reward(score: Callable[[str, Optional[str]], float], tokenizer: Tokeniz
 
 
 def load_callable(spec: str, flag: str = "--reward-fn") -> Callable:
-    """``flag``'s ``module:function`` (or ``module:Class``) → the function; ``ValueError`` naming the flag and the
-    spec when it is not there."""
+    """``flag``'s ``module:function`` (or ``module:Class``; the module a dotted name or a ``.py`` file) → the
+    function; ``ValueError`` naming the flag and the spec when it is not there."""
     kind = "function" if flag == "--reward-fn" else "Class"
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{flag} ({spec!r}) must be 'module:{kind}'")
     try:
-        module = importlib.import_module(module_name)
+        if module_name.endswith(".py"):  # a file (verl's custom_reward_function.path): loaded under its stem
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no file {module_name!r}")
+            spec_ = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(spec_)
+            spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
     except Exception as e:  # the user's module runs on import: a SyntaxError, a missing package, its own raise
         raise ValueError(f"{flag} ({spec!r}): cannot import module {module_name!r}: {type(e).__name__}: "
                          f"{e}") from e
