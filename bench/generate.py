@@ -101,6 +101,7 @@ from megatron_hybrid.models import GPTArchitecture  # noqa: E402
 SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16
     "llama3-8b": _BENCH_SHAPES["llama3-8b"],  # 8.03 B parameters, 16.1 GB in bf16
+    "qwen2.5-7b": _BENCH_SHAPES["qwen2.5-7b"],  # 7.6 B parameters, 15.2 GB in bf16 (issue 45's rollout memory)
     "qwen3-30b-a3b": _BENCH_SHAPES["qwen3-30b-a3b"],  # 48 layers: 30.5 B parameters; --layers 8: 5.6 B
     "cpu-tiny": _BENCH_SHAPES["cpu-tiny"],
     # qwen3-30b-a3b in miniature (q/k norms, head dim != hidden / heads, top-k softmax, bf16): the MoE smoke.
