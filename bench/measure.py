@@ -5,14 +5,30 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
+import os
 import socket
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+
+def rows_writer(path: Optional[str]) -> Callable[[list[dict[str, Any]]], None]:
+    """A function that writes the JSON list at ``path`` as the rows it held before, then the rows it is given (a
+    run's so far: call it after each step or run, and a time limit leaves what was measured); atomically, through
+    a temporary file. ``path`` None: writes nothing."""
+    existing = json.load(open(path)) if path and os.path.exists(path) else []
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        if path:
+            with open(path + ".tmp", "w") as f:
+                json.dump(existing + rows, f, indent=1)
+            os.replace(path + ".tmp", path)
+    return write
 
 
 def sync(device: torch.device) -> None:

@@ -28,6 +28,10 @@ import tempfile
 from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.measure import rows_writer  # noqa: E402
+
 PARTIAL = ["--partial-rollout", "--max-staleness", "1", "--tis-imp-ratio-cap", "2"]
 KEYS = (("throughput/effective_tokens_per_second", "effective tok/s", ".0f"),
         ("rollout/busy_fraction", "decode steps ≥ half the slots busy", ".2f"),
@@ -91,14 +95,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 16, 4, (4, 12)
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 256, 1, 2
         args.inference_max_requests = 8
-    existing = json.load(open(args.out)) if args.out and os.path.exists(args.out) else []
-
-    def write(rows: list[dict[str, Any]]) -> None:  # after each run: a time limit leaves the runs measured
-        if args.out:
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(existing + rows, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
-
+    write = rows_writer(args.out)  # the file's earlier rows, then this run's so far
     rows: list[dict[str, Any]] = []
     for mode in args.modes:
         rows += run(mode, args, PARTIAL if mode == "partial" else [])

@@ -35,6 +35,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.measure import rows_writer  # noqa: E402
+
 RECIPE = os.path.join(ROOT, "examples", "ppo", "train_ppo.py")
 #: Model flags of each shape (Megatron-LM names); the vocabulary is --vocab-size's.
 SHAPES = {
@@ -193,14 +195,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 64, 2, (4, 12)
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 64, 1, 2
         args.inference_max_requests = 8
-    existing = json.load(open(args.out)) if args.out and os.path.exists(args.out) else []
-
-    def write(rows: list[dict[str, Any]]) -> None:  # the file's earlier rows, then this run's so far
-        if args.out:
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(existing + rows, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
-
+    write = rows_writer(args.out)  # the file's earlier rows, then this run's so far
     rows = run(args, on_step=write)
     write(rows)
     print(table(rows))

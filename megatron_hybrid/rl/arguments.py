@@ -360,7 +360,17 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-enable-routing-replay", action="store_true", help="MoE actors (Megatron-LM's flag): the "
                    "rollout records every token's top-k experts per MoE layer and the actor's log-prob and update "
                    "passes route each token to them (megatron-core's RouterReplay); logs moe/routing_mismatch_tokens")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
+                   "package)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     add_partial_rollout_args(parser)
+    add_filter_and_env_args(parser)
+    return parser
+
+
+def add_filter_and_env_args(parser: argparse.ArgumentParser) -> None:
+    """Dynamic sampling (:mod:`.filtering`) and multi-turn environments (:mod:`.envs`)."""
     g = parser.add_argument_group("dynamic sampling (megatron_hybrid/rl/filtering.py)")
     g.add_argument("--filter-groups", action="store_true", help="GRPO (DAPO's dynamic sampling): drop the groups "
                    "whose rewards are all equal (no gradient) and generate more prompts until the step has its "
@@ -376,11 +386,6 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-sample-tokens", type=int, default=None, help="with --env: a sample's response tokens "
                    "(its turns and the observations between them) at most; a sample reaching it ends there, counted "
                    "(default: --max-new-tokens x --max-turns)")
-    g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
-    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
-                   "package)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    return parser
 
 
 def add_partial_rollout_args(parser: argparse.ArgumentParser) -> None:
