@@ -20,8 +20,9 @@ CONFIGS = {"distopt": DISTOPT, "distopt-sp": DISTOPT + SP, "distopt-sp-overlap":
 
 
 def _timing(key: str) -> bool:
-    """Keys that measure time or the switch's own cost (bytes), not training."""
-    return key.startswith(("time/", "throughput/", "switch", "memory/"))
+    """Keys that measure time, the switch's own cost (bytes) or the engine's generator (its decode steps: the
+    training-layout generation has none), not training."""
+    return key.startswith(("time/", "throughput/", "switch", "memory/", "rollout/"))
 
 
 def _trained(metrics: dict) -> dict:

@@ -332,8 +332,9 @@ class Trainer:
             given = episodes.rewards if episodes is not None else filtered.scores if filtered is not None else None
             batch.scores_B = scores = self.scores(prompts, responses, batch, examples) if given is None else \
                 torch.tensor(given)
-        decode, busy = rollout.decode_steps  # the generator's decode steps, and those with half its slots busy
-        switch_metrics.update({"rollout/decode_steps": decode, "rollout/busy_fraction": busy / max(decode, 1)})
+        if self.engine is not None:  # the generator's decode steps, and those with half its slots busy
+            decode, busy = rollout.decode_steps
+            switch_metrics.update({"rollout/decode_steps": decode, "rollout/busy_fraction": busy / max(decode, 1)})
         local: dict[str, Any] = {**switch_metrics, "reward_mean": float(scores.mean()),
                                  "response_length": float(batch.mask_BN.sum(1).mean())}
         if self.prompts.has_answers and episodes is None:  # the exact-match accuracy, whatever the reward
