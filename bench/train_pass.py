@@ -112,6 +112,23 @@ def run_method(method: str, arch, model_by_backend: dict, pairs: list[tuple[int,
     return row
 
 
+def profile(method: str, arch, model_by_backend: dict, pairs: list[tuple[int, int]], args,
+            device: torch.device) -> None:
+    """One step of ``method`` under torch.profiler: ``args.profile``/profile_<method>.txt lists the operators and
+    kernels by their device time (the top 60)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        run_method(method, arch, model_by_backend, pairs, args, device, runs=1, warmup=0)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    os.makedirs(args.profile, exist_ok=True)
+    path = os.path.join(args.profile, f"profile_{method}.txt")
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
+    print(f"{method}: profile in {path}", flush=True)
+
+
 def longest_fit(method: str, arch, model_by_backend: dict, args, device: torch.device,
                 lengths: list[int]) -> Optional[int]:
     """The longest of ``lengths`` (one sequence: a prompt of up to 512 tokens and the rest response) the method
@@ -145,7 +162,7 @@ def table(rows: list[dict]) -> str:
         else:
             speed, ratio, mfu, peak = "out of memory", "—", "—", "—"
         lines.append(f"| {r.get('shape')} | {r.get('response_max')} | {r.get('max_tokens_per_micro_batch')} | "
-                     f"{r['method']} | {speed} | {ratio} | {mfu} | {peak} | {r.get('longest_fit', '—')} |")
+                     f"{r['method']}{' (' + r['packed_kernel'] + ')' if r.get('packed_kernel') else ''} | {speed} | {ratio} | {mfu} | {peak} | {r.get('longest_fit', '—')} |")
     return "\n".join(lines)
 
 
@@ -165,6 +182,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="single-sequence lengths to probe, per method (none: skip)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on whatever device there is")
     add_recompute_args(parser)  # Megatron-LM's flags, as the recipe takes them (default: no recompute)
+    parser.add_argument("--packed-kernel", choices=["auto", "loop"], default="auto",
+                        help="packed sdpa on a GPU: one varlen flash call a pack where torch has it (auto), or one "
+                        "causal SDPA call per sequence (loop)")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="also profile one step of each method "
+                        "(torch.profiler): DIR/profile_<method>.txt, the kernels by device time")
     parser.add_argument("--out", default=None, help="JSON file the rows are appended to")
     parser.add_argument("--table", default=None, metavar="JSON", help="print a markdown table of a results file "
                         "and exit")
@@ -190,7 +212,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows: list[dict] = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with one_rank(device):
-        from megatron_hybrid.core_attention import _flex_error
+        from megatron_hybrid.core_attention import SDPADotProductAttention, _flex_error
+
+        SDPADotProductAttention.packed_kernel = args.packed_kernel
 
         backends = sorted({m.split("-")[1] for m in args.methods})
         if "flex" in backends and _flex_error(device.type) is not None:
@@ -217,10 +241,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             row.update(shape=args.shape, prompt_range=list(args.prompt_range), response_max=args.response_max,
                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                        micro_batch_size=args.micro_batch_size, device=name, torch=torch.__version__,
+                       packed_kernel=args.packed_kernel if method == "packed-sdpa" else None,
                        command=" ".join(sys.argv))
             rows.append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k not in ("times", "command")}), flush=True)
+            if args.profile and "oom" not in row:
+                profile(method, arch, models, pairs, args, device)
             if args.longest:
                 row["longest_fit"] = longest_fit(method, arch, models, args, device, args.longest)
                 row["longest_probed"] = args.longest

@@ -162,8 +162,9 @@ class SDPADotProductAttention(MegatronModule):
 
     - Packed sequences (``packed_seq_params`` of ``qkv_format="thd"``, megatron-core's packed format: query
       ``[T, N, D]``, key and value ``[T, G, D]``, sequence i at ``cu_seqlens[i]:cu_seqlens[i + 1]``): each
-      sequence attends causally to itself alone (a causal kernel call per sequence here, one document block mask
-      in ``flex``); returns ``[T, N·D]``. ``DotProductAttention`` refuses them.
+      sequence attends causally to itself alone: on a GPU one call of torch's varlen flash kernel for the whole
+      pack (``torch.nn.attention.varlen``, where torch has it; not with dropout), else one causal kernel call per
+      sequence; one document block mask in ``flex``. Returns ``[T, N·D]``. ``DotProductAttention`` refuses them.
 
     Refused at construction: context parallelism, a ``softmax_type`` other than ``vanilla``, window attention. In
     ``forward``: ``attention_bias``, as ``DotProductAttention`` refuses it, and packed formats other than ``thd``.
@@ -246,6 +247,12 @@ class SDPADotProductAttention(MegatronModule):
         # [T, heads, D] -> [1, heads, T, D]: views, as in forward.
         q, k, v = (t.unsqueeze(1).permute(1, 2, 0, 3) for t in (query_TND, key_TGD, value_TGD))
         dropout_p = self.dropout_p if self.training else 0.0
+        max_seqlen = packed_seq_params.max_seqlen_q
+        if dropout_p == 0 and self._use_varlen(query_TND):
+            out_TND = _attend_varlen(query_TND, key_TGD, value_TGD, cu, max_seqlen, scale=self.softmax_scale,
+                                     ratio=self.num_attention_heads_per_partition
+                                     // self.num_query_groups_per_partition)
+            return out_TND.reshape(query_TND.size(0), self.hidden_size_per_partition)
         if dropout_p > 0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out_1NTD = self._attend_packed(q, k, v, cu, dropout_p=dropout_p)
@@ -253,13 +260,27 @@ class SDPADotProductAttention(MegatronModule):
             out_1NTD = self._attend_packed(q, k, v, cu, dropout_p=dropout_p)
         return out_1NTD[0].permute(1, 0, 2).reshape(query_TND.size(0), self.hidden_size_per_partition)
 
+    def _use_varlen(self, query_TND: torch.Tensor) -> bool:
+        """Whether a pack runs as one varlen flash call (:func:`_attend_varlen`): on a GPU where this torch has
+        ``torch.nn.attention.varlen`` and :attr:`packed_kernel` allows it."""
+        if self.packed_kernel == "loop" or query_TND.device.type != "cuda":
+            return False
+        return _varlen_function() is not None
+
+    #: How a pack is attended on a GPU: ``"auto"`` one varlen flash call where torch has one, ``"loop"`` one causal
+    #: SDPA call per sequence (the CPU's way, and the fallback). ``bench/train_pass.py --packed-kernel`` sets it.
+    packed_kernel = "auto"
+
     def _attend_packed(self, q_1NTD: torch.Tensor, k_1GTD: torch.Tensor, v_1GTD: torch.Tensor,
                        cu_seqlens: torch.Tensor, *, dropout_p: float) -> torch.Tensor:
         """Each sequence of the pack causally over itself: one causal kernel call per sequence (exactly the
-        unpacked sequence's attention; the flash kernels take no document mask)."""
+        unpacked sequence's attention). Each call's output gradient is made contiguous first: the gradient of
+        ``torch.cat`` is a slice of the pack's, whose strides depend on the pack's length, and torch's cuDNN
+        attention backward (2.11) keys its cached plans on the output's strides alone, so a slice of another
+        pack's length could run a plan built for other strides (reads past the tensor)."""
         bounds = cu_seqlens.tolist()
-        outs = [self._attend(q_1NTD[:, :, lo:hi], k_1GTD[:, :, lo:hi], v_1GTD[:, :, lo:hi], is_causal=True,
-                             keep=None, dropout_p=dropout_p)
+        outs = [_ContiguousGrad.apply(self._attend(q_1NTD[:, :, lo:hi], k_1GTD[:, :, lo:hi], v_1GTD[:, :, lo:hi],
+                                                   is_causal=True, keep=None, dropout_p=dropout_p))
                 for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
         return torch.cat(outs, dim=2)
 
@@ -273,6 +294,58 @@ class SDPADotProductAttention(MegatronModule):
             k_BGSD, v_BGSD = (t.repeat_interleave(ratio, dim=1) for t in (k_BGSD, v_BGSD))
         return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, attn_mask=keep, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=self.softmax_scale, **gqa)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity; its backward makes the incoming gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_function() -> Optional[tuple[Callable, frozenset]]:
+    """``torch.nn.attention.varlen.varlen_attn`` and the names of its parameters (they changed between torch
+    releases: ``is_causal`` became ``window_size``; ``scale`` and ``enable_gqa`` came later), or None where this
+    torch has none or one without a causal option."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    names = frozenset(inspect.signature(varlen_attn).parameters)
+    if not names & {"is_causal", "window_size"}:
+        return None
+    return varlen_attn, names
+
+
+def _attend_varlen(query_TND: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
+                   cu_seqlens: torch.Tensor, max_seqlen: Optional[int], *, scale: float, ratio: int) -> torch.Tensor:
+    """Every sequence of a pack causally over itself in one flash call (torch's ``varlen_attn``); ``[T, N, D]``.
+    Where this torch's ``varlen_attn`` takes no ``scale`` and the scale is not 1/√D, the query is scaled first
+    (the kernel then applies 1/√D); where it takes no ``enable_gqa``, key and value heads are repeated."""
+    varlen_attn, names = _varlen_function()
+    options: dict[str, Any] = {}
+    options.update(window_size=(-1, 0)) if "window_size" in names else options.update(is_causal=True)
+    default_scale = 1.0 / math.sqrt(query_TND.size(-1))
+    if "scale" in names:
+        options["scale"] = scale
+    elif scale != default_scale:
+        query_TND = query_TND * (scale / default_scale)
+    if ratio > 1 and "enable_gqa" in names:
+        options["enable_gqa"] = True
+    elif ratio > 1:
+        key_TGD, value_TGD = (t.repeat_interleave(ratio, dim=1) for t in (key_TGD, value_TGD))
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    cu = cu_seqlens.to(torch.int32)
+    return varlen_attn(query_TND, key_TGD, value_TGD, cu, cu, max_seqlen, max_seqlen, **options)
 
 
 class FlexDotProductAttention(SDPADotProductAttention):
@@ -308,6 +381,9 @@ class FlexDotProductAttention(SDPADotProductAttention):
         ratio = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         return _flex_function(q_BNSD.device.type)(q_BNSD, k_BGSD, v_BGSD, score_mod=score_mod, block_mask=block_mask,
                                                   scale=self.softmax_scale, enable_gqa=ratio > 1)
+
+    def _use_varlen(self, query_TND: torch.Tensor) -> bool:
+        return False  # the document block mask below serves packs on every device
 
     def _attend_packed(self, q_1NTD: torch.Tensor, k_1GTD: torch.Tensor, v_1GTD: torch.Tensor,
                        cu_seqlens: torch.Tensor, *, dropout_p: float) -> torch.Tensor:

@@ -272,6 +272,78 @@ def test_packed_sequences_attend_within_each_sequence(backend, num_heads, num_gr
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _sequence_by_sequence(query, key, value, cu, scale, gqa):
+    """Each sequence causally over itself through SDPA (fp32): what a varlen kernel computes, ``[T, N, D]``."""
+    bounds = cu.tolist()
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (t[lo:hi].transpose(0, 1)[None] for t in (query, key, value))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                     enable_gqa=gqa)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _varlen_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False):
+    """torch ≥ 2.12's signature (causal as a window, a scale, GQA)."""
+    assert window_size == (-1, 0) and cu_seq_q.dtype == torch.int32 and cu_seq_k is cu_seq_q
+    assert max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    return _sequence_by_sequence(query, key, value, cu_seq_q, scale, enable_gqa)
+
+
+def _varlen_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.9-2.10's signature: ``is_causal``, the default scale, as many key/value heads as query heads."""
+    assert is_causal and key.size(1) == value.size(1) == query.size(1)
+    assert max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    return _sequence_by_sequence(query, key, value, cu_seq_q, None, False)
+
+
+def packed_varlen_case(api: str, num_heads: int, num_groups: int, softmax_scale) -> dict:
+    """packed_module_case's pack through the one-call varlen path, ``varlen_attn`` replaced by a function of
+    ``api``'s signature (the CPU has no flash varlen kernel), against DotProductAttention per sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hybrid import core_attention
+
+    fake = {"new": _varlen_new, "old": _varlen_old}[api]
+    core_attention._varlen_function = lambda: (fake, frozenset(__import__("inspect").signature(fake).parameters))
+    core_attention.SDPADotProductAttention._use_varlen = lambda self, query: True
+    d, cu = 12, torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    config = _config(num_heads, num_groups, d)
+    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=softmax_scale)
+    local, ours = DotProductAttention(config, **kw), core_attention.SDPADotProductAttention(config, **kw)
+    q, k, v, grad_out = _inputs(16, 16, 1, num_heads, num_groups, d, torch.float32, seed=6)
+    q, k, v, grad_out = (t[:, 0].clone() for t in (q, k, v, grad_out))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    q1, k1, v1 = (t.clone().requires_grad_(True) for t in (q, k, v))
+    got = ours(q1, k1, v1, None, packed_seq_params=params)
+    got.backward(grad_out)
+    q2, k2, v2 = (t.clone().requires_grad_(True) for t in (q, k, v))
+    bounds = cu.tolist()
+    want = torch.cat([local(q2[lo:hi, None], k2[lo:hi, None], v2[lo:hi, None], None)[:, 0]
+                      for lo, hi in zip(bounds[:-1], bounds[1:])])
+    want.backward(grad_out)
+    return {"out": (got.detach(), want.detach()),
+            "grads": ([t.grad for t in (q1, k1, v1)], [t.grad for t in (q2, k2, v2)])}
+
+
+@pytest.mark.parametrize("api", ["new", "old"])
+@pytest.mark.parametrize("num_heads, num_groups, softmax_scale", [(4, 4, None), (6, 2, 0.5)],
+                         ids=["mha", "gqa-scaled"])
+def test_packs_in_one_varlen_call_on_either_torch_signature(api, num_heads, num_groups, softmax_scale):
+    """The GPU's one-call path (torch.nn.attention.varlen): the arguments it passes on the signature of torch 2.9-2.10
+    (``is_causal``; no scale: the query is pre-scaled; no GQA: key and value heads repeated) and of later torch
+    (``window_size``, ``scale``, ``enable_gqa``) give each sequence's own causal attention. The flash kernel itself
+    is checked against fp32 on a GPU by tests/gpu_packed_attention.py."""
+    result = run_distributed(packed_varlen_case, 1, api, num_heads, num_groups, softmax_scale)[0]
+    got, want = result["out"]
+    torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_ATOL)  # fp32, another summation order
+    for g, w in zip(*result["grads"]):
+        torch.testing.assert_close(g, w, rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(context_parallel_size=2), "attention_backend ('sdpa') does not support context parallelism "
                                     "(context_parallel_size 2)"),
