@@ -477,7 +477,8 @@ class HybridEngine:
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0, config: Any = None,
-                 tempered_log_probs: bool = False, budget: Any = None, resume: Sequence[Any] = ()) -> list:
+                 tempered_log_probs: bool = False, budget: Any = None, resume: Sequence[Any] = (),
+                 keep: bool = False, continued: Sequence[Any] = ()) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
         Called on every rank of the training layout (the generator switches to rollout first if needed, through
@@ -493,6 +494,7 @@ class HybridEngine:
         (:class:`~megatron_hybrid.inference.Budget`): stop early, the unfinished sequences returned with their tokens
         so far (``finished`` False); every token carries :attr:`num_switches` (``weight_versions``). ``resume``:
         such unfinished results, generated on after a re-prefill with the current weights (returned first).
+        ``keep`` and ``continued``: multi-turn sequences whose KV caches are kept between calls (the generator's).
         """
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
@@ -502,7 +504,14 @@ class HybridEngine:
             self._generator = RolloutGenerator(self, config)
         return self._generator.generate(prompts, sampling_params, vocab_size=vocab_size,
                                         stop_token_ids=stop_token_ids, seed=seed,
-                                        tempered_log_probs=tempered_log_probs, budget=budget, resume=resume)
+                                        tempered_log_probs=tempered_log_probs, budget=budget, resume=resume,
+                                        keep=keep, continued=continued)
+
+    def release_kept(self, kept: Sequence[Any]) -> None:
+        """Free the KV-cache slots of kept prefixes (``generate(keep=True)``'s ``result.kept``) no later call will
+        continue; nothing where no generator was made."""
+        if self._generator is not None:
+            self._generator.release(kept)
 
     def generation_report(self) -> dict[str, Any]:
         """The generator's counters since it was made (decode steps, busy ones, CUDA graphs, KV cache: see

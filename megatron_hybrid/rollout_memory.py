@@ -180,6 +180,9 @@ class PerCallRolloutMemory:
         device: where the reservations live.
     """
 
+    #: A generate call's cache is given back after it: nothing is kept for the next call (no kept prefixes).
+    keeps_between_calls = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: list[RolloutBuffer] = []

@@ -451,6 +451,47 @@ def resume_case(state: dict, stops: list[int], *, change_weights: bool, mixed: O
             "teacher": teacher_forced_log_probs(model, prompts, tokens)}
 
 
+def kept_prefix_case(state: dict, stops: list[int], *, keep: bool, rollout: tuple[int, int] = (1, 1),
+                     slots: int = 3, count: int = 5) -> dict:
+    """Issue 47, step 3: three turns of greedy generation (12 new tokens a turn, stop tokens) over ``count`` prompts
+    through ``slots`` slots, the sequence growing by each turn's tokens and a two-token observation. ``keep``: each
+    turn continues the last one's kept prefixes (only the new tokens run); else each turn's whole sequences are
+    prefilled again. Per prompt each turn's tokens and log-probs, the final sequences' teacher-forced log-probs of
+    the model's tokens, and the generator's counters."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(*rollout))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN,
+                                                          mixed_prefill_tokens=64, compact_slots=True))
+    prompts = prompts_for(ps.get_data_parallel_rank(), count)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=12)
+    seqs, kept, turns = [list(p) for p in prompts], [None] * count, []
+    model_at: list[list[int]] = [[] for _ in prompts]  # positions (after the first prompt) of the model's tokens
+    for turn in range(3):
+        results = generator.generate(seqs, greedy, vocab_size=VOCAB, stop_token_ids=stops, keep=keep,
+                                     continued=kept if keep else ())
+        turns.append([(r.generated_tokens, r.generated_log_probs) for r in results])
+        for i, r in enumerate(results):
+            start = len(seqs[i]) - len(prompts[i])
+            model_at[i] += range(start, start + len(r.generated_tokens))
+            observation = [(7 * i + turn) % VOCAB, 11] if turn < 2 else []
+            seqs[i] = seqs[i] + r.generated_tokens + observation
+            kept[i] = r.kept
+    report = generator.report()
+    generator.release(kept)
+    engine.switch_to_training()
+    teacher = teacher_forced_log_probs(model, prompts, [s[len(p):] for s, p in zip(seqs, prompts)])
+    if teacher is not None:
+        teacher = [[row[j] for j in at] for row, at in zip(teacher, model_at)]
+    return {"turns": turns, "teacher": teacher, "kept_continued": report["kept_continued"],
+            "kept_evicted": report["kept_evicted"], "held_after_release": len(generator.replica.kept)}
+
+
 def uneven_stages_case(state: dict, fields: dict) -> Optional[str]:
     """Issue 48, step 1: a model whose config asks for uneven pipeline stages (``fields`` set on it after the
     build), given to a HybridEngine: the error's message (None if it was accepted)."""

@@ -22,19 +22,21 @@ EXAMPLES = [rl.Example([7, 8]), rl.Example([9])]
 def runner_case(env: str, budget: int, max_turns: int = 3) -> dict:
     """An :class:`~megatron_hybrid.rl.EnvRunner` over two samples whose generator answers turn t with the tokens
     [3, t] (log-probs -0.5); the episodes, or the error it raised, and every prompt it generated for."""
-    prompts_seen = []
+    prompts_seen, continued, released = [], [], []
 
-    def generate(prompts, turn):
+    def generate(prompts, turn, kept):
         prompts_seen.append([list(p) for p in prompts])
-        return [GenerationResult(list(p), [3, turn], [-1.0, -1.0], [-0.5, -0.5]) for p in prompts]
+        continued.append(list(kept))
+        # Each result's kept cache, named by its turn and first prompt token (a KeptPrefix in the engine).
+        return [GenerationResult(list(p), [3, turn], [-1.0, -1.0], [-0.5, -0.5], kept=(turn, p[0])) for p in prompts]
 
     runner = rl.EnvRunner(getattr(env_fixtures, env), name=f"tests.env_fixtures:{env}", vocab_size=16,
                           max_turns=max_turns, budget=budget, max_prompt_tokens=4)
     try:
-        episodes = runner.run(EXAMPLES, generate, step=5)
+        episodes = runner.run(EXAMPLES, generate, step=5, release=released.append)
     except rl.StepFailure as e:
         return {"error": str(e)}
-    return {"episodes": vars(episodes), "prompts": prompts_seen}
+    return {"episodes": vars(episodes), "prompts": prompts_seen, "continued": continued, "released": released}
 
 
 def test_turns_append_the_observations_and_mask_them():
@@ -48,6 +50,9 @@ def test_turns_append_the_observations_and_mask_them():
     assert out["prompts"][1] == [[7, 8, 3, 0, 1, 2], [9, 3, 0, 1, 2]]
     assert ep["rewards"] == pytest.approx([0.5, 0.5])  # half of each turn's tokens are the target, over 3 turns
     assert ep["turns"] == [3, 3] and ep["truncated"] == 0 and ep["prompts"] == [[7, 8], [9]]
+    # Each turn continues the last one's kept caches; the last turn's are released when the samples end.
+    assert out["continued"] == [[None, None], [(0, 7), (0, 9)], [(1, 7), (1, 9)]]
+    assert out["released"] == [[(2, 7), (2, 9)]]
 
 
 def test_a_sample_at_its_token_budget_ends_there_counted():

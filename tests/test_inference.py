@@ -556,6 +556,36 @@ def test_resumed_tokens_follow_the_new_weights(state, stops):
         assert n == 0 or logp[:n] != out["teacher"][i][:n]  # the earlier tokens' log-probs are the old model's
 
 
+@pytest.mark.parametrize("training, rollout, count", [((1, 1), (1, 1), 5),
+                                                      pytest.param((2, 1), (1, 1), 9, marks=pytest.mark.slow),
+                                                      pytest.param((1, 2), (1, 2), 5, marks=pytest.mark.slow)],
+                         ids=["one-rank", "micro-dp", "pp2"])
+def test_kept_prefixes_give_the_tokens_of_prefilling_again(state, stops, training, rollout, count):
+    """Issue 47, step 3: multi-turn sequences continued from their kept KV caches (only each turn's new tokens run)
+    generate the same greedy tokens as prefilling every turn's whole sequence again, with the same log-probs (to
+    rounding), which are also the final sequences' teacher-forced ones; some prefixes were kept and some evicted
+    (more sequences than slots: micro-DP's two replicas take 5 and 4 of 9), and release frees what is left."""
+    world = training[0] * training[1]
+    kw = dict(rollout=rollout, count=count, tensor_model_parallel_size=training[0],
+              pipeline_model_parallel_size=training[1])
+    kept = run_distributed(cases.kept_prefix_case, world, state, stops, keep=True, **kw)
+    again = run_distributed(cases.kept_prefix_case, world, state, stops, keep=False, **kw)
+    out, ref = kept[0], again[0]
+    assert all(r["turns"] == out["turns"] for r in kept)
+    assert out["kept_continued"] >= 2 and out["kept_evicted"] >= 1 and ref["kept_continued"] == 0
+    assert all(r["held_after_release"] == 0 for r in kept)
+    for turn, turn_ref in zip(out["turns"], ref["turns"]):
+        for (tokens, logp), (tokens_ref, logp_ref) in zip(turn, turn_ref):
+            assert tokens == tokens_ref and len(tokens) > 0
+            # fp32: a cached prefix against one prefilled again sums the same products in another order, ~1e-7.
+            torch.testing.assert_close(torch.tensor(logp), torch.tensor(logp_ref), rtol=0, atol=1e-5)
+    teacher = next(r["teacher"] for r in kept if r["teacher"] is not None)
+    for i in range(len(teacher)):
+        logp = [lp for turn in out["turns"] for lp in turn[i][1]]
+        # The KV-cache path against one full forward over the final sequence (fp32), ~1e-6.
+        torch.testing.assert_close(torch.tensor(logp), torch.tensor(teacher[i]), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("fields, named", [
     (dict(num_layers_in_first_pipeline_stage=1), "num_layers_in_first_pipeline_stage (1)"),
     (dict(num_layers_in_last_pipeline_stage=1, account_for_loss_in_pipeline_split=True),

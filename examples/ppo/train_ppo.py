@@ -161,7 +161,7 @@ class Trainer:
             longest = self.generation_config.max_sequence_length - a.max_new_tokens - a.max_sample_tokens
             self.env = rl.EnvRunner(rl.load_env(a.env), name=a.env, vocab_size=self.tokenizer.vocab_size,
                                     max_turns=a.max_turns, budget=a.max_sample_tokens, max_prompt_tokens=longest,
-                                    group=ps.get_model_parallel_group())
+                                    group=ps.get_model_parallel_group(), keep_prefix=not a.no_keep_prefix)
         self.passes = rl.TrainingPasses(rl.PassConfig(  # with --sequence-parallel a multiple of TP
             rl.padded_seq_length(self.response_tokens + longest, sequence_parallel=a.sequence_parallel),
             a.micro_batch_size, self.tokenizer.vocab_size, a.temperature,
@@ -244,8 +244,12 @@ class Trainer:
             return {}
         seed = self.args.seed * 7919 + step  # each turn its own sampling stream
 
+        keep = not self.args.no_keep_prefix
+
         def turn(call: Any) -> rl.Episodes:
-            return self.env.run(examples, lambda prompts, t: call(prompts, seed + 104_729 * t), step=step + 1)
+            def generate(prompts: list[list[int]], t: int, kept: list) -> list:
+                return call(prompts, seed + 104_729 * t, keep=keep, continued=kept if keep else ())
+            return self.env.run(examples, generate, step=step + 1, release=call.release)
         return {"driver": turn}
 
     def partial_rollout(self, timer: rl.StepTimer) -> tuple[list[rl.Example], rl.Rollout, dict[str, Any]]:

@@ -24,7 +24,7 @@ weights; only the attention core between ``linear_qkv`` and ``linear_proj`` chan
 
 from .config import GenerationConfig
 from .generator import RolloutGenerator, generate_with_model, replica_seed, split_evenly
-from .replica import Budget, GenerationResult, ReplicaGenerator
+from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator
 
-__all__ = ["Budget", "GenerationConfig", "GenerationResult", "ReplicaGenerator", "RolloutGenerator", "generate_with_model",
-           "replica_seed", "split_evenly"]
+__all__ = ["Budget", "GenerationConfig", "GenerationResult", "KeptPrefix", "ReplicaGenerator", "RolloutGenerator",
+           "generate_with_model", "replica_seed", "split_evenly"]

@@ -18,7 +18,7 @@ from ..groups import RolloutGroups, collective_errors
 from ..layout import ParallelLayout
 from ..rollout_memory import RolloutMemoryProvider
 from .config import GenerationConfig
-from .replica import Budget, GenerationResult, ReplicaGenerator, split_evenly
+from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator, split_evenly
 from .validation import SEED_LIMIT, Limits, check_generate_call
 
 #: Each rollout replica's sampling stream: the call's seed plus this much per replica index (mod 2**64).
@@ -85,11 +85,13 @@ class RolloutGenerator:
         # An MoE model's replicas of one expert-parallel group step in lockstep, agreeing over its gloo twin.
         self.replica = ReplicaGenerator(chunks[0], tp_group=tp, pp_group=pp, config=self.config, memory=self.memory,
                                         groups=self.groups, lockstep_group=self.groups.groups.get("tp_ep_host"))
+        self.replica.replica_index = self.groups.replica
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0,
                  tempered_log_probs: bool = False, budget: Optional[Budget] = None,
-                 resume: Sequence[GenerationResult] = ()) -> list[GenerationResult]:
+                 resume: Sequence[GenerationResult] = (), keep: bool = False,
+                 continued: Sequence[Optional[KeptPrefix]] = ()) -> list[GenerationResult]:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order (after the
         resumed ones, when ``resume`` has any).
 
@@ -111,6 +113,14 @@ class RolloutGenerator:
                 prompts) and it goes on for what its ``num_tokens_to_generate`` left. Each comes back first, whole:
                 its earlier tokens with their log-probs and weight versions, then the new ones. Same layouts as
                 ``budget``.
+            keep: multi-turn: each sequence that ends keeps its KV cache in its slot (``result.kept``, a
+                :class:`~.replica.KeptPrefix`) for a later call to continue, until that call, :meth:`release`, a
+                switch (other weights) or prompts needing the slot. Same layouts as ``budget``.
+            continued: per prompt, None or the ``kept`` of an earlier result whose sequence the prompt extends (the
+                prompt is that result's prompt and generated tokens, then new ones, e.g. an environment's
+                observation): where its cache is still held, only the tokens after it run (in mixed steps beside
+                other work; the prefix is not recomputed), on the replica that holds it; otherwise the whole prompt
+                is prefilled, with the same result (to rounding).
 
         Each generated token carries the engine's switch count (``weight_versions``): the weights it came from.
 
@@ -121,7 +131,14 @@ class RolloutGenerator:
         :class:`~megatron_hybrid.groups.CollectiveError` naming it otherwise).
         """
         groups = self.groups
-        resume = list(resume)
+        resume, continued = list(resume), list(continued)
+        if continued and len(continued) != len(prompts):
+            raise ValueError(f"continued has {len(continued)} entries for {len(prompts)} prompts: one per prompt "
+                             "(None where a prompt continues nothing)")
+        if any(k is not None and not isinstance(k, KeptPrefix) for k in continued):
+            raise ValueError("continued takes KeptPrefix entries (an earlier result's kept) or None")
+        if any(k is not None for k in continued) and (resume or budget is not None):
+            raise ValueError("continued (kept prefixes) cannot be combined with resume or a budget in one call")
         unfinished_only = [i for i, r in enumerate(resume) if not isinstance(r, GenerationResult) or r.finished]
         if unfinished_only:
             raise ValueError(f"resume takes unfinished GenerationResults (finished False); item {unfinished_only[0]} "
@@ -137,8 +154,10 @@ class RolloutGenerator:
                                        limits=self.replica.limits, group=groups.world)
         prompts, params = call.prompts, call.params
         lay = self.layout
-        if (budget is not None or resume) and (lay.exchange or lay.widens):
-            what = "a generate budget" if budget is not None else "resuming sequences"
+        if (budget is not None or resume or keep or any(k is not None for k in continued)) and \
+                (lay.exchange or lay.widens):
+            what = ("a generate budget" if budget is not None else "resuming sequences" if resume
+                    else "keeping prefixes")
             raise ValueError(f"{what} needs rollout replicas inside training replicas for now (micro-DP, TP or PP "
                              f"rollout layouts); this is {'an exchange' if lay.exchange else 'a widening'} layout")
         # A resumed sequence's prompt and tokens so far are its prefix; it may generate what its limit left.
@@ -165,6 +184,9 @@ class RolloutGenerator:
                 start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
                 return results[start: start + len(prompts)]
             replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
+            if any(k is not None for k in continued) and lay.d_g > 1:
+                return self._generate_continued(prompts, params, kwargs, continued, keep, replica)
+            kwargs.update(keep=keep, continued=continued or None)
             parts = split_evenly(len(prompts), lay.d_g) if budget is None else budget.split(len(prompts), lay.d_g)
             lo, hi = parts[replica]
             # A budget of finished sequences (or groups: each on one replica) is shared out with the prompts (each
@@ -177,6 +199,32 @@ class RolloutGenerator:
                 dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
             results = [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
         return _joined(resume, results)
+
+    def _generate_continued(self, prompts: list, params, kwargs: dict, continued: list, keep: bool,
+                            replica: int) -> list[GenerationResult]:
+        """Micro-DP replicas with kept prefixes: each continued prompt goes to the replica that holds its prefix
+        (:func:`assign_kept`), the others even out the counts; results gathered back in prompt order."""
+        lay, groups = self.layout, self.groups
+        first = groups.replica - replica
+        owners = assign_kept(len(prompts), lay.d_g,
+                             [None if k is None or not first <= k.replica < first + lay.d_g else k.replica - first
+                              for k in continued])
+        mine = [i for i, r in enumerate(owners) if r == replica]
+        results = self.replica.generate([prompts[i] for i in mine], params, **kwargs, keep=keep,
+                                        continued=[continued[i] for i in mine])
+        gathered: list[Any] = [None] * lay.d_g
+        with groups.errors("generate", "the micro-DP gather of the results"):
+            dist.all_gather_object(gathered, (mine, results), group=groups.groups["micro_dp"])
+        out: list[Optional[GenerationResult]] = [None] * len(prompts)
+        for indices, part in gathered:
+            for i, r in zip(indices, part):
+                out[i] = r
+        return out
+
+    def release(self, kept: Sequence[Optional[KeptPrefix]]) -> None:
+        """Free the slots of kept prefixes no later call will continue (an episode's end). Called on every rank
+        with the same list; no communication."""
+        self.replica.release(list(kept))
 
     def _generate_exchanged(self, prompts: list, params, kwargs: dict) -> list[GenerationResult]:
         """An exchange layout's data flow: its rollout replicas need not lie inside training replicas, so every
@@ -209,6 +257,22 @@ class RolloutGenerator:
 
     def close(self) -> None:
         self.replica.close()
+
+
+def assign_kept(n: int, parts: int, held_by: Sequence[Optional[int]]) -> list[int]:
+    """The replica (of ``parts``) of each of ``n`` prompts: ``held_by[i]`` where prompt i's kept prefix is held,
+    the others each to the replica with the fewest prompts so far (the lowest on ties), in order."""
+    owners: list[int] = [-1] * n
+    load = [0] * parts
+    for i, r in enumerate(held_by):
+        if r is not None:
+            owners[i] = r
+            load[r] += 1
+    for i in range(n):
+        if owners[i] < 0:
+            owners[i] = min(range(parts), key=lambda r: (load[r], r))
+            load[owners[i]] += 1
+    return owners
 
 
 def _joined(resume: list[GenerationResult], results: list[GenerationResult]) -> list[GenerationResult]:

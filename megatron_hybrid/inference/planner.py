@@ -110,6 +110,9 @@ class StepPlan:
     moe_rows: int = 0
     """In lockstep (an expert-parallel group over several replicas): the rows per rank every MoE layer's collectives
     carry, agreed over the group (at least this step's packed tokens); 0 otherwise."""
+    starts: tuple[int, ...] = ()
+    """A mixed step's continuations: per prompt, the cache position its tokens start at (its slot holds the
+    positions before: a kept prefix); empty: every prompt starts at 0."""
 
 
 def packed_tokens(plan: StepPlan) -> int:
@@ -139,10 +142,12 @@ class StepPlanner:
     def __init__(self, settings: PlannerSettings) -> None:
         self.settings = settings
 
-    def schedule(self, prompts: Sequence[Sequence[int]], *, signature: tuple) -> "CallSchedule":
+    def schedule(self, prompts: Sequence[Sequence[int]], *, signature: tuple,
+                 continued: Optional[dict[int, tuple[int, int]]] = None, held: Sequence[int] = ()) -> "CallSchedule":
         """The steps of one generate call over ``prompts``; ``signature`` (the call's sampling settings) completes
-        the graph keys."""
-        return CallSchedule(self, prompts, signature)
+        the graph keys. ``continued``: sequence -> (its held slot, positions cached there): it runs its tokens from
+        there on in mixed steps (a kept prefix); ``held``: other held slots (evicted when prompts need them)."""
+        return CallSchedule(self, prompts, signature, continued=continued, held=held)
 
     # -- buckets -----------------------------------------------------------------------------------------------
 
@@ -264,6 +269,10 @@ class StepPlanner:
         return (0 < len(admitted) <= self.settings.mixed_prompts
                 and sum(len(prompts[seq]) for seq, _ in admitted) <= self.settings.mixed_tokens)
 
+    def continuation_fits(self, tokens: int) -> bool:
+        """Whether a continuation of ``tokens`` new tokens rides in one mixed step (else it is prefilled again)."""
+        return self.settings.mixed_prompts > 0 and 0 < tokens <= self.settings.mixed_tokens
+
     def mixed_chunk(self, total: int) -> int:
         """Prompt-token rows of a graph mixed step carrying ``total`` tokens: 32, 48, 64, 96, 128, ... (at most a
         third of them padding), at most ``mixed_tokens``."""
@@ -273,19 +282,22 @@ class StepPlanner:
         return min(size, self.settings.mixed_tokens)
 
     def mixed(self, owners: Sequence[Optional[int]], attended: int, prompts: Sequence[Sequence[int]],
-              slots: Sequence[int], seqs: Sequence[int], *, signature: tuple) -> StepPlan:
+              slots: Sequence[int], seqs: Sequence[int], *, signature: tuple,
+              starts: Sequence[int] = ()) -> StepPlan:
         """A decode step over the slots of ``owners`` (None: idle, or taking one of the prompts), with ``prompts``
-        (sequences ``seqs``) riding along into ``slots``: with graphs, at the batch bucket, the prompts' tokens
-        padded to :meth:`mixed_chunk` rows and the prompt rows to ``mixed_prompts``."""
+        (sequences ``seqs``) riding along into ``slots`` (from positions ``starts``, default 0): with graphs, at the
+        batch bucket, the prompts' tokens padded to :meth:`mixed_chunk` rows and the prompt rows to
+        ``mixed_prompts``."""
         batch, total = len(owners), sum(len(p) for p in prompts)
+        ends = [s + len(p) for s, p in zip(starts, prompts)] if starts else [len(p) for p in prompts]
         if self.settings.graphs:
             batch, length, rows = self.batch_bucket(batch), self.mixed_chunk(total), self.settings.mixed_prompts
             attended, key = self.settings.slot_tokens, ("mixed", batch, length, signature)
         else:
             length, rows, key = total, len(prompts), None
-            attended = max(attended, max(len(p) for p in prompts))
+            attended = max(attended, max(ends))
         return StepPlan("mixed", batch=batch, rows=rows, length=length, attended=attended, prompts=tuple(prompts),
-                        slots=tuple(slots), graph_key=key,
+                        slots=tuple(slots), graph_key=key, starts=tuple(starts),
                         owners=(*owners, *[None] * (batch - len(owners)), *seqs, *[None] * (rows - len(seqs))))
 
 
@@ -298,17 +310,44 @@ class CallSchedule:
     made (the host knows them before they arrive): :attr:`launched`.
     """
 
-    def __init__(self, planner: StepPlanner, prompts: Sequence[Sequence[int]], signature: tuple) -> None:
+    def __init__(self, planner: StepPlanner, prompts: Sequence[Sequence[int]], signature: tuple, *,
+                 continued: Optional[dict[int, tuple[int, int]]] = None, held: Sequence[int] = ()) -> None:
         self.planner, self.prompts, self.signature = planner, prompts, signature
-        self.scheduler = SlotScheduler(len(prompts), planner.settings.num_slots)
+        self.continued = dict(continued or {})
+        self.scheduler = SlotScheduler(len(prompts), planner.settings.num_slots,
+                                       held=[*held, *(slot for slot, _ in self.continued.values())])
         self.launched = [0] * len(prompts)
 
-    def finish(self, seq: int) -> int:
-        """No more steps for sequence ``seq``: its slot (returned) is free."""
-        return self.scheduler.finish(seq)
+    def finish(self, seq: int, *, hold: bool = False) -> int:
+        """No more steps for sequence ``seq``: its slot (returned) is free, or held for a continuation."""
+        return self.scheduler.finish(seq, hold=hold)
+
+    def _continuations(self) -> Iterator[StepPlan]:
+        """The continued sequences back in their held slots, their new tokens in mixed steps (as many as fit one,
+        each), before anything else runs."""
+        sched, planner, prompts = self.scheduler, self.planner, self.prompts
+        items = sorted(self.continued.items())
+        for seq, (slot, _) in items:
+            sched.place(seq, slot)
+        while items:
+            take, total = [], 0
+            for seq, (slot, start) in items:
+                n = len(prompts[seq]) - start
+                if take and (len(take) == planner.settings.mixed_prompts or total + n > planner.settings.mixed_tokens):
+                    break
+                take.append((seq, slot, start))
+                total += n
+            items = items[len(take):]
+            seqs = [seq for seq, _, _ in take]
+            sched.decode_batch()
+            owners, attended = self._decoding(sched.extent(), frozenset(seq for seq, _ in items) | frozenset(seqs))
+            yield self._launch(planner.mixed(owners, attended, [prompts[seq][start:] for seq, _, start in take],
+                                             [slot for _, slot, _ in take], seqs, signature=self.signature,
+                                             starts=[start for _, _, start in take]))
 
     def __iter__(self) -> Iterator[Union[StepPlan, SlotMoves]]:
         sched, planner, prompts, sig = self.scheduler, self.planner, self.prompts, self.signature
+        yield from self._continuations()
         while True:
             if planner.settings.compact and not sched.waiting:
                 moves = self._compaction()
@@ -364,6 +403,10 @@ class CallSchedule:
         target = planner.batch_bucket(running)
         if planner.batch_bucket(sched.extent()) <= target:
             return None
+        held = set(sched.held)
+        movers = sum(1 for slot in range(target, len(sched.slots)) if sched.slots[slot] is not None)
+        if movers > sum(1 for slot in range(target) if sched.slots[slot] is None and slot not in held):
+            return None  # kept prefixes hold the low slots
         moves = sched.compact(target)
         # Cache positions the moved sequences' launched steps will have written, at most.
         positions = max(len(self.prompts[sched.slots[to]]) + self.launched[sched.slots[to]] for _, to in moves)

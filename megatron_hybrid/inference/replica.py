@@ -65,11 +65,28 @@ class GenerationResult:
     weight_versions: list[int] = field(default_factory=list)
     """Per generated token, the version of the weights that produced it (the engine's switch count, or the call's
     ``weight_version``)."""
+    kept: Optional["KeptPrefix"] = None
+    """With ``keep``: where the ended sequence's KV cache is kept for a continuation (multi-turn); None when it
+    was not kept (or not asked to be)."""
     routed_experts: Optional[torch.Tensor] = None
     """With ``GenerationConfig.record_routing`` (an MoE model): ``[P + n - 1, M, k]`` int16 on the host (int32 past
     32,767 experts), the top-k experts each of the model's M MoE layers chose for every token the rollout ran
     through the model: the P prompt tokens and the first n - 1 of the n generated ones (the last generated token is
     never an input). Row i is token i of prompt + response; every rank of the replica gets all layers."""
+
+
+@dataclass(frozen=True)
+class KeptPrefix:
+    """An ended sequence's KV cache kept in a slot of a rollout replica (``generate(keep=True)``): a later call
+    continues it (``continued``) by running only the tokens after ``positions``, while the weights are the same
+    (``weight_version``) and the slot was not given to other prompts in between (then it is prefilled again)."""
+
+    replica: int
+    """The rollout replica whose cache holds it (0 for a lone :class:`ReplicaGenerator`)."""
+    slot: int
+    positions: int
+    """Cache positions holding the sequence: its prompt and all but the last generated token."""
+    weight_version: int
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
@@ -190,6 +207,10 @@ class _Call:
     """Per step, which sequence each sampled row belongs to (None: an idle slot or a dropped row)."""
     log_probs: list[Optional[torch.Tensor]] = field(default_factory=list)
     """Per step, the last stage's log-probs."""
+    keep: bool = False
+    """Ended sequences hold their slots (multi-turn)."""
+    holds: dict[int, int] = field(default_factory=dict)
+    """With ``keep``: sequence -> the slot it held when it closed."""
     routed: dict[int, torch.Tensor] = field(default_factory=dict)
     """With a routing record: per sequence, its slot's rows copied out when it closed (``[positions, M, k]``, this
     stage's MoE layers; trimmed to the tokens it ran once its length is known)."""
@@ -235,10 +256,15 @@ class ReplicaGenerator:
         self.compact = self.runner.use_graphs if config.compact_slots is None else config.compact_slots
         self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
         self.planner: Optional[StepPlanner] = None  # made with the runner's buffers, at the first call
+        self.kept: dict[int, int] = {}
+        """Held slots (kept prefixes of ended sequences), oldest first: slot -> the weight version they hold."""
+        self.replica_index = 0  # what KeptPrefix.replica says (the engine's generator sets its replica's)
         # busy_steps: decode steps with at least half of the slots decoding.
         self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "busy_steps": 0,
                       "idle_slot_steps": 0, "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
-                      "slot_moves": 0, "lockstep_steps": 0, "lockstep_idle_steps": 0, "lockstep_padded_rows": 0}
+                      "slot_moves": 0, "lockstep_steps": 0, "lockstep_idle_steps": 0, "lockstep_padded_rows": 0,
+                      "kept_continued": 0, "kept_evicted": 0}
+        # kept_continued: prompts run on from a kept prefix; kept_evicted: kept prefixes given to waiting prompts.
 
     # The runner's state, under the names tests and tools read it by.
     @property
@@ -271,21 +297,35 @@ class ReplicaGenerator:
 
     def generate(self, prompts: Sequence[list[int]], params, *, vocab_size: int, stop_token_ids: Sequence[int] = (),
                  seed: int = 0, tempered_log_probs: bool = False, budget: Optional[Budget] = None,
-                 weight_version: int = 0, limits: Optional[Sequence[int]] = None) -> list[GenerationResult]:
+                 weight_version: int = 0, limits: Optional[Sequence[int]] = None, keep: bool = False,
+                 continued: Optional[Sequence[Optional[KeptPrefix]]] = None) -> list[GenerationResult]:
         """Generate for ``prompts`` (checked: non-empty, ids below ``vocab_size``, each fits a slot); every rank of
         the replica gets every result (``tempered_log_probs``, the same on every rank: also fill
         ``generated_tempered_log_probs``). ``budget``: stop early (:class:`Budget`; every rank of the replica
         decides alike, from the same tokens). Each generated token is tagged with ``weight_version``. ``limits``:
         per prompt, the tokens to generate at most (default: ``num_tokens_to_generate`` each; a resumed sequence
-        has what it had left)."""
+        has what it had left).
+
+        Multi-turn: with ``keep`` an ended sequence keeps its slot's cache (``result.kept``) until a later call
+        continues it, :meth:`release` frees it, the weights change, or waiting prompts need the slot.
+        ``continued``: per prompt, None or the :class:`KeptPrefix` of an earlier result whose sequence the prompt
+        extends (the prompt is that result's prompt and generated tokens, then new ones): only the tokens after
+        ``positions`` run (in mixed steps), where the prefix is still held; else the whole prompt is prefilled."""
         results = [GenerationResult(list(p)) for p in prompts]
+        if self.kept and weight_version != next(iter(self.kept.values())):
+            self.kept.clear()  # other weights: the kept caches are stale
         if not prompts and self.lockstep_group is None:  # in lockstep, a replica without prompts steps idle
             return results
         self._ensure_state()
         signature = self.runner.begin(params, vocab_size=vocab_size, tempered_log_probs=tempered_log_probs,
                                       seed=seed)
         stops = set(stop_token_ids) | ({int(params.termination_id)} if params.termination_id is not None else set())
-        call = _Call(results, self.planner.schedule(prompts, signature=signature), stops,
+        resumed = self._continued(prompts, continued or [None] * len(prompts), weight_version)
+        held = [slot for slot in self.kept if slot not in {s for s, _ in resumed.values()}]
+        for slot, _ in resumed.values():
+            del self.kept[slot]
+        schedule = self.planner.schedule(prompts, signature=signature, continued=resumed, held=held)
+        call = _Call(results, schedule, stops, keep=keep,
                      limit=[int(params.num_tokens_to_generate)] * len(prompts) if limits is None else list(limits),
                      closed=[False] * len(prompts),
                      ended=[False] * len(prompts))
@@ -309,6 +349,7 @@ class ReplicaGenerator:
                         break
                 self._drain(call, 0)
                 self._leave_unfinished(call)
+                self._book_kept(call, weight_version)
                 if self.lockstep_group is not None:
                     self._idle_until_done()
                 if call.rows:
@@ -378,9 +419,63 @@ class ReplicaGenerator:
                 if not call.closed[seq] and seq in call.schedule.scheduler.slot_of:
                     self._close(call, seq)
 
+    def _continued(self, prompts: Sequence[list[int]], continued: Sequence[Optional[KeptPrefix]],
+                   weight_version: int) -> dict[int, tuple[int, int]]:
+        """The prompts that run on from a kept prefix: sequence -> (slot, positions). One whose prefix is no longer
+        held (another replica's, other weights, evicted, or continued twice) or whose new tokens do not fit a mixed
+        step is prefilled whole (its held slot, if any, is freed)."""
+        out: dict[int, tuple[int, int]] = {}
+        taken: set[int] = set()
+        for seq, (prompt, kept) in enumerate(zip(prompts, continued)):
+            if kept is None:
+                continue
+            if kept.replica != self.replica_index or kept.weight_version != weight_version:
+                continue
+            if self.kept.get(kept.slot) != weight_version or kept.slot in taken:
+                continue
+            if not (0 < kept.positions < len(prompt)) or not self.planner.continuation_fits(len(prompt)
+                                                                                             - kept.positions):
+                self.kept.pop(kept.slot)
+                continue
+            out[seq] = (kept.slot, kept.positions)
+            taken.add(kept.slot)
+        return out
+
+    def _book_kept(self, call: _Call, weight_version: int) -> None:
+        """After a call: evicted slots forgotten; with ``keep``, each ended sequence whose slot is still held gets
+        its :class:`KeptPrefix` and the slot is kept (newest last)."""
+        sched = call.schedule.scheduler
+        if call.keep and not getattr(self.runner.memory, "keeps_between_calls", True):
+            sched.held.clear()  # the cache is given back after the call: nothing to keep
+        self.stats["kept_continued"] += len(call.schedule.continued)
+        self.stats["kept_evicted"] += len(sched.evicted)
+        for slot in sched.evicted:
+            self.kept.pop(slot, None)
+        held = set(sched.held)
+        self.kept = {slot: v for slot, v in self.kept.items() if slot in held}  # earlier holds still standing
+        holder = {slot: seq for seq, slot in call.holds.items()}  # in closing order: a slot's last holder wins
+        for seq, slot in call.holds.items():
+            result = call.results[seq]
+            if holder[slot] != seq:  # evicted, and taken by a later sequence
+                continue
+            if slot in held and call.ended[seq]:
+                positions = len(result.prompt_tokens) + len(result.generated_tokens) - 1
+                result.kept = KeptPrefix(self.replica_index, slot, positions, weight_version)
+                self.kept[slot] = weight_version
+            elif slot in held:  # held at close, but it did not end (a budget stopped it): free
+                sched.held.remove(slot)
+
+    def release(self, kept: Sequence[Optional[KeptPrefix]]) -> None:
+        """Free the slots of these kept prefixes (this replica's; others and stale ones are ignored)."""
+        for k in kept:
+            if k is not None and k.replica == self.replica_index and self.kept.get(k.slot) == k.weight_version:
+                del self.kept[k.slot]
+
     def _close(self, call: _Call, seq: int) -> None:
         call.closed[seq] = True
-        slot = call.schedule.finish(seq)
+        slot = call.schedule.finish(seq, hold=call.keep)
+        if call.keep:
+            call.holds[seq] = slot
         if self.runner.records_routing:
             # Every position its launched steps wrote (a stop token not yet seen may end it earlier: trimmed later).
             positions = len(call.results[seq].prompt_tokens) + call.schedule.launched[seq] - 1
@@ -467,5 +562,6 @@ class ReplicaGenerator:
         return out
 
     def close(self) -> None:
-        """Drop the graphs (and their reserved pool) and the cache's own reservation."""
+        """Drop the graphs (and their reserved pool) and the cache's own reservation (and the kept prefixes)."""
+        self.kept.clear()
         self.runner.close()

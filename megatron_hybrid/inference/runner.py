@@ -418,7 +418,11 @@ class StageRunner:
             mask, lengths = None, positions + 1
         else:
             mask, lengths = (self.position_index[:attended] <= positions.unsqueeze(-1))[:, None, None, :], None
-        step = KVStep(self.cache.keys, self.cache.values, slots_T=self.slot_index[:batch], positions_T=positions,
+        slots = self.slot_index[:batch]
+        if self.geometry.spare_slots:  # (with mixed steps, which kept prefixes need)
+            # An idle row writes the spare slot: its own may hold a kept prefix (multi-turn) from position 0 on.
+            slots = torch.where(self.slot_running[:batch] > 0, slots, self.geometry.num_slots)
+        step = KVStep(self.cache.keys, self.cache.values, slots_T=slots, positions_T=positions,
                       rotary_T11D=self._rotary(positions), decode=True, attended=attended, mask_B11L=mask,
                       lengths_B=lengths)
         hidden = self.hidden_in[:batch] if self.hidden_in is not None else None
@@ -626,21 +630,24 @@ class StageRunner:
         self.slot_positions.index_copy_(0, slots, lengths)
         self.slot_running.index_fill_(0, slots, 1)
 
-    def stage_mixed(self, chunk: int, rows: int, prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> list[int]:
+    def stage_mixed(self, chunk: int, rows: int, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                    starts: Sequence[int] = ()) -> list[int]:
         """A mixed step's inputs, flat: ``chunk`` prompt tokens (the prompts one after another, then padding that
-        writes position 0 of the spare slot), their positions, their slots; per prompt row (``rows``, padded rows
-        point at the last token) the index of its last token; then the prompts' slots and their lengths."""
+        writes position 0 of the spare slot), their positions (from each prompt's start: 0, or a continuation's
+        cached positions), their slots; per prompt row (``rows``, padded rows point at the last token) the index of
+        its last token; then the prompts' slots and their lengths (start + tokens)."""
         spare = self.geometry.num_slots
+        starts = list(starts) or [0] * len(prompts)
         tokens, positions, where = [], [], []
-        for prompt, slot in zip(prompts, slots):
+        for prompt, slot, start in zip(prompts, slots, starts):
             tokens += prompt
-            positions += range(len(prompt))
+            positions += range(start, start + len(prompt))
             where += [slot] * len(prompt)
         pad = chunk - len(tokens)
         ends = list(itertools.accumulate(len(p) for p in prompts))
         last = [end - 1 for end in ends] + [chunk - 1] * (rows - len(prompts))
         return (tokens + [0] * pad + positions + [0] * pad + where + [spare] * pad + last + list(slots)
-                + [len(p) for p in prompts])
+                + [start + len(p) for p, start in zip(prompts, starts)])
 
     def _mixed(self, plan: StepPlan) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """A decode step over slots ``0 .. batch-1`` with the plan's prompts riding along into their slots.
@@ -648,14 +655,14 @@ class StageRunner:
         stage)."""
         batch, chunk, rows, prompts = plan.batch, plan.length, plan.rows, plan.prompts
         if plan.graph_key is not None:
-            values = self.stage_mixed(chunk, rows, prompts, plan.slots)
+            values = self.stage_mixed(chunk, rows, prompts, plan.slots, plan.starts)
             staged = self.staging
             staged[: len(values)].copy_(self._to_device(values))
             self._receive(self.prefill_hidden[: batch + chunk] if self.prefill_hidden is not None else None,
                           batch + chunk)
             picked, logp = self._replay(plan.graph_key)
         else:
-            staged = self._to_device(self.stage_mixed(chunk, rows, prompts, plan.slots))
+            staged = self._to_device(self.stage_mixed(chunk, rows, prompts, plan.slots, plan.starts))
             out = self._mixed_forward(batch, chunk, rows, staged, self._receive(None, batch + chunk), plan.attended)
             picked, logp = self._sample_or_send(out)
         picked = self.share(picked, batch + rows, torch.long)

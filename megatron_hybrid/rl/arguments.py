@@ -386,6 +386,9 @@ def add_filter_and_env_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sample-tokens", type=int, default=None, help="with --env: a sample's response tokens "
                    "(its turns and the observations between them) at most; a sample reaching it ends there, counted "
                    "(default: --max-new-tokens x --max-turns)")
+    g.add_argument("--no-keep-prefix", action="store_true", help="with --env: prefill each turn's whole sequence "
+                   "again (default: a turn continues the last one's KV cache, kept in the rollout: only the "
+                   "observation and the model's last token run)")
 
 
 def add_partial_rollout_args(parser: argparse.ArgumentParser) -> None:
@@ -424,7 +427,8 @@ def _validate_filter(args: argparse.Namespace) -> None:
 
 def _validate_env(args: argparse.Namespace) -> None:
     given = [f for f, on in (("--max-turns", args.max_turns is not None),
-                             ("--max-sample-tokens", args.max_sample_tokens is not None)) if on]
+                             ("--max-sample-tokens", args.max_sample_tokens is not None),
+                             ("--no-keep-prefix", getattr(args, "no_keep_prefix", False))) if on]
     if args.env is None:
         if given:
             raise ValueError(f"{', '.join(given)} needs --env")

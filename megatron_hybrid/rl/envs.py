@@ -10,10 +10,12 @@ An environment is a class the recipe makes once per sample (``Class()``), with t
             ...  # the model's tokens of this turn -> (observation token ids, reward, done)
 
 A sample's rollout (:class:`EnvRunner`): ``reset``, then up to ``--max-turns`` turns of generating (each turn a
-generate call over the sample's whole sequence so far, prefilled again) and ``step``; the observation is appended
-to the sequence unless the episode is done. The sample's response is everything after the first prompt; its loss
-mask is 1 at the model's tokens and 0 at the observations' (context, never trained); its reward is the sum of its
-steps' rewards. A sample whose response reaches ``--max-sample-tokens`` is cut there and ends (counted).
+generate call over the sample's whole sequence so far) and ``step``; the observation is appended to the sequence
+unless the episode is done. Each turn's sequence continues the last turn's KV cache where the rollout still holds
+it (``keep``: only the model's last token and the observation run, beside other work in mixed steps; the weights
+do not change within a rollout), else it is prefilled again (``--no-keep-prefix``: always). The sample's response
+is everything after the first prompt; its loss mask is 1 at the model's tokens and 0 at the observations'
+(context, never trained); its reward is the sum of its steps' rewards. A sample whose response reaches ``--max-sample-tokens`` is cut there and ends (counted).
 
 Each sample's environment lives on one rank of its training replica (sample i on rank i mod the replica's
 model-parallel size), and what it returns is gathered to the others, so it runs once however the replica is laid
@@ -70,8 +72,9 @@ class Episodes:
         return sum(sum(m) for m in self.loss_masks)
 
 
-#: generate(prompts, turn) -> one ``GenerationResult`` per prompt (the engine's, at the sampling temperature).
-Generate = Callable[[list[list[int]], int], list]
+#: generate(prompts, turn, continued) -> one ``GenerationResult`` per prompt (the engine's, at the sampling
+#: temperature); ``continued``: per prompt, the last turn's ``result.kept`` (None on the first turn).
+Generate = Callable[[list[list[int]], int, list], list]
 
 
 class EnvRunner:
@@ -80,8 +83,9 @@ class EnvRunner:
     KV cache was sized for."""
 
     def __init__(self, make_env: Callable[[], Any], *, name: str, vocab_size: int, max_turns: int, budget: int,
-                 max_prompt_tokens: int, group: Any = None) -> None:
+                 max_prompt_tokens: int, group: Any = None, keep_prefix: bool = True) -> None:
         self.make_env, self.name, self.vocab_size = make_env, name, vocab_size
+        self.keep_prefix = keep_prefix
         self.max_turns, self.budget, self.max_prompt_tokens, self.group = max_turns, budget, max_prompt_tokens, group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
@@ -138,11 +142,12 @@ class EnvRunner:
         return observation, float(reward), bool(done)
 
     # -- a step's samples ---------------------------------------------------------------------------------------
-    def run(self, examples: list[Example], generate: Generate, *, step: int) -> Episodes:
+    def run(self, examples: list[Example], generate: Generate, *, step: int,
+            release: Optional[Callable[[list], None]] = None) -> Episodes:
         """Reset every sample's environment, then turns of ``generate`` and ``step`` until every sample is done
         (or took ``max_turns`` turns). Called on every rank: the world runs as many turns as its longest
         replica (a replica with nothing left generates for no prompts), and every rank of a replica returns the
-        same episodes."""
+        same episodes. With ``keep_prefix``, ``release(kept)`` frees the kept caches of the samples that end."""
         from ..communication import agree_max
 
         envs: dict[int, Any] = {}
@@ -154,10 +159,15 @@ class EnvRunner:
         episodes.responses, episodes.log_probs = [[] for _ in range(n)], [[] for _ in range(n)]
         episodes.loss_masks, episodes.rewards, episodes.turns = [[] for _ in range(n)], [0.0] * n, [0] * n
         live = list(range(n))
+        kept: list[Any] = [None] * n  # each sample's kept cache from its last turn
         for turn in range(self.max_turns):
             if not agree_max([len(live)], dist.group.WORLD)[0]:
                 break
-            results = generate([episodes.prompts[i] + episodes.responses[i] for i in live], turn)
+            results = generate([episodes.prompts[i] + episodes.responses[i] for i in live], turn,
+                               [kept[i] for i in live])
+            if self.keep_prefix:
+                for i, r in zip(live, results):
+                    kept[i] = getattr(r, "kept", None)
             said: dict[int, list[int]] = {}  # each sample's tokens of this turn (cut at the budget)
             for i, r in zip(live, results):
                 room = self.budget - len(episodes.responses[i])
@@ -187,7 +197,12 @@ class EnvRunner:
                 episodes.log_probs[i] += [0.0] * len(observation)
                 episodes.loss_masks[i] += [0] * len(observation)
                 going.append(i)
+            ended = [kept[i] for i in live if i not in set(going) and kept[i] is not None]
+            if ended and release is not None:
+                release(ended)
             live = going
+        if release is not None and any(kept[i] is not None for i in live):
+            release([kept[i] for i in live if kept[i] is not None])
         return episodes
 
 

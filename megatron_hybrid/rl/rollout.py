@@ -12,6 +12,7 @@ import torch
 from ..compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
 from ..inference import GenerationConfig, generate_with_model, replica_seed, split_evenly
 from ..layout import ParallelLayout
+from ..inference.planner import MIXED_TOKENS
 from .phases import phase, recorded
 
 
@@ -69,8 +70,12 @@ def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
     if length < max_prompt_length + new:
         raise ValueError(f"--inference-max-seq-length ({length}) must hold the longest prompt ({max_prompt_length} "
                          f"tokens) plus {what} ({new})")
+    # --env keeps each turn's KV cache for the next: a continuation's tokens ride in mixed steps, which a CPU
+    # (whose decode attention reads no lengths) does not run by default.
+    keep = getattr(args, "env", None) and not getattr(args, "no_keep_prefix", False)
     return GenerationConfig(max_batch_size=args.inference_max_requests, max_sequence_length=max(length, 2),
-                            record_routing=args.moe_enable_routing_replay)
+                            record_routing=args.moe_enable_routing_replay,
+                            mixed_prefill_tokens=MIXED_TOKENS if keep else None)
 
 
 @recorded("generate")
@@ -85,8 +90,8 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
     what the switch left free). ``budget`` and ``resume``: the engine's (partial rollout: stop early, go on with
     unfinished results of an earlier call); the responses are then the resumed ones, then the prompts', finished or
     not (see ``Rollout.results``). ``driver``: instead of one generate call, ``driver(call)`` inside the one rollout
-    phase, where ``call(prompts, seed)`` generates; it returns :class:`~.envs.Episodes` (``--env``: a call per
-    turn), whose responses and log-probs the Rollout holds."""
+    phase, where ``call(prompts, seed, **kw)`` generates (``call.release(kept)`` frees kept prefixes); it returns
+    :class:`~.envs.Episodes` (``--env``: a call per turn), whose responses and log-probs the Rollout holds."""
     with phase("switch to rollout"):
         engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     report = engine.communication_report()
@@ -98,6 +103,8 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
         def call(inputs: list[list[int]], call_seed: int, **kw: Any) -> list:
             return engine.generate(inputs, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
                                    seed=call_seed, tempered_log_probs=True, config=config, **kw)
+
+        call.release = getattr(engine, "release_kept", lambda kept: None)  # a driver's kept prefixes, freed
 
         if driver is None:
             results, episodes = call(prompts, seed, budget=budget, resume=resume), None
