@@ -20,6 +20,29 @@ class ThreeTurns:
         return [1, 2], reward, self.turn == 3
 
 
+#: (sample's first prompt token, turn, time.perf_counter()) at the start of each SlowFirstStep step (this process).
+EVENTS: list = []
+
+
+class SlowFirstStep(ThreeTurns):
+    """ThreeTurns whose sample with first prompt token ``SLOW`` takes 2 s over its first step (a slow tool); every
+    step is logged in :data:`EVENTS`."""
+
+    SLOW = None
+
+    def reset(self, example):
+        self.id = example.tokens[0]
+        return super().reset(example)
+
+    def step(self, tokens):
+        import time
+
+        EVENTS.append((self.id, self.turn + 1, time.perf_counter()))
+        if self.id == SlowFirstStep.SLOW and self.turn == 0:
+            time.sleep(2.0)
+        return super().step(tokens)
+
+
 class OutOfVocabulary(ThreeTurns):
     def step(self, tokens):
         return [1, 99], 0.0, False

@@ -158,3 +158,74 @@ def test_a_tiny_model_learns_the_synthetic_tool_task(tmp_path):
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
     assert max(rewards[-5:]) > 0.55, rewards
     assert all(m["env/turns"] == 2 for m in history)
+
+
+def engine_turns_case(state: dict, stops: list[int], mode: str, env: str) -> dict:
+    """Issue 47, step 4 (world size 1): five samples of ``env`` (3 turns, 12 new tokens a turn, greedy) through a
+    HybridEngine's generator of 3 slots, either a generate call per turn continuing the kept caches (``sync``,
+    :meth:`EnvRunner.run`) or every turn inside one call with the steps on threads (``async``,
+    :meth:`EnvRunner.run_async`); the episodes and the steps' log (SlowFirstStep)."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import GenerationConfig, turn_share
+    from tests import inference_cases as cases
+
+    env_fixtures.EVENTS.clear()
+    model = cases._training_model(state)
+    engine = HybridEngine(model, RolloutLayout(1, 1))
+    examples = [rl.Example(p) for p in cases.prompts_for(0, 5)]
+    env_fixtures.SlowFirstStep.SLOW = examples[0].tokens[0]
+    config = GenerationConfig(max_batch_size=3, max_sequence_length=cases.MAX_LEN, mixed_prefill_tokens=64,
+                              compact_slots=True)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=12)
+    kw = dict(vocab_size=cases.VOCAB, stop_token_ids=stops, tempered_log_probs=True, config=config)
+    runner = rl.EnvRunner(getattr(env_fixtures, env), name=env, vocab_size=cases.VOCAB, max_turns=3, budget=40,
+                          max_prompt_tokens=60)
+    if mode == "sync":
+        episodes = runner.run(examples, lambda p, t, kept: engine.generate(p, greedy, **kw, keep=True, continued=kept),
+                              step=1, release=engine.release_kept)
+    else:
+        episodes = runner.run_async(examples, lambda p, turns: engine.generate(p, greedy, **kw, turns=turns), step=1,
+                                    share=turn_share(engine, len(examples)), max_new_tokens=12, workers=4)
+    report = engine.generation_report()
+    engine.switch_to_training()
+    teacher = cases.teacher_forced_log_probs(model, episodes.prompts, episodes.responses)
+    return {"episodes": vars(episodes), "events": list(env_fixtures.EVENTS), "slow": env_fixtures.SlowFirstStep.SLOW,
+            "teacher": teacher,
+            "turns": report.get("turns", 0), "kept_continued": report.get("kept_continued", 0)}
+
+
+@pytest.fixture(scope="module")
+def engine_state():
+    from tests import engine_cases
+
+    return run_distributed(engine_cases.reference, 1, {})[0][0]
+
+
+def test_turns_inside_one_call_give_the_turn_by_turn_episodes(engine_state):
+    """Issue 47, step 4: every turn inside one generate call, the environments' steps on threads while the other
+    samples decode, gives the episodes of a generate call per turn (greedy: the same tokens, masks and rewards; the
+    log-probs to rounding); the later turns continued kept caches. A sample whose first step takes 2 s delays only
+    itself: every other sample has taken all its steps before that sample's second step starts. The model tokens'
+    log-probs are a full forward's over the final sequences."""
+    stops = [193, 187, 1]  # tokens tiny_llama's greedy continuations reach mid-sequence (tests/test_inference.py)
+    sync = run_distributed(engine_turns_case, 1, engine_state, stops, "sync", "ThreeTurns")[0]
+    out = run_distributed(engine_turns_case, 1, engine_state, stops, "async", "SlowFirstStep")[0]
+    a, b = out["episodes"], sync["episodes"]
+    for key in ("prompts", "responses", "loss_masks", "turns", "truncated"):
+        assert a[key] == b[key], key
+    assert a["rewards"] == pytest.approx(b["rewards"])
+    for x, y in zip(a["log_probs"], b["log_probs"]):
+        # fp32: the same tokens through cached prefixes in other step compositions, ~1e-7.
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
+    assert out["turns"] >= 5 and out["kept_continued"] >= 3 and sum(a["turns"]) > 5
+    for i, (logp, mask) in enumerate(zip(a["log_probs"], a["loss_masks"])):
+        # The model tokens' log-probs against one training-layout forward over the final sequence (fp32), ~1e-6.
+        model = [(x, y) for x, y, m in zip(logp, out["teacher"][i], mask) if m]
+        torch.testing.assert_close(torch.tensor([x for x, _ in model]), torch.tensor([y for _, y in model]),
+                                   rtol=0, atol=1e-4)
+    slow, events = out["slow"], out["events"]
+    slow_second = [t for sid, turn, t in events if sid == slow and turn == 2]
+    others_last = [t for sid, turn, t in events if sid != slow]
+    assert slow_second and others_last and max(others_last) < slow_second[0]

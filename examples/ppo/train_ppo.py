@@ -244,9 +244,22 @@ class Trainer:
             return {}
         seed = self.args.seed * 7919 + step  # each turn its own sampling stream
 
-        keep = not self.args.no_keep_prefix
+        a = self.args
+        keep = not a.no_keep_prefix
 
-        def turn(call: Any) -> rl.Episodes:
+        def turn(call: rl.EngineCall) -> rl.Episodes:
+            workers = 0 if a.no_keep_prefix else a.env_workers
+            if workers is None:  # auto: threads where every rollout replica is one rank
+                try:
+                    call.turn_share(len(examples))
+                    workers = 8
+                except ValueError:
+                    workers = 0
+            if workers:
+                return self.env.run_async(examples, lambda prompts, turns: call(prompts, seed, turns=turns),
+                                          step=step + 1, share=call.turn_share(len(examples)),
+                                          max_new_tokens=a.max_new_tokens, workers=workers)
+
             def generate(prompts: list[list[int]], t: int, kept: list) -> list:
                 return call(prompts, seed + 104_729 * t, keep=keep, continued=kept if keep else ())
             return self.env.run(examples, generate, step=step + 1, release=call.release)

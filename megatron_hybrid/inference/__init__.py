@@ -23,8 +23,8 @@ weights; only the attention core between ``linear_qkv`` and ``linear_proj`` chan
 """
 
 from .config import GenerationConfig
-from .generator import RolloutGenerator, generate_with_model, replica_seed, split_evenly
-from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator
+from .generator import RolloutGenerator, generate_with_model, replica_seed, split_evenly, turn_share
+from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator, Turns
 
 __all__ = ["Budget", "GenerationConfig", "GenerationResult", "KeptPrefix", "ReplicaGenerator", "RolloutGenerator",
-           "generate_with_model", "replica_seed", "split_evenly"]
+           "Turns", "generate_with_model", "replica_seed", "split_evenly", "turn_share"]

@@ -18,7 +18,7 @@ from ..groups import RolloutGroups, collective_errors
 from ..layout import ParallelLayout
 from ..rollout_memory import RolloutMemoryProvider
 from .config import GenerationConfig
-from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator, split_evenly
+from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator, Turns, split_evenly
 from .validation import SEED_LIMIT, Limits, check_generate_call
 
 #: Each rollout replica's sampling stream: the call's seed plus this much per replica index (mod 2**64).
@@ -91,7 +91,8 @@ class RolloutGenerator:
                  stop_token_ids: Sequence[int] = (), seed: int = 0,
                  tempered_log_probs: bool = False, budget: Optional[Budget] = None,
                  resume: Sequence[GenerationResult] = (), keep: bool = False,
-                 continued: Sequence[Optional[KeptPrefix]] = ()) -> list[GenerationResult]:
+                 continued: Sequence[Optional[KeptPrefix]] = (), turns: Optional[Turns] = None
+                 ) -> list[GenerationResult]:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order (after the
         resumed ones, when ``resume`` has any).
 
@@ -121,6 +122,12 @@ class RolloutGenerator:
                 observation): where its cache is still held, only the tokens after it run (in mixed steps beside
                 other work; the prefix is not recomputed), on the replica that holds it; otherwise the whole prompt
                 is prefilled, with the same result (to rounding).
+            turns: multi-turn inside this call (:class:`~.replica.Turns`, e.g. environments answering on threads):
+                a sequence that ends a turn waits, its slot held, for ``turns``' answer while the others decode,
+                then goes on from its kept cache. Each rollout replica calls ``turns`` for its own share of the
+                prompts (:func:`turn_share`), with indices into the whole list; each result holds all its turns'
+                tokens. Rollout replicas of one rank (t_g = p_g = 1) inside training replicas; no budget, resume
+                or continued.
 
         Each generated token carries the engine's switch count (``weight_versions``): the weights it came from.
 
@@ -139,6 +146,10 @@ class RolloutGenerator:
             raise ValueError("continued takes KeptPrefix entries (an earlier result's kept) or None")
         if any(k is not None for k in continued) and (resume or budget is not None):
             raise ValueError("continued (kept prefixes) cannot be combined with resume or a budget in one call")
+        if turns is not None:
+            turn_share(self.engine, len(prompts))  # the layout's refusal, on every rank alike
+            if resume or budget is not None or any(k is not None for k in continued):
+                raise ValueError("turns cannot be combined with resume, a budget or continued in one call")
         unfinished_only = [i for i, r in enumerate(resume) if not isinstance(r, GenerationResult) or r.finished]
         if unfinished_only:
             raise ValueError(f"resume takes unfinished GenerationResults (finished False); item {unfinished_only[0]} "
@@ -189,6 +200,8 @@ class RolloutGenerator:
             kwargs.update(keep=keep, continued=continued or None)
             parts = split_evenly(len(prompts), lay.d_g) if budget is None else budget.split(len(prompts), lay.d_g)
             lo, hi = parts[replica]
+            if turns is not None:
+                kwargs["turns"] = _Shifted(turns, lo)
             # A budget of finished sequences (or groups: each on one replica) is shared out with the prompts (each
             # micro-DP replica stops on its own share, no collective per step); decode steps are every replica's.
             share = None if budget is None else budget.share(lo, hi, len(prompts))
@@ -257,6 +270,33 @@ class RolloutGenerator:
 
     def close(self) -> None:
         self.replica.close()
+
+
+def turn_share(engine: RolloutEngine, n: int) -> tuple[int, int]:
+    """The prompts ``[lo, hi)`` (of a training replica's ``n``) that this rank's rollout replica generates, and so
+    serves ``turns`` for; ``ValueError`` for a layout whose rollout replicas are not single ranks inside training
+    replicas (the answers of ``turns`` arrive on one rank)."""
+    lay, groups = engine.layout, engine.rollout_groups
+    if lay.exchange or lay.widens or groups.groups["tp"].size() > 1 or groups.groups["pp"].size() > 1:
+        raise ValueError(f"generate(turns=) needs rollout replicas of one rank inside training replicas "
+                         f"(rollout TP 1 and PP 1; this layout has rollout TP {groups.groups['tp'].size()}, PP "
+                         f"{groups.groups['pp'].size()}{', an exchange' if lay.exchange else ''}"
+                         f"{', a widening' if lay.widens else ''})")
+    replica = groups.replica - engine.dp_rank * lay.d_g
+    return split_evenly(n, lay.d_g)[replica]
+
+
+class _Shifted:
+    """A replica's :class:`~.replica.Turns` view of the call's: its sequences are prompts ``lo + seq``."""
+
+    def __init__(self, turns: Turns, lo: int) -> None:
+        self.turns, self.lo = turns, lo
+
+    def ended(self, seq: int, tokens: list[int]) -> None:
+        self.turns.ended(self.lo + seq, tokens)
+
+    def ready(self, wait: bool) -> list:
+        return [(i - self.lo, tokens, limit) for i, tokens, limit in self.turns.ready(wait)]
 
 
 def assign_kept(n: int, parts: int, held_by: Sequence[Optional[int]]) -> list[int]:

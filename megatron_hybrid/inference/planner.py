@@ -127,6 +127,12 @@ def packed_tokens(plan: StepPlan) -> int:
 
 
 @dataclass(frozen=True)
+class WaitForTurns:
+    """Nothing runs and nothing waits, but sequences are between turns (an environment answering): the replica
+    waits for one of them to come back (:meth:`CallSchedule.next_turn`) or end."""
+
+
+@dataclass(frozen=True)
 class SlotMoves:
     """Slot compaction: the sequences of slots ``sources`` move to ``targets`` (cache and decode state)."""
 
@@ -312,11 +318,39 @@ class CallSchedule:
 
     def __init__(self, planner: StepPlanner, prompts: Sequence[Sequence[int]], signature: tuple, *,
                  continued: Optional[dict[int, tuple[int, int]]] = None, held: Sequence[int] = ()) -> None:
-        self.planner, self.prompts, self.signature = planner, prompts, signature
+        self.planner, self.prompts, self.signature = planner, list(prompts), signature
         self.continued = dict(continued or {})
         self.scheduler = SlotScheduler(len(prompts), planner.settings.num_slots,
                                        held=[*held, *(slot for slot, _ in self.continued.values())])
         self.launched = [0] * len(prompts)
+        for seq, (slot, _) in sorted(self.continued.items()):
+            self.scheduler.place(seq, slot)
+        self.pending = sorted(self.continued)
+        """Continued sequences placed in their slots whose new tokens have not run yet."""
+        self.parked: set[int] = set()
+        """Sequences between turns (:meth:`park`): the call goes on until each comes back or ends."""
+
+    def park(self, seq: int) -> None:
+        """Sequence ``seq`` ended a turn and an answer may follow (:meth:`next_turn`, or :meth:`unpark`)."""
+        self.parked.add(seq)
+
+    def unpark(self, seq: int) -> None:
+        """Sequence ``seq`` takes no more turns."""
+        self.parked.discard(seq)
+
+    def next_turn(self, seq: int, tokens: Sequence[int], kept: Optional[tuple[int, int]]) -> None:
+        """Parked sequence ``seq`` goes on as the whole sequence ``tokens``: from ``kept`` (its held slot and the
+        positions cached there: only the tokens after them run) or, None, prefilled whole when a slot frees."""
+        self.parked.discard(seq)
+        self.prompts[seq] = tokens
+        self.launched[seq] = 0
+        if kept is not None:
+            self.continued[seq] = kept
+            self.scheduler.place(seq, kept[0])
+            self.pending.append(seq)
+        else:
+            self.continued.pop(seq, None)
+            self.scheduler.waiting.append(seq)
 
     def finish(self, seq: int, *, hold: bool = False) -> int:
         """No more steps for sequence ``seq``: its slot (returned) is free, or held for a continuation."""
@@ -326,9 +360,8 @@ class CallSchedule:
         """The continued sequences back in their held slots, their new tokens in mixed steps (as many as fit one,
         each), before anything else runs."""
         sched, planner, prompts = self.scheduler, self.planner, self.prompts
-        items = sorted(self.continued.items())
-        for seq, (slot, _) in items:
-            sched.place(seq, slot)
+        items = [(seq, (sched.slot_of[seq], self.continued[seq][1])) for seq in self.pending]
+        self.pending = []
         while items:
             take, total = [], 0
             for seq, (slot, start) in items:
@@ -347,8 +380,9 @@ class CallSchedule:
 
     def __iter__(self) -> Iterator[Union[StepPlan, SlotMoves]]:
         sched, planner, prompts, sig = self.scheduler, self.planner, self.prompts, self.signature
-        yield from self._continuations()
         while True:
+            if self.pending:
+                yield from self._continuations()
             if planner.settings.compact and not sched.waiting:
                 moves = self._compaction()
                 if moves is not None:
@@ -369,8 +403,11 @@ class CallSchedule:
                                                        seqs, signature=sig))
                 admitted = sched.admit()
             batch = sched.decode_batch()
+            if not batch and self.parked:  # nothing runs or waits: until an environment answers
+                yield WaitForTurns()
+                continue
             if not batch:  # nothing runs, so nothing waits: every sequence is closed
-                assert sched.done
+                assert sched.done and not self.pending
                 return
             owners, attended = self._decoding(batch)
             yield self._launch(planner.decode(owners, attended, signature=sig))
@@ -386,8 +423,9 @@ class CallSchedule:
         the most cache positions any of them reads."""
         owners: list[Optional[int]] = [None] * width
         attended = 0
+        pending = set(self.pending)  # placed in their slots, their new tokens not run yet: nothing to decode
         for slot, seq in self.scheduler.active():
-            if seq not in new:
+            if seq not in new and seq not in pending:
                 owners[slot] = seq
                 attended = max(attended, len(self.prompts[seq]) + self.launched[seq])
         return owners, attended

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from .kv_cache import CacheGeometry, KVCache
 from .planner import MIXED_PROMPTS as _MIXED_PROMPTS  # noqa: F401  (the former homes of the planner's constants)
 from .planner import MIXED_TOKENS as _MIXED_TOKENS  # noqa: F401
 from .planner import PREFILL_FORWARD_TOKENS as _PREFILL_FORWARD_TOKENS  # noqa: F401
-from .planner import CallSchedule, SlotMoves, StepPlan, StepPlanner, packed_tokens
+from .planner import CallSchedule, SlotMoves, StepPlan, StepPlanner, WaitForTurns, packed_tokens
 from .runner import StageRunner, StepOutput
 from .validation import Limits
 
@@ -73,6 +73,18 @@ class GenerationResult:
     32,767 experts), the top-k experts each of the model's M MoE layers chose for every token the rollout ran
     through the model: the P prompt tokens and the first n - 1 of the n generated ones (the last generated token is
     never an input). Row i is token i of prompt + response; every rank of the replica gets all layers."""
+
+
+class Turns(Protocol):
+    """Multi-turn inside one generate call (``generate(turns=)``), e.g. environments answering on threads."""
+
+    def ended(self, seq: int, tokens: list[int]) -> None:
+        """Sequence ``seq`` (the call's index) ended a turn with ``tokens``; its answer comes through ready."""
+
+    def ready(self, wait: bool) -> list[tuple[int, Optional[list[int]], int]]:
+        """Answers so far, each ``(seq, tokens, limit)``: the sequence's whole next prompt (its last prompt, its
+        tokens and an observation) and the tokens its next turn may generate, or ``tokens`` None where it takes
+        no more turns. ``wait``: block until there is at least one."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,16 @@ class _Call:
     """Ended sequences hold their slots (multi-turn)."""
     holds: dict[int, int] = field(default_factory=dict)
     """With ``keep``: sequence -> the slot it held when it closed."""
+    holder: dict[int, int] = field(default_factory=dict)
+    """With ``keep``: slot -> the sequence that closed there last."""
+    turns: Optional["Turns"] = None
+    """Multi-turn inside the call (:class:`Turns`)."""
+    base: list[int] = field(default_factory=list)
+    """Per sequence, its generated tokens before its current turn (``limit`` counts the turn's)."""
+    just_ended: list[int] = field(default_factory=list)
+    """Sequences whose turn ended since ``turns`` last heard."""
+    deferred: list = field(default_factory=list)
+    """Answers of ``turns`` waiting for their sequence's rows in flight."""
     routed: dict[int, torch.Tensor] = field(default_factory=dict)
     """With a routing record: per sequence, its slot's rows copied out when it closed (``[positions, M, k]``, this
     stage's MoE layers; trimmed to the tokens it ran once its length is known)."""
@@ -263,7 +285,7 @@ class ReplicaGenerator:
         self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "busy_steps": 0,
                       "idle_slot_steps": 0, "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
                       "slot_moves": 0, "lockstep_steps": 0, "lockstep_idle_steps": 0, "lockstep_padded_rows": 0,
-                      "kept_continued": 0, "kept_evicted": 0}
+                      "kept_continued": 0, "kept_evicted": 0, "turns": 0}
         # kept_continued: prompts run on from a kept prefix; kept_evicted: kept prefixes given to waiting prompts.
 
     # The runner's state, under the names tests and tools read it by.
@@ -298,7 +320,8 @@ class ReplicaGenerator:
     def generate(self, prompts: Sequence[list[int]], params, *, vocab_size: int, stop_token_ids: Sequence[int] = (),
                  seed: int = 0, tempered_log_probs: bool = False, budget: Optional[Budget] = None,
                  weight_version: int = 0, limits: Optional[Sequence[int]] = None, keep: bool = False,
-                 continued: Optional[Sequence[Optional[KeptPrefix]]] = None) -> list[GenerationResult]:
+                 continued: Optional[Sequence[Optional[KeptPrefix]]] = None,
+                 turns: Optional["Turns"] = None) -> list[GenerationResult]:
         """Generate for ``prompts`` (checked: non-empty, ids below ``vocab_size``, each fits a slot); every rank of
         the replica gets every result (``tempered_log_probs``, the same on every rank: also fill
         ``generated_tempered_log_probs``). ``budget``: stop early (:class:`Budget`; every rank of the replica
@@ -310,7 +333,13 @@ class ReplicaGenerator:
         continues it, :meth:`release` frees it, the weights change, or waiting prompts need the slot.
         ``continued``: per prompt, None or the :class:`KeptPrefix` of an earlier result whose sequence the prompt
         extends (the prompt is that result's prompt and generated tokens, then new ones): only the tokens after
-        ``positions`` run (in mixed steps), where the prefix is still held; else the whole prompt is prefilled."""
+        ``positions`` run (in mixed steps), where the prefix is still held; else the whole prompt is prefilled.
+
+        ``turns`` (:class:`Turns`): multi-turn inside the call. A sequence that ends a turn holds its slot and is
+        handed to ``turns.ended``; whatever ``turns.ready`` answers goes on in this call (from the kept cache,
+        only the new tokens run, beside the other sequences) or ends; the call returns when every sequence has
+        taken its last turn. Each result holds all of its turns' generated tokens (their log-probs and versions
+        alike), not the answers between them. Needs a replica of one rank (the answers arrive on it alone)."""
         results = [GenerationResult(list(p)) for p in prompts]
         if self.kept and weight_version != next(iter(self.kept.values())):
             self.kept.clear()  # other weights: the kept caches are stale
@@ -325,10 +354,14 @@ class ReplicaGenerator:
         for slot, _ in resumed.values():
             del self.kept[slot]
         schedule = self.planner.schedule(prompts, signature=signature, continued=resumed, held=held)
-        call = _Call(results, schedule, stops, keep=keep,
+        if turns is not None and (self.tp_group.size() > 1 or self.pp_group.size() > 1 or
+                                  self.lockstep_group is not None or self.runner.records_routing or budget):
+            raise ValueError("generate(turns=) needs a rollout replica of one rank, without a budget or a routing "
+                             "record")
+        call = _Call(results, schedule, stops, keep=keep or turns is not None, turns=turns,
                      limit=[int(params.num_tokens_to_generate)] * len(prompts) if limits is None else list(limits),
                      closed=[False] * len(prompts),
-                     ended=[False] * len(prompts))
+                     ended=[False] * len(prompts), base=[0] * len(prompts))
         depth = 1 if self.overlap else 0
         was_training = self.chunk.training
         self.chunk.eval()
@@ -341,10 +374,16 @@ class ReplicaGenerator:
                         self.runner.move_slots(plan)
                         self.stats["slot_moves"] += len(plan.sources)
                         continue
+                    if isinstance(plan, WaitForTurns):
+                        self._drain(call, 0)
+                        self._turns(call, wait=True)
+                        continue
                     if self.lockstep_group is not None:
                         plan = self._agree(plan)
                     self._launched(call, plan, self.runner.run(plan))
                     self._drain(call, depth)
+                    if turns is not None:
+                        self._turns(call, wait=False)
                     if budget is not None and budget.met(call.ended, call.schedule.scheduler.decode_steps):
                         break
                 self._drain(call, 0)
@@ -471,11 +510,47 @@ class ReplicaGenerator:
             if k is not None and k.replica == self.replica_index and self.kept.get(k.slot) == k.weight_version:
                 del self.kept[k.slot]
 
+    def _turns(self, call: _Call, *, wait: bool) -> None:
+        """Hand the sequences that ended a turn to ``call.turns``; put its answers in the schedule (``wait``: at
+        least one, blocking, when nothing else can run). A sequence with rows still in flight (launched before its
+        stop token was seen) goes on only once they are read."""
+        turns, sched = call.turns, call.schedule
+        for seq in call.just_ended:
+            out = call.results[seq].generated_tokens
+            sched.park(seq)
+            turns.ended(seq, out[call.base[seq]:])
+        call.just_ended = []
+        in_flight = {seq for step in call.flight for seq in step.owners if seq is not None}
+        answers = call.deferred + turns.ready(wait=wait and not call.deferred)
+        call.deferred = []
+        for seq, tokens, limit in answers:
+            if seq in in_flight:
+                call.deferred.append((seq, tokens, limit))
+                continue
+            slot = call.holds.get(seq)
+            held = slot is not None and slot in sched.scheduler.held and call.holder.get(slot) == seq
+            if tokens is None:  # its last turn
+                sched.unpark(seq)
+                if held:
+                    sched.scheduler.held.remove(slot)
+                continue
+            result = call.results[seq]
+            written = len(sched.prompts[seq]) + len(result.generated_tokens) - call.base[seq] - 1
+            kept = (slot, written) if held and self.planner.continuation_fits(len(tokens) - written) else None
+            if held and kept is None:
+                sched.scheduler.held.remove(slot)
+            call.base[seq], call.limit[seq] = len(result.generated_tokens), int(limit)
+            call.closed[seq] = call.ended[seq] = False
+            sched.next_turn(seq, list(tokens), kept)
+            self.stats["turns"] += 1
+            self.stats["kept_continued"] += kept is not None
+
     def _close(self, call: _Call, seq: int) -> None:
         call.closed[seq] = True
         slot = call.schedule.finish(seq, hold=call.keep)
         if call.keep:
             call.holds[seq] = slot
+            call.holder[slot] = seq
         if self.runner.records_routing:
             # Every position its launched steps wrote (a stop token not yet seen may end it earlier: trimmed later).
             positions = len(call.results[seq].prompt_tokens) + call.schedule.launched[seq] - 1
@@ -507,10 +582,12 @@ class ReplicaGenerator:
                     continue
                 out = call.results[seq].generated_tokens
                 out.append(tok)
-                if tok in call.stops or len(out) == call.limit[seq]:
+                if tok in call.stops or len(out) - call.base[seq] == call.limit[seq]:
                     call.ended[seq] = True
                     if not call.closed[seq]:
                         self._close(call, seq)
+                    if call.turns is not None:
+                        call.just_ended.append(seq)
 
     def _collect_log_probs(self, call: _Call, *, tempered: bool) -> None:
         """Move the last stage's log-probs to the host in one copy and share them with the other stages. Each

@@ -70,7 +70,8 @@ class SlotScheduler:
         """Waiting sequence ``seq`` continues the cache of held ``slot``: it runs there (not admitted elsewhere)."""
         assert slot in self.held and self.slots[slot] is None, (seq, slot)
         self.held.remove(slot)
-        self.waiting.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         self.slots[slot] = seq
         self.slot_of[seq] = slot
         self.max_active = max(self.max_active, len(self.slot_of))

@@ -50,12 +50,12 @@ from .phases import PhaseRecorder, PhaseTimeout, phase, recorded, recording
 from .rewards import (Reward, accuracy, build_reward, decode_response, evaluate_accuracy, exact_match,
                       format_score)
 from .pretrained import export_hf, load_pretrained, model_architecture, model_args_from_checkpoint
-from .rollout import generation_config, Rollout, generate_in_training_layout, generate_on_engine
+from .rollout import EngineCall, generation_config, Rollout, generate_in_training_layout, generate_on_engine
 from .task import Task, load_task
 from .tokenizers import build_tokenizer
 
-__all__ = ["Batch", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "TrainedModel", "TrainingPasses",
-           "UpdateResult", "ValueHead", "aggregate_metrics", "architecture_from_args", "build_critic",
+__all__ = ["Batch", "EngineCall", "LossFn", "MetricsLogger", "PassConfig", "StepFailure", "TrainedModel",
+           "TrainingPasses", "UpdateResult", "ValueHead", "aggregate_metrics", "architecture_from_args", "build_critic",
            "build_reference", "build_scheduler", "build_stage", "build_tokenizer", "check_finite", "copy_weights",
            "generate_in_training_layout", "generate_on_engine", "initialize", "load_checkpoint", "load_parameters",
            "load_value_model", "make_batch", "optimizer_config", "parameters_state", "response_values",

@@ -389,6 +389,10 @@ def add_filter_and_env_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-keep-prefix", action="store_true", help="with --env: prefill each turn's whole sequence "
                    "again (default: a turn continues the last one's KV cache, kept in the rollout: only the "
                    "observation and the model's last token run)")
+    g.add_argument("--env-workers", type=int, default=None, help="with --env: threads the environments' steps run "
+                   "on, every turn inside one generate call (a step starts as soon as its sample's turn ends, "
+                   "while the others decode; rollout TP 1 and PP 1); 0: a generate call per turn, the steps between "
+                   "them (default: 8 where the rollout layout allows, else 0)")
 
 
 def add_partial_rollout_args(parser: argparse.ArgumentParser) -> None:
@@ -428,7 +432,8 @@ def _validate_filter(args: argparse.Namespace) -> None:
 def _validate_env(args: argparse.Namespace) -> None:
     given = [f for f, on in (("--max-turns", args.max_turns is not None),
                              ("--max-sample-tokens", args.max_sample_tokens is not None),
-                             ("--no-keep-prefix", getattr(args, "no_keep_prefix", False))) if on]
+                             ("--no-keep-prefix", getattr(args, "no_keep_prefix", False)),
+                             ("--env-workers", getattr(args, "env_workers", None) is not None)) if on]
     if args.env is None:
         if given:
             raise ValueError(f"{', '.join(given)} needs --env")
@@ -438,6 +443,11 @@ def _validate_env(args: argparse.Namespace) -> None:
     load_env(args.env)
     args.max_turns = 4 if args.max_turns is None else args.max_turns
     args.max_sample_tokens = args.max_sample_tokens or args.max_new_tokens * args.max_turns
+    if args.env_workers is not None and args.env_workers < 0:
+        raise ValueError(f"--env-workers ({args.env_workers}) must be >= 0")
+    if args.env_workers and args.no_keep_prefix:
+        raise ValueError(f"--env-workers ({args.env_workers}) runs every turn inside one generate call, from kept "
+                         "caches: it cannot be combined with --no-keep-prefix (use --env-workers 0)")
     refused = [flag for flag, on in (("--partial-rollout", args.partial_rollout),
                                      ("--no-hybrid-rollout", args.no_hybrid_rollout),
                                      ("--moe-enable-routing-replay", args.moe_enable_routing_replay),

@@ -142,6 +142,62 @@ class EnvRunner:
         return observation, float(reward), bool(done)
 
     # -- a step's samples ---------------------------------------------------------------------------------------
+    def run_async(self, examples: list[Example], generate: Callable[[list[list[int]], Any], list], *, step: int,
+                  share: tuple[int, int], max_new_tokens: int, workers: int) -> Episodes:
+        """Every turn of every sample inside one generate call: ``generate(first prompts, turns)`` passes ``turns``
+        (a :class:`~megatron_hybrid.inference.Turns`) to the engine, whose rollout replica of this rank generates the
+        samples ``share`` = ``[lo, hi)`` (:func:`~megatron_hybrid.inference.turn_share`). Their environments live
+        here: ``reset`` before the call, each ``step`` on one of ``workers`` threads as soon as the sample's turn
+        ends, while the replica decodes the others; the sample goes on from its kept cache once its answer is in
+        (a slow environment delays its own sample only). The samples' episodes are gathered over the training
+        replica's model-parallel group, so every rank returns all of them, as :meth:`run` does."""
+        n = len(examples)
+        lo, hi = share
+        envs: dict[int, Any] = {}
+        episodes = Episodes([])
+        start = time.perf_counter()
+        errors, mine = [], {}
+        for i in range(lo, hi):
+            try:
+                mine[i] = self._reset(envs, examples, i)
+            except Exception as e:
+                errors.append(f"--env {self.name}: sample {i}'s reset: {type(e).__name__}: {e}")
+        episodes.env_seconds += time.perf_counter() - start
+        raise_on_every_rank(step, errors)
+        firsts = self._gathered(mine)
+        turns = _EnvTurns(self, envs, [firsts.get(i, []) for i in range(n)], max_new=max_new_tokens,
+                          workers=workers)
+        try:
+            results = generate([firsts[i] for i in range(n)], turns)
+        finally:
+            turns.close()
+        raise_on_every_rank(step, turns.errors)
+        parts = self._gathered({i: (turns.responses[i], turns.masks[i], turns.rewards[i], turns.turns[i])
+                                for i in range(lo, hi)})
+        truncated = self._gathered({self.rank: (turns.truncated, turns.env_seconds)})
+        episodes.prompts = [firsts[i] for i in range(n)]
+        for i in range(n):
+            responses, masks, reward, turn_counts = parts[i]
+            # The results hold every turn's generated tokens (and their log-probs); the budget kept a prefix of each.
+            kept = iter(_kept_log_probs(list(results[i].generated_tempered_log_probs), turn_counts))
+            log_probs = [next(kept) if m else 0.0 for m in masks]
+            episodes.responses.append(responses)
+            episodes.log_probs.append(log_probs)
+            episodes.loss_masks.append(masks)
+            episodes.rewards.append(reward)
+            episodes.turns.append(len(turn_counts))
+        episodes.truncated = sum(t for t, _ in truncated.values())
+        episodes.env_seconds += sum(s for _, s in truncated.values())
+        return episodes
+
+    def _gathered(self, mine: dict[int, Any]) -> dict[int, Any]:
+        """The union of every model-parallel rank's ``mine``."""
+        if self.size == 1:
+            return dict(mine)
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {k: v for part in everyone for k, v in part.items()}
+
     def run(self, examples: list[Example], generate: Generate, *, step: int,
             release: Optional[Callable[[list], None]] = None) -> Episodes:
         """Reset every sample's environment, then turns of ``generate`` and ``step`` until every sample is done
@@ -204,6 +260,91 @@ class EnvRunner:
         if release is not None and any(kept[i] is not None for i in live):
             release([kept[i] for i in live if kept[i] is not None])
         return episodes
+
+
+def _kept_log_probs(log_probs: list[float], turns: list[tuple[int, int]]) -> list[float]:
+    """The log-probs of the tokens each turn kept (``(generated, kept)`` per turn) out of all generated ones."""
+    out, at = [], 0
+    for generated, kept in turns:
+        out += log_probs[at: at + kept]
+        at += generated
+    return out
+
+
+class _EnvTurns:
+    """:class:`~megatron_hybrid.inference.Turns` over this rank's samples ``[lo, hi)`` (:meth:`EnvRunner.run_async`):
+    each ``step`` runs on a thread of ``workers`` as soon as its sample's turn ends; its answer is checked and
+    booked here, and the sample goes on with its next prompt (or ends). Errors are kept for the caller to raise on
+    every rank."""
+
+    def __init__(self, runner: "EnvRunner", envs: dict[int, Any], firsts: list[list[int]], *, max_new: int,
+                 workers: int) -> None:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.runner, self.envs, self.firsts, self.max_new = runner, envs, firsts, max_new
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
+        self.answers: "queue.Queue[tuple[int, Any, Optional[BaseException], float]]" = queue.Queue()
+        self.responses: dict[int, list[int]] = {i: [] for i in envs}
+        self.masks: dict[int, list[int]] = {i: [] for i in envs}
+        self.rewards: dict[int, float] = {i: 0.0 for i in envs}
+        self.turns: dict[int, list[tuple[int, int]]] = {i: [] for i in envs}
+        """Per sample, each turn's (generated tokens, kept tokens) (the rest cut at the token budget)."""
+        self.truncated, self.env_seconds, self.errors = 0, 0.0, []
+
+    def ended(self, i: int, tokens: list[int]) -> None:
+        room = self.runner.budget - len(self.responses[i])
+        said = list(tokens)[:room]
+        if len(tokens) > room:
+            self.truncated += 1
+        self.responses[i] += said
+        self.masks[i] += [1] * len(said)
+        self.turns[i].append((len(tokens), len(said)))
+        self.pool.submit(self._step, i, said)
+
+    def _step(self, i: int, said: list[int]) -> None:
+        start = time.perf_counter()
+        try:
+            out, error = self.runner._step(self.envs, i, said), None
+        except Exception as e:  # the user's environment, or a check of what it returned
+            out, error = None, e
+        self.answers.put((i, out, error, time.perf_counter() - start))
+
+    def ready(self, wait: bool) -> list[tuple[int, Optional[list[int]], int]]:
+        import queue
+
+        out = []
+        while True:
+            try:
+                i, answer, error, seconds = self.answers.get(block=wait and not out)
+            except queue.Empty:
+                return out
+            self.env_seconds += seconds
+            out.append((i, *self._next(i, answer, error)))
+
+    def _next(self, i: int, answer: Any, error: Optional[BaseException]) -> tuple[Optional[list[int]], int]:
+        """Sample i's next prompt and its turn's token limit, or (None, 0) where it ends."""
+        runner = self.runner
+        if error is not None:
+            turn = len(self.turns[i])
+            self.errors.append(f"--env {runner.name}: sample {i}'s step (turn {turn}): {type(error).__name__}: {error}")
+            return None, 0
+        observation, reward, done = answer
+        self.rewards[i] += reward
+        if done or len(self.turns[i]) == runner.max_turns or len(self.responses[i]) >= runner.budget:
+            return None, 0
+        room = runner.budget - len(self.responses[i])
+        if len(observation) >= room:  # no room left for the model to answer: cut here
+            self.responses[i] += observation[:room]
+            self.masks[i] += [0] * room
+            self.truncated += 1
+            return None, 0
+        self.responses[i] += observation
+        self.masks[i] += [0] * len(observation)
+        return self.firsts[i] + self.responses[i], min(self.max_new, runner.budget - len(self.responses[i]))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def load_env(spec: str) -> Callable[[], Any]:

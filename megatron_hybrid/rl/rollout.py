@@ -79,6 +79,29 @@ def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
 
 
 @recorded("generate")
+class EngineCall:
+    """A rollout phase's generate calls on ``engine`` (``generate_on_engine``'s driver gets one): ``call(prompts,
+    seed, **kw)`` is ``engine.generate`` with the phase's sampling settings; :meth:`release` frees kept prefixes and
+    :meth:`turn_share` names this rank's prompts of a call with ``turns`` (multi-turn)."""
+
+    def __init__(self, engine: Any, settings: dict[str, Any]) -> None:
+        self.engine, self.settings = engine, settings
+
+    def __call__(self, inputs: list[list[int]], call_seed: int, **kw: Any) -> list:
+        settings = dict(self.settings)
+        params = settings.pop("sampling_params")
+        return self.engine.generate(inputs, params, seed=call_seed, **settings, **kw)
+
+    def release(self, kept: list) -> None:
+        getattr(self.engine, "release_kept", lambda k: None)(kept)
+
+    def turn_share(self, n: int) -> tuple[int, int]:
+        """``[lo, hi)`` of ``n`` prompts (``ValueError`` where the layout serves no ``turns``)."""
+        from ..inference import turn_share
+
+        return turn_share(self.engine, n)
+
+
 def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *, vocab_size: int,
                        stop_token_ids: Sequence[int], seed: int, offload_optimizer: Optional[Any] = None,
                        offload_grads: bool = False, config: Any = None, budget: Any = None,
@@ -90,7 +113,7 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
     what the switch left free). ``budget`` and ``resume``: the engine's (partial rollout: stop early, go on with
     unfinished results of an earlier call); the responses are then the resumed ones, then the prompts', finished or
     not (see ``Rollout.results``). ``driver``: instead of one generate call, ``driver(call)`` inside the one rollout
-    phase, where ``call(prompts, seed, **kw)`` generates (``call.release(kept)`` frees kept prefixes); it returns
+    phase, where ``call(prompts, seed, **kw)`` generates (an :class:`EngineCall`); it returns
     :class:`~.envs.Episodes` (``--env``: a call per turn), whose responses and log-probs the Rollout holds."""
     with phase("switch to rollout"):
         engine.switch_to_rollout(offload_optimizer=offload_optimizer, offload_grads=offload_grads)
@@ -100,11 +123,8 @@ def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *
     try:
         if callable(config):
             config = config()
-        def call(inputs: list[list[int]], call_seed: int, **kw: Any) -> list:
-            return engine.generate(inputs, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                                   seed=call_seed, tempered_log_probs=True, config=config, **kw)
-
-        call.release = getattr(engine, "release_kept", lambda kept: None)  # a driver's kept prefixes, freed
+        call = EngineCall(engine, dict(sampling_params=sampling_params, vocab_size=vocab_size,
+                                       stop_token_ids=stop_token_ids, tempered_log_probs=True, config=config))
 
         if driver is None:
             results, episodes = call(prompts, seed, budget=budget, resume=resume), None
