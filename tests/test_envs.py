@@ -229,3 +229,46 @@ def test_turns_inside_one_call_give_the_turn_by_turn_episodes(engine_state):
     slow_second = [t for sid, turn, t in events if sid == slow and turn == 2]
     others_last = [t for sid, turn, t in events if sid != slow]
     assert slow_second and others_last and max(others_last) < slow_second[0]
+
+
+class _Chars:
+    """A character tokenizer (the calculator reads and writes text)."""
+
+    eod = 0
+
+    def tokenize(self, text):
+        return [ord(c) for c in text]
+
+    def detokenize(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_the_calculator_answers_its_calls_and_scores_the_final_answer():
+    """examples/tasks/calculator.py: a <calc> call is evaluated (ast, arithmetic only) and answered as an
+    observation; a turn with the final answer ends the episode with reward 1 when it is right."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calculator", "examples/tasks/calculator.py")
+    calc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calc)
+    assert [calc.evaluate(e) for e in ("12*7", "(3 + 4) * -2", "7/2", "17 // 5 % 3")] == [84, -14, 3.5, 0]
+    for bad in ("2**10", "__import__('os')", "1/0", "x + 1", "1" * 65, "True + 1", "[1, 2]"):
+        assert calc.evaluate(bad) is None, bad
+    tok = _Chars()
+    env = calc.Calculator(tokenizer=tok)
+    assert env.reset(rl.Example([5, 6], answer="84")) == [5, 6]
+    observation, reward, done = env.step(tok.tokenize("Let me compute <calc>12*7</calc>") + [tok.eod])
+    assert tok.detokenize(observation) == "\n= 84\n" and reward == 0.0 and not done
+    assert tok.detokenize(env.step(tok.tokenize("<calc>12/0</calc>"))[0]) == "\n= error\n"
+    assert env.step(tok.tokenize("So #### 84")) == ([], 1.0, True)
+    env.reset(rl.Example([5], answer="84"))
+    assert env.step(tok.tokenize("#### 1,084")) == ([], 0.0, True) and env.step(tok.tokenize("no answer"))[1] == 0.0
+    with pytest.raises(ValueError, match="tokenizer"):
+        calc.Calculator()
+    # The recipe's EnvRunner passes its tokenizer to a class that takes one (and not to one that does not).
+    runner = rl.EnvRunner(calc.Calculator, name="calculator", vocab_size=256, max_turns=3, budget=64,
+                          max_prompt_tokens=8, tokenizer=tok)
+    assert runner.make_env().tokenizer is tok
+    plain = rl.EnvRunner(env_fixtures.ThreeTurns, name="three", vocab_size=16, max_turns=3, budget=8,
+                         max_prompt_tokens=4, tokenizer=tok)
+    assert isinstance(plain.make_env(), env_fixtures.ThreeTurns)

@@ -161,7 +161,8 @@ class Trainer:
             longest = self.generation_config.max_sequence_length - a.max_new_tokens - a.max_sample_tokens
             self.env = rl.EnvRunner(rl.load_env(a.env), name=a.env, vocab_size=self.tokenizer.vocab_size,
                                     max_turns=a.max_turns, budget=a.max_sample_tokens, max_prompt_tokens=longest,
-                                    group=ps.get_model_parallel_group(), keep_prefix=not a.no_keep_prefix)
+                                    group=ps.get_model_parallel_group(), keep_prefix=not a.no_keep_prefix,
+                                    tokenizer=self.tokenizer)
         self.passes = rl.TrainingPasses(rl.PassConfig(  # with --sequence-parallel a multiple of TP
             rl.padded_seq_length(self.response_tokens + longest, sequence_parallel=a.sequence_parallel),
             a.micro_batch_size, self.tokenizer.vocab_size, a.temperature,

@@ -33,6 +33,9 @@ INSTRUCTIONS = {
     "step-by-step": "Think step by step, then give the final answer as a number after '####'.",
     # For small models and short --max-new-tokens: a reasoning chain rarely ends (with its '####') within 32 tokens.
     "short": "Reply with only the answer, written as '#### <number>'.",
+    # For examples/tasks/calculator.py (--env): the tool's call and its answer, then the final answer.
+    "calculator": "You may use a calculator: write <calc>expression</calc> and stop; its result comes back. End with "
+                  "'#### <number>'.",
 }
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lena"]
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells"]

@@ -1,7 +1,8 @@
 """Multi-turn environments (``--env module:Class``): the model answers, the environment replies, the model goes on;
 only the model's own tokens train.
 
-An environment is a class the recipe makes once per sample (``Class()``), with two methods::
+An environment is a class the recipe makes once per sample (``Class()``, or ``Class(tokenizer=...)`` where its
+constructor takes the run's tokenizer, to read and write text), with two methods::
 
     class MyEnv:
         def reset(self, example: rl.Example) -> list[int]:
@@ -26,6 +27,8 @@ the step is saved.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import time
@@ -82,9 +85,11 @@ class EnvRunner:
     model-parallel group (None: this rank alone); ``max_prompt_tokens``: the longest first prompt the rollout's
     KV cache was sized for."""
 
-    def __init__(self, make_env: Callable[[], Any], *, name: str, vocab_size: int, max_turns: int, budget: int,
-                 max_prompt_tokens: int, group: Any = None, keep_prefix: bool = True) -> None:
+    def __init__(self, make_env: Callable[..., Any], *, name: str, vocab_size: int, max_turns: int, budget: int,
+                 max_prompt_tokens: int, group: Any = None, keep_prefix: bool = True, tokenizer: Any = None) -> None:
         self.make_env, self.name, self.vocab_size = make_env, name, vocab_size
+        if tokenizer is not None and _takes_tokenizer(make_env):  # an environment that reads and writes text
+            self.make_env = functools.partial(make_env, tokenizer=tokenizer)
         self.keep_prefix = keep_prefix
         self.max_turns, self.budget, self.max_prompt_tokens, self.group = max_turns, budget, max_prompt_tokens, group
         self.size = 1 if group is None else dist.get_world_size(group)
@@ -260,6 +265,14 @@ class EnvRunner:
         if release is not None and any(kept[i] is not None for i in live):
             release([kept[i] for i in live if kept[i] is not None])
         return episodes
+
+
+def _takes_tokenizer(make_env: Callable[..., Any]) -> bool:
+    """Whether ``make_env`` (an environment class) takes a ``tokenizer`` keyword."""
+    try:
+        return "tokenizer" in inspect.signature(make_env).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _kept_log_probs(log_probs: list[float], turns: list[tuple[int, int]]) -> list[float]:
