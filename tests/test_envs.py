@@ -39,6 +39,52 @@ def runner_case(env: str, budget: int, max_turns: int = 3) -> dict:
     return {"episodes": vars(episodes), "prompts": prompts_seen, "continued": continued, "released": released}
 
 
+def async_runner_case(env: str, budget: int, max_turns: int = 3) -> dict:
+    """:meth:`EnvRunner.run_async` over runner_case's two samples, the engine replaced by a loop that answers turn
+    t with [3, t] (log-probs -0.5) and hands each ended turn to ``turns`` at once: the episodes, or the error."""
+    def generate(prompts, turns):
+        results = [GenerationResult(list(p)) for p in prompts]
+        taken = {i: 0 for i in range(len(prompts))}
+
+        def answer(i):
+            tokens = [3, taken[i]]
+            taken[i] += 1
+            results[i].generated_tokens += tokens
+            results[i].generated_tempered_log_probs += [-0.5, -0.5]
+            turns.ended(i, tokens)
+
+        for i in range(len(prompts)):
+            answer(i)
+        live = set(taken)
+        while live:
+            for i, tokens, limit in turns.ready(wait=True):
+                if tokens is None:
+                    live.discard(i)
+                else:
+                    assert tokens[: len(prompts[i])] == prompts[i] and limit > 0
+                    answer(i)
+        return results
+
+    runner = rl.EnvRunner(getattr(env_fixtures, env), name=f"tests.env_fixtures:{env}", vocab_size=16,
+                          max_turns=max_turns, budget=budget, max_prompt_tokens=4)
+    try:
+        episodes = runner.run_async(EXAMPLES, generate, step=5, share=(0, len(EXAMPLES)), max_new_tokens=2,
+                                    workers=2)
+    except rl.StepFailure as e:
+        return {"error": str(e)}
+    return {"episodes": vars(episodes)}
+
+
+@pytest.mark.parametrize("env, budget", [("ThreeTurns", 100), ("LongObservation", 12), ("ThreeTurns", 5)])
+def test_turns_inside_one_call_book_the_episodes_as_turn_by_turn_calls(env, budget):
+    """The threads' form (EnvRunner.run_async) gives run's episodes: the same responses, masks, log-probs, rewards,
+    turns and budget cuts (a long observation, a model turn past the budget)."""
+    got = run_distributed(async_runner_case, 1, env, budget)[0]["episodes"]
+    want = run_distributed(runner_case, 1, env, budget)[0]["episodes"]
+    for key in ("prompts", "responses", "loss_masks", "log_probs", "rewards", "turns", "truncated"):
+        assert got[key] == want[key], key
+
+
 def test_turns_append_the_observations_and_mask_them():
     out = run_distributed(runner_case, 1, "ThreeTurns", 100)[0]
     ep = out["episodes"]
@@ -71,8 +117,9 @@ def test_a_sample_at_its_token_budget_ends_there_counted():
     ("NotFinite", "sample 0's step (turn 1): ValueError: step's reward (nan) must be a finite number"),
     ("Raises", "sample 0's step (turn 1): KeyError: 'the tool is down'"),
 ])
-def test_a_bad_environment_stops_the_step_naming_the_sample(env, message):
-    error = run_distributed(runner_case, 1, env, 100)[0]["error"]
+@pytest.mark.parametrize("case", [runner_case, async_runner_case], ids=["turn-by-turn", "threads"])
+def test_a_bad_environment_stops_the_step_naming_the_sample(env, message, case):
+    error = run_distributed(case, 1, env, 100)[0]["error"]
     assert error.startswith(f"step 5: --env tests.env_fixtures:{env}: {message}"), error
     assert "sample 1" in error and "before anything of this step is saved" in error
 

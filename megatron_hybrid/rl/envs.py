@@ -176,7 +176,7 @@ class EnvRunner:
             results = generate([firsts[i] for i in range(n)], turns)
         finally:
             turns.close()
-        raise_on_every_rank(step, turns.errors)
+        raise_on_every_rank(step, [message for _, message in sorted(turns.errors)])  # in sample order
         parts = self._gathered({i: (turns.responses[i], turns.masks[i], turns.rewards[i], turns.turns[i])
                                 for i in range(lo, hi)})
         truncated = self._gathered({self.rank: (turns.truncated, turns.env_seconds)})
@@ -340,7 +340,8 @@ class _EnvTurns:
         runner = self.runner
         if error is not None:
             turn = len(self.turns[i])
-            self.errors.append(f"--env {runner.name}: sample {i}'s step (turn {turn}): {type(error).__name__}: {error}")
+            self.errors.append((i, f"--env {runner.name}: sample {i}'s step (turn {turn}): {type(error).__name__}: "
+                                   f"{error}"))
             return None, 0
         observation, reward, done = answer
         self.rewards[i] += reward
