@@ -532,10 +532,17 @@ def _validate(*argv: str, world_size: int = 4) -> argparse.Namespace:
     return args
 
 
-def test_local_is_the_default_and_ours_pass():
+def test_the_default_is_local_on_the_cpu_and_sdpa_on_a_gpu(monkeypatch):
+    """Issue 44 step 6: the rows chose packed sdpa for GPUs (6.25x padded local's tokens/s on an H100); the CPU keeps
+    megatron-core's attention (the goldens' numerics)."""
     assert _validate().attention_backend == "local"
-    for backend in ("sdpa", "auto"):
+    for backend in ("sdpa", "auto", "local"):
         assert _validate("--attention-backend", backend).attention_backend == backend
+    from megatron_hybrid.rl import arguments
+
+    monkeypatch.setattr(arguments, "select_device", lambda args: "cuda")
+    assert _validate().attention_backend == "sdpa"
+    assert _validate("--attention-backend", "local").attention_backend == "local"
 
 
 @pytest.mark.parametrize("backend", ["flash", "fused", "unfused"])
