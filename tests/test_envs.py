@@ -310,6 +310,9 @@ def test_the_calculator_answers_its_calls_and_scores_the_final_answer():
     assert env.step(tok.tokenize("So #### 84")) == ([], 1.0, True)
     env.reset(rl.Example([5], answer="84"))
     assert env.step(tok.tokenize("#### 1,084")) == ([], 0.0, True) and env.step(tok.tokenize("no answer"))[1] == 0.0
+    # Without a '####', the last number answers (a call's expression is not an answer).
+    assert env.step(tok.tokenize("12 * 7 = 84.")) == ([], 1.0, True)
+    assert env.step(tok.tokenize("12 * 7 = 84, not 85"))[1] == 0.0 and env.step(tok.tokenize("#### 84 or 85"))[1] == 1.0
     with pytest.raises(ValueError, match="tokenizer"):
         calc.Calculator()
     # The recipe's EnvRunner passes its tokenizer to a class that takes one (and not to one that does not).

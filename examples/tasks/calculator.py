@@ -10,8 +10,9 @@ A turn of the model ends at its end-of-sequence token or after ``--max-new-token
 of the turn: where it holds a ``<calc>expression</calc>`` and no final answer yet, the expression (integers,
 ``+ - * / // % ( )``, at most 64 characters, no powers) is evaluated and its value given back as ``= value`` on a
 line of its own (an expression it cannot evaluate gets ``= error``); otherwise the episode ends and the reward is
-1 when the number after the turn's ``####`` equals the problem's answer (``example.answer``), else 0. The last
-turn (``--max-turns``) always ends it.
+1 when the turn's answer equals the problem's (``example.answer``), else 0: the number after its last ``####``, or
+without one its last number (as ``--reward-type exact-match`` reads answers: a small model that answers in prose
+still gets a signal). The last turn (``--max-turns``) always ends it.
 
 The environment needs the run's tokenizer to read and write text: the recipe passes it to any environment class
 whose constructor takes ``tokenizer``.
@@ -65,10 +66,19 @@ def shown(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:.6f}".rstrip("0")
 
 
+NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
 def final_answer(text: str) -> Optional[str]:
     """The number after the text's last ``####`` (commas dropped), or None."""
     found = ANSWER.findall(text)
     return found[-1].replace(",", "") if found else None
+
+
+def last_number(text: str) -> Optional[str]:
+    """The text's last number (commas dropped), or None."""
+    found = NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
 
 
 class Calculator:
@@ -92,7 +102,7 @@ class Calculator:
             self.calls += 1
             result = evaluate(calls[-1])
             return self.tokenizer.tokenize(f"\n= {'error' if result is None else shown(result)}\n"), 0.0, False
-        given = final_answer(text)
+        given = final_answer(text) or last_number(CALL.sub("", text))
         correct = given is not None and self.answer is not None and _same_number(given, self.answer)
         return [], float(correct), True
 
