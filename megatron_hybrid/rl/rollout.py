@@ -78,7 +78,6 @@ def generation_config(args: Any, *, max_prompt_length: int) -> GenerationConfig:
                             mixed_prefill_tokens=MIXED_TOKENS if keep else None)
 
 
-@recorded("generate")
 class EngineCall:
     """A rollout phase's generate calls on ``engine`` (``generate_on_engine``'s driver gets one): ``call(prompts,
     seed, **kw)`` is ``engine.generate`` with the phase's sampling settings; :meth:`release` frees kept prefixes and
@@ -102,6 +101,7 @@ class EngineCall:
         return turn_share(self.engine, n)
 
 
+@recorded("generate")
 def generate_on_engine(engine: Any, prompts: list[list[int]], sampling_params, *, vocab_size: int,
                        stop_token_ids: Sequence[int], seed: int, offload_optimizer: Optional[Any] = None,
                        offload_grads: bool = False, config: Any = None, budget: Any = None,
