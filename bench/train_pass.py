@@ -161,8 +161,9 @@ def table(rows: list[dict]) -> str:
             peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "—"
         else:
             speed, ratio, mfu, peak = "out of memory", "—", "—", "—"
+        method = f"{r['method']} ({r['packed_kernel']})" if r.get("packed_kernel") else r["method"]
         lines.append(f"| {r.get('shape')} | {r.get('response_max')} | {r.get('max_tokens_per_micro_batch')} | "
-                     f"{r['method']}{' (' + r['packed_kernel'] + ')' if r.get('packed_kernel') else ''} | {speed} | {ratio} | {mfu} | {peak} | {r.get('longest_fit', '—')} |")
+                     f"{method} | {speed} | {ratio} | {mfu} | {peak} | {r.get('longest_fit', '—')} |")
     return "\n".join(lines)
 
 

@@ -249,17 +249,18 @@ class Trainer:
         keep = not a.no_keep_prefix
 
         def turn(call: rl.EngineCall) -> rl.Episodes:
-            workers = 0 if a.no_keep_prefix else a.env_workers
-            if workers is None:  # auto: threads where every rollout replica is one rank
-                try:
-                    call.turn_share(len(examples))
-                    workers = 8
+            workers, share = 0 if a.no_keep_prefix else a.env_workers, None
+            if workers != 0:
+                try:  # threads where every rollout replica is one rank
+                    share = call.turn_share(len(examples))
                 except ValueError:
-                    workers = 0
+                    if workers is not None:  # asked for: the layout's refusal stands
+                        raise
+                workers = 0 if share is None else workers or 8
             if workers:
                 return self.env.run_async(examples, lambda prompts, turns: call(prompts, seed, turns=turns),
-                                          step=step + 1, share=call.turn_share(len(examples)),
-                                          max_new_tokens=a.max_new_tokens, workers=workers)
+                                          step=step + 1, share=share, max_new_tokens=a.max_new_tokens,
+                                          workers=workers)
 
             def generate(prompts: list[list[int]], t: int, kept: list) -> list:
                 return call(prompts, seed + 104_729 * t, keep=keep, continued=kept if keep else ())

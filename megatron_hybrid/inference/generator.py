@@ -144,11 +144,12 @@ class RolloutGenerator:
                              "(None where a prompt continues nothing)")
         if any(k is not None and not isinstance(k, KeptPrefix) for k in continued):
             raise ValueError("continued takes KeptPrefix entries (an earlier result's kept) or None")
-        if any(k is not None for k in continued) and (resume or budget is not None):
+        continuing = any(k is not None for k in continued)
+        if continuing and (resume or budget is not None):
             raise ValueError("continued (kept prefixes) cannot be combined with resume or a budget in one call")
         if turns is not None:
             turn_share(self.engine, len(prompts))  # the layout's refusal, on every rank alike
-            if resume or budget is not None or any(k is not None for k in continued):
+            if resume or budget is not None or continuing:
                 raise ValueError("turns cannot be combined with resume, a budget or continued in one call")
         unfinished_only = [i for i, r in enumerate(resume) if not isinstance(r, GenerationResult) or r.finished]
         if unfinished_only:
@@ -165,7 +166,7 @@ class RolloutGenerator:
                                        limits=self.replica.limits, group=groups.world)
         prompts, params = call.prompts, call.params
         lay = self.layout
-        if (budget is not None or resume or keep or any(k is not None for k in continued)) and \
+        if (budget is not None or resume or keep or continuing) and \
                 (lay.exchange or lay.widens):
             what = ("a generate budget" if budget is not None else "resuming sequences" if resume
                     else "keeping prefixes")
@@ -195,7 +196,7 @@ class RolloutGenerator:
                 start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
                 return results[start: start + len(prompts)]
             replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
-            if any(k is not None for k in continued) and lay.d_g > 1:
+            if continuing and lay.d_g > 1:
                 return self._generate_continued(prompts, params, kwargs, continued, keep, replica)
             kwargs.update(keep=keep, continued=continued or None)
             parts = split_evenly(len(prompts), lay.d_g) if budget is None else budget.split(len(prompts), lay.d_g)

@@ -340,6 +340,10 @@ class ReplicaGenerator:
         only the new tokens run, beside the other sequences) or ends; the call returns when every sequence has
         taken its last turn. Each result holds all of its turns' generated tokens (their log-probs and versions
         alike), not the answers between them. Needs a replica of one rank (the answers arrive on it alone)."""
+        if turns is not None and (self.tp_group.size() > 1 or self.pp_group.size() > 1 or
+                                  self.lockstep_group is not None or self.runner.records_routing or budget):
+            raise ValueError("generate(turns=) needs a rollout replica of one rank, without a budget or a routing "
+                             "record")
         results = [GenerationResult(list(p)) for p in prompts]
         if self.kept and weight_version != next(iter(self.kept.values())):
             self.kept.clear()  # other weights: the kept caches are stale
@@ -353,11 +357,8 @@ class ReplicaGenerator:
         held = [slot for slot in self.kept if slot not in {s for s, _ in resumed.values()}]
         for slot, _ in resumed.values():
             del self.kept[slot]
+        self.stats["kept_continued"] += len(resumed)
         schedule = self.planner.schedule(prompts, signature=signature, continued=resumed, held=held)
-        if turns is not None and (self.tp_group.size() > 1 or self.pp_group.size() > 1 or
-                                  self.lockstep_group is not None or self.runner.records_routing or budget):
-            raise ValueError("generate(turns=) needs a rollout replica of one rank, without a budget or a routing "
-                             "record")
         call = _Call(results, schedule, stops, keep=keep or turns is not None, turns=turns,
                      limit=[int(params.num_tokens_to_generate)] * len(prompts) if limits is None else list(limits),
                      closed=[False] * len(prompts),
@@ -486,16 +487,14 @@ class ReplicaGenerator:
         sched = call.schedule.scheduler
         if call.keep and not getattr(self.runner.memory, "keeps_between_calls", True):
             sched.held.clear()  # the cache is given back after the call: nothing to keep
-        self.stats["kept_continued"] += len(call.schedule.continued)
         self.stats["kept_evicted"] += len(sched.evicted)
         for slot in sched.evicted:
             self.kept.pop(slot, None)
         held = set(sched.held)
         self.kept = {slot: v for slot, v in self.kept.items() if slot in held}  # earlier holds still standing
-        holder = {slot: seq for seq, slot in call.holds.items()}  # in closing order: a slot's last holder wins
         for seq, slot in call.holds.items():
             result = call.results[seq]
-            if holder[slot] != seq:  # evicted, and taken by a later sequence
+            if call.holder[slot] != seq:  # evicted, and taken by a later sequence
                 continue
             if slot in held and call.ended[seq]:
                 positions = len(result.prompt_tokens) + len(result.generated_tokens) - 1

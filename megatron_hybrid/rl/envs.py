@@ -16,7 +16,8 @@ unless the episode is done. Each turn's sequence continues the last turn's KV ca
 it (``keep``: only the model's last token and the observation run, beside other work in mixed steps; the weights
 do not change within a rollout), else it is prefilled again (``--no-keep-prefix``: always). The sample's response
 is everything after the first prompt; its loss mask is 1 at the model's tokens and 0 at the observations'
-(context, never trained); its reward is the sum of its steps' rewards. A sample whose response reaches ``--max-sample-tokens`` is cut there and ends (counted).
+(context, never trained); its reward is the sum of its steps' rewards. A sample whose response reaches
+``--max-sample-tokens`` is cut there and ends (counted).
 
 Each sample's environment lives on one rank of its training replica (sample i on rank i mod the replica's
 model-parallel size), and what it returns is gathered to the others, so it runs once however the replica is laid
@@ -33,7 +34,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch.distributed as dist
 
@@ -231,40 +232,47 @@ class EnvRunner:
                     kept[i] = getattr(r, "kept", None)
             said: dict[int, list[int]] = {}  # each sample's tokens of this turn (cut at the budget)
             for i, r in zip(live, results):
-                room = self.budget - len(episodes.responses[i])
-                said[i] = list(r.generated_tokens)[:room]
+                said[i], cut = self._model_turn(len(episodes.responses[i]), r.generated_tokens)
                 episodes.responses[i] += said[i]
-                episodes.log_probs[i] += list(r.generated_tempered_log_probs)[:room]
+                episodes.log_probs[i] += list(r.generated_tempered_log_probs)[:len(said[i])]
                 episodes.loss_masks[i] += [1] * len(said[i])
                 episodes.turns[i] += 1
-                if len(r.generated_tokens) > room:
-                    episodes.truncated += 1
+                episodes.truncated += cut
             replies = self._on_owners(live, lambda i: self._step(envs, i, said[i]), step=step,
                                       what=f"step (turn {turn + 1})", episodes=episodes)
             going = []
             for i in live:
                 observation, reward, done = replies[i]
                 episodes.rewards[i] += reward
-                if done or turn + 1 == self.max_turns or len(episodes.responses[i]) >= self.budget:
-                    continue
-                room = self.budget - len(episodes.responses[i])
-                if len(observation) >= room:  # no room left for the model to answer: cut here
-                    episodes.responses[i] += observation[:room]
-                    episodes.log_probs[i] += [0.0] * min(len(observation), room)
-                    episodes.loss_masks[i] += [0] * min(len(observation), room)
-                    episodes.truncated += 1
-                    continue
-                episodes.responses[i] += observation
-                episodes.log_probs[i] += [0.0] * len(observation)
-                episodes.loss_masks[i] += [0] * len(observation)
-                going.append(i)
+                appended, goes, cut = self._answer(len(episodes.responses[i]), turn + 1, observation, done)
+                episodes.responses[i] += appended
+                episodes.log_probs[i] += [0.0] * len(appended)
+                episodes.loss_masks[i] += [0] * len(appended)
+                episodes.truncated += cut
+                if goes:
+                    going.append(i)
             ended = [kept[i] for i in live if i not in set(going) and kept[i] is not None]
             if ended and release is not None:
                 release(ended)
             live = going
-        if release is not None and any(kept[i] is not None for i in live):
-            release([kept[i] for i in live if kept[i] is not None])
         return episodes
+
+    # -- the token budget, for both forms ---------------------------------------------------------------------
+    def _model_turn(self, length: int, tokens: Sequence[int]) -> tuple[list[int], bool]:
+        """A model turn's tokens that fit the budget after a response of ``length`` tokens, and whether it was
+        cut."""
+        room = self.budget - length
+        return list(tokens)[:room], len(tokens) > room
+
+    def _answer(self, length: int, turns: int, observation: list[int], done: bool) -> tuple[list[int], bool, bool]:
+        """What a step's answer adds to a response of ``length`` tokens after ``turns`` turns: the observation
+        tokens (cut at the budget), whether the sample takes another turn, and whether it was cut."""
+        if done or turns == self.max_turns or length >= self.budget:
+            return [], False, False
+        room = self.budget - length
+        if len(observation) >= room:  # no room left for the model to answer: cut here
+            return observation[:room], False, True
+        return observation, True, False
 
 
 def _takes_tokenizer(make_env: Callable[..., Any]) -> bool:
@@ -306,10 +314,8 @@ class _EnvTurns:
         self.truncated, self.env_seconds, self.errors = 0, 0.0, []
 
     def ended(self, i: int, tokens: list[int]) -> None:
-        room = self.runner.budget - len(self.responses[i])
-        said = list(tokens)[:room]
-        if len(tokens) > room:
-            self.truncated += 1
+        said, cut = self.runner._model_turn(len(self.responses[i]), tokens)
+        self.truncated += cut
         self.responses[i] += said
         self.masks[i] += [1] * len(said)
         self.turns[i].append((len(tokens), len(said)))
@@ -345,16 +351,12 @@ class _EnvTurns:
             return None, 0
         observation, reward, done = answer
         self.rewards[i] += reward
-        if done or len(self.turns[i]) == runner.max_turns or len(self.responses[i]) >= runner.budget:
+        appended, goes, cut = runner._answer(len(self.responses[i]), len(self.turns[i]), observation, done)
+        self.responses[i] += appended
+        self.masks[i] += [0] * len(appended)
+        self.truncated += cut
+        if not goes:
             return None, 0
-        room = runner.budget - len(self.responses[i])
-        if len(observation) >= room:  # no room left for the model to answer: cut here
-            self.responses[i] += observation[:room]
-            self.masks[i] += [0] * room
-            self.truncated += 1
-            return None, 0
-        self.responses[i] += observation
-        self.masks[i] += [0] * len(observation)
         return self.firsts[i] + self.responses[i], min(self.max_new, runner.budget - len(self.responses[i]))
 
     def close(self) -> None:
