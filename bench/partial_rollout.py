@@ -79,8 +79,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step (4 samples each)")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--max-new-tokens", type=int, default=4096)
-    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
-    parser.add_argument("--inference-max-requests", type=int, default=256)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
+    parser.add_argument("--inference-max-requests", type=int, default=None,
+                        help="cache slots (default: one step's samples, 4 x --prompts, so that 'half the slots busy' "
+                             "means what it says at any --prompts)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="measured steps (warm-up + measured: 10 by default)")
     parser.add_argument("--modes", nargs="+", choices=["sync", "partial"], default=["sync", "partial"])
@@ -95,6 +97,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 16, 4, (4, 12)
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 256, 1, 2
         args.inference_max_requests = 8
+    if args.inference_max_requests is None:
+        args.inference_max_requests = 4 * args.prompts
     write = rows_writer(args.out)  # the file's earlier rows, then this run's so far
     rows: list[dict[str, Any]] = []
     for mode in args.modes:

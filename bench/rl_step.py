@@ -80,7 +80,7 @@ def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
             "--prompt-file", prompts, "--train-iters", str(args.warmup + args.steps), "--no-progress",
             "--attention-backend", "sdpa", "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
             "--inference-max-requests", str(args.inference_max_requests), "--offload-optimizer", args.offload_optimizer,
-            "--target-token", "5"]
+            "--target-token", "5", "--lr", str(args.lr)]
     if not args.smoke:
         argv.append("--bf16")
     if args.rollout_fp8:
@@ -176,13 +176,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--num-samples-per-prompt", type=int, default=4)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(128, 1024))
     parser.add_argument("--max-new-tokens", type=int, default=4096)
-    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     parser.add_argument("--inference-max-requests", type=int, default=256)
     parser.add_argument("--offload-optimizer", choices=["auto", "always", "never"], default="auto")
     parser.add_argument("--rollout-fp8", action="store_true", help="FP8 rollout weights (--rollout-fp8)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-6,
+                        help="the actor's learning rate (default 1e-6, verl's actor default; the recipe's own 3e-3 "
+                             "suits tiny CPU models: on the 1.5B shape it drove the stop token out within two steps, "
+                             "every response then ran to --max-new-tokens)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and batch on whatever device there is")
     parser.add_argument("--out", default=None, help="JSON list the rows are appended to")
     parser.add_argument("--table", default=None, metavar="JSON", help="print a results file's table and exit")

@@ -8,7 +8,9 @@
 #   fp8        the same with --rollout-fp8, same seeds             -> rl_step_<gpu>.json
 #   7b         the 7B shape: distributed optimizer, its CPU offload, full recompute -> rl_step_<gpu>.json
 #   learn      the 1.5B shape, 1,024-token vocabulary, 20 steps: the reward's rise -> rl_step_learn_<gpu>.json
-# STEPS="bf16 fp8" runs a subset; WARMUP and MEASURED set the rl_step steps (default 2 and 5); LIMIT_<STEP> a limit.
+#   packed     tests/gpu_packed_attention.py first (60 s): the varlen pack and the cuDNN backward  -> packed_attention_<gpu>.json
+# STEPS="bf16 fp8" runs a subset; WARMUP and MEASURED set the rl_step steps (default 2 and 5); RL_ARGS adds flags to
+# the bf16, fp8 and 7b runs (say "--prompts 32" for a short first check); LIMIT_<STEP> a limit.
 set -u
 STEPS=${STEPS:-"memory bf16 fp8 7b"}
 OUT=${OUT:-/tmp/out}
@@ -16,7 +18,7 @@ mkdir -p "$OUT"
 . bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/gpus.txt"
-steps=(--warmup "${WARMUP:-2}" --steps "${MEASURED:-5}")
+steps=(--warmup "${WARMUP:-2}" --steps "${MEASURED:-5}" ${RL_ARGS:-})
 step() {  # step NAME DEFAULT_LIMIT_S COMMAND...
   local name=$1 limit_var="LIMIT_${1^^}" limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -24,8 +26,9 @@ step() {  # step NAME DEFAULT_LIMIT_S COMMAND...
   timeout "${!limit_var:-$limit}" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name: rc=$? $((SECONDS - t0)) s: $*" | tee -a "$OUT/steps.txt"
 }
-step memory 300 python3 tests/gpu_rollout_memory.py --timeout 140 --output "$OUT/rollout_memory_$gpu.json"
+step packed 120 python3 tests/gpu_packed_attention.py --output "$OUT/packed_attention_$gpu.json"
 step bf16 300 python3 bench/rl_step.py "${steps[@]}" --out "$OUT/rl_step_$gpu.json"
+step memory 300 python3 tests/gpu_rollout_memory.py --timeout 140 --output "$OUT/rollout_memory_$gpu.json"
 step fp8 300 python3 bench/rl_step.py "${steps[@]}" --rollout-fp8 --out "$OUT/rl_step_$gpu.json"
 step 7b 400 python3 bench/rl_step.py --shape qwen2.5-7b "${steps[@]}" --out "$OUT/rl_step_$gpu.json" -- \
   --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
