@@ -4,7 +4,8 @@
     python bench/rl_step.py --shape qwen2.5-1.5b --rollout-fp8 --out rows.json  # FP8 rollout weights, same seeds
     python bench/rl_step.py --smoke                                             # a tiny model on the CPU, seconds
     python bench/rl_step.py --shape qwen2.5-7b --out rows.json -- --use-distributed-optimizer \
-        --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+        --optimizer-cpu-offload --offload-reference --recompute-granularity full --recompute-method uniform \
+        --recompute-num-layers 1
 
 The recipe's own Trainer (examples/ppo/train_ppo.py) at world size 1, random weights, the built-in task (reward:
 the target token's share of the response) on variable prompts: ``--prompts`` prompts of 128-1,024 random tokens
@@ -46,7 +47,7 @@ SHAPES = {
                      "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                      "--untie-embeddings-and-output-weights"],
     # Qwen2.5-7B's layers (28, hidden 3,584, 28 heads / 4 KV groups, SwiGLU 18,944), no QKV bias: issue 45's 7B rows
-    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full
+    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --offload-reference --recompute-granularity full
     # --recompute-method uniform --recompute-num-layers 1).
     "qwen2.5-7b": ["--num-layers", "28", "--hidden-size", "3584", "--num-attention-heads", "28",
                    "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "18944", "--swiglu",
@@ -126,8 +127,8 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
 
 def _rows(args: argparse.Namespace, argv: list[str], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    rows = [{**{k: v if k == "partial/staleness" else _scalar(v) for k, v in m.items()}, "kind": "step", "shape": args.shape, "device": device,
-             "command": " ".join(sys.argv), "recipe_argv": argv}
+    rows = [{**{k: v if k == "partial/staleness" else _scalar(v) for k, v in m.items()}, "kind": "step",
+             "shape": args.shape, "device": device, "command": " ".join(sys.argv), "recipe_argv": argv}
             for i, m in enumerate(history) if i >= args.warmup]
     summary = {"kind": "summary", "shape": args.shape, "device": device, "steps": len(rows),
                "command": " ".join(sys.argv), "rollout_fp8": args.rollout_fp8}

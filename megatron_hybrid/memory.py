@@ -35,6 +35,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+_CUDA_ERROR_OUT_OF_MEMORY = 2  # CUresult CUDA_ERROR_OUT_OF_MEMORY
+
 __all__ = ["ReservedBuffer", "allocation_granularity", "pad_to_granularity"]
 
 
@@ -204,6 +206,26 @@ class _CudaVmmBackend:
     def map(self, lo: int, hi: int) -> None:
         self.map_many([(lo, hi)])
 
+    def _create(self, nbytes: int, prop: Any) -> ctypes.c_uint64:
+        """A physical allocation of ``nbytes``. PyTorch's caching allocator keeps the blocks it freed (a model's
+        build leaves gigabytes of them) and the driver cannot hand those out, so a first refusal empties that
+        cache and asks once more; a second refusal is ``torch.OutOfMemoryError`` with the card's figures."""
+        d = self.driver
+        handle = ctypes.c_uint64()
+        rc = d.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(prop), 0)
+        if rc == _CUDA_ERROR_OUT_OF_MEMORY:
+            torch.cuda.empty_cache()
+            rc = d.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(prop), 0)
+            if rc == _CUDA_ERROR_OUT_OF_MEMORY:
+                free, total = torch.cuda.mem_get_info(self.ordinal)
+                gib = 2 ** 30
+                raise torch.OutOfMemoryError(
+                    f"cuMemCreate({nbytes} bytes = {nbytes / gib:.2f} GiB) for a rollout buffer: out of memory with "
+                    f"{free / gib:.2f} GiB of {total / gib:.2f} GiB free after emptying PyTorch's cache "
+                    f"({torch.cuda.memory_allocated(self.ordinal) / gib:.2f} GiB allocated by PyTorch)")
+        d.check(rc, f"cuMemCreate({nbytes} bytes)")
+        return handle
+
     def map_many(self, ranges: list[tuple[int, int]]) -> None:
         """Back each range with a physical allocation of its own.
 
@@ -221,9 +243,7 @@ class _CudaVmmBackend:
         prop = d.allocation_prop(self.ordinal)
         try:
             for lo, hi in ranges:
-                handle = ctypes.c_uint64()
-                d.check(d.cuMemCreate(ctypes.byref(handle), hi - lo, ctypes.byref(prop), 0),
-                        f"cuMemCreate({hi - lo} bytes)")
+                handle = self._create(hi - lo, prop)
                 try:
                     d.check(d.cuMemMap(self.ptr + lo, hi - lo, 0, handle.value, 0), "cuMemMap")
                 finally:

@@ -3,6 +3,7 @@ per-call rollout-memory provider's lifetime."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
@@ -153,3 +154,41 @@ def test_per_call_rollout_memory_is_backed_for_each_call_only() -> None:
     assert memory.buffers == [fixed, grows]  # closed ones are forgotten
     fixed.close()
     grows.close()
+
+
+class _RefusingDriver:
+    """cuMemCreate answers out of memory (2) ``refusals`` times, then succeeds; records the calls."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals, self.calls = refusals, 0
+
+    def cuMemCreate(self, handle, nbytes, prop, flags) -> int:  # noqa: N802 (the driver's name)
+        self.calls += 1
+        return 2 if self.calls <= self.refusals else 0
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(f"{what}: {rc}")
+
+
+@pytest.mark.parametrize("refusals", [0, 1, 2])
+def test_a_refused_physical_allocation_empties_torch_cache_and_asks_once_more(monkeypatch, refusals) -> None:
+    """The 7B step's engine build (issue 45, an H100): cuMemCreate of the rollout buffer ran out of memory while
+    PyTorch's caching allocator held freed blocks the driver cannot hand out. One refusal empties that cache and
+    retries; a second is torch.OutOfMemoryError naming the size and the card's figures."""
+    from megatron_hybrid import memory
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda ordinal: (3 * 2 ** 30, 80 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda ordinal: 60 * 2 ** 30)
+    backend = object.__new__(memory._CudaVmmBackend)  # no device here: only _create's logic runs
+    backend.driver, backend.ordinal = _RefusingDriver(refusals), 0
+    if refusals < 2:
+        backend._create(2 ** 30, prop=ctypes.c_int())
+        assert backend.driver.calls == refusals + 1 and len(emptied) == refusals
+    else:
+        with pytest.raises(torch.OutOfMemoryError, match=r"1073741824 bytes = 1.00 GiB.*3.00 GiB of 80.00 GiB free"
+                                                         r".*60.00 GiB allocated"):
+            backend._create(2 ** 30, prop=ctypes.c_int())
+        assert backend.driver.calls == 2 and len(emptied) == 1

@@ -128,12 +128,12 @@ class Trainer:
                                             a.rollout_pipeline_model_parallel_size,
                                             expert_model_parallel_size=a.rollout_expert_model_parallel_size,
                                             expert_tensor_parallel_size=a.rollout_expert_tensor_parallel_size)
+        if a.offload_reference:  # before the engine: its build copies the actor's weights once (a transient peak)
+            self.reference.to("cpu")
         self.engine = None if a.no_hybrid_rollout else HybridEngine(
             self.actor.model, self.rollout_layout, weight_mode=a.hybrid_weight_mode,
             bucket_size_mb=a.reshard_bucket_size_mb, optimizer=self.actor.optimizer,  # its views of DDP's buffer
             rollout_weights="fp8" if a.rollout_fp8 else "model")
-        if a.offload_reference:
-            self.reference.to("cpu")
         rollout_tp, rollout_pp = self.rollout_layout.tensor_model_parallel_size, \
             self.rollout_layout.pipeline_model_parallel_size
         self.memory = rl.RolloutMemoryPolicy(  # --inference-memory-fraction, --offload-optimizer
