@@ -4,7 +4,7 @@
     python bench/rl_step.py --shape qwen2.5-1.5b --rollout-fp8 --out rows.json  # FP8 rollout weights, same seeds
     python bench/rl_step.py --smoke                                             # a tiny model on the CPU, seconds
     python bench/rl_step.py --shape qwen2.5-7b --out rows.json -- --use-distributed-optimizer \
-        --optimizer-cpu-offload --offload-reference --recompute-granularity full --recompute-method uniform \
+        --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
         --recompute-num-layers 1
 
 The recipe's own Trainer (examples/ppo/train_ppo.py) at world size 1, random weights, the built-in task (reward:
@@ -47,7 +47,7 @@ SHAPES = {
                      "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                      "--untie-embeddings-and-output-weights"],
     # Qwen2.5-7B's layers (28, hidden 3,584, 28 heads / 4 KV groups, SwiGLU 18,944), no QKV bias: issue 45's 7B rows
-    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --offload-reference --recompute-granularity full
+    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full
     # --recompute-method uniform --recompute-num-layers 1).
     "qwen2.5-7b": ["--num-layers", "28", "--hidden-size", "3584", "--num-attention-heads", "28",
                    "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "18944", "--swiglu",

@@ -31,7 +31,7 @@ step bf16 300 python3 bench/rl_step.py "${steps[@]}" --out "$OUT/rl_step_$gpu.js
 step memory 300 python3 tests/gpu_rollout_memory.py --timeout 140 --output "$OUT/rollout_memory_$gpu.json"
 step fp8 300 python3 bench/rl_step.py "${steps[@]}" --rollout-fp8 --out "$OUT/rl_step_$gpu.json"
 step 7b 400 python3 bench/rl_step.py --shape qwen2.5-7b "${steps[@]}" --out "$OUT/rl_step_$gpu.json" -- \
-  --use-distributed-optimizer --optimizer-cpu-offload --offload-reference --recompute-granularity full --recompute-method uniform \
+  --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1
 step learn 500 python3 bench/rl_step.py --warmup 0 --steps 20 --prompts 32 --max-new-tokens 1024 \
   --out "$OUT/rl_step_learn_$gpu.json"
