@@ -15,7 +15,6 @@ import time
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from . import compat
 from .binding import named_parameters, named_weights
@@ -143,19 +142,19 @@ def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence
     if len(set(names)) != len(names):
         raise ValueError("duplicate parameter names across model chunks")
     rollout_params = {n: p for n, p in named_parameters(list(rollout_chunks)) if plane.holds(n)}
-    member = MemberInfo(dist.get_rank(), plane.tp_rank, plane.pp_rank, tuple(mine), layers_per_stage,
+    transport = groups.transport
+    member = MemberInfo(transport.rank, plane.tp_rank, plane.pp_rank, tuple(mine), layers_per_stage,
                         held=tuple((DTYPE_NAMES[h.dtype], h.numel) for h in held), ep=plane.ep_rank)
     members: list[Any] = [member]
     if plane.gathers:
-        members = [None] * groups.groups[plane.group].size()
         with groups.errors("HybridEngine()", f"the {plane.group.replace('_', '-')} gather of the parameter "
                                              "descriptions"):
-            dist.all_gather_object(members, member, group=groups.groups[plane.group])
+            members = transport.all_gather_object(member, groups.groups[plane.group])
     members.sort(key=lambda m: m.rank)
     info_by_name = {p.name: p for m in members for p in m.params}
     adopt_training_attributes(rollout_params, info_by_name, tp=plane.tp_size, rollout_tp=plane.rollout_tp_size,
                               holders=f"training rank of this {plane.group.replace('_', '-')} group")
-    index = [m.rank for m in members].index(dist.get_rank())
+    index = [m.rank for m in members].index(transport.rank)
     if not plane.gathers:
         return None, index
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
@@ -227,11 +226,12 @@ class PlanExecutor:
         if profile and self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, dist.get_rank(), self.plane)
+        return CollectiveRecord(op, ranks, received, seconds, wall0, wall0 + seconds, self.groups.transport.rank,
+                                self.plane)
 
     def _broadcast(self, region: torch.Tensor, reg: Region, group: Any) -> int:
         """A tensor of one training stage, sent in place by its owner."""
-        dist.broadcast(region, src=self.plan.members[reg.owner].rank, group=group)
+        self.groups.transport.broadcast(region, self.plan.members[reg.owner].rank, group)
         return 0 if reg.owner == self.member else reg.slot_numel * region.element_size()
 
     def _strided(self, region: torch.Tensor, reg: Region, group: Any) -> int:
@@ -241,13 +241,14 @@ class PlanExecutor:
         part = reg.slot_numel // reg.stride
         size = len(reg.members)
         for i in range(reg.stride):
-            compat.all_gather_into_tensor(region[i * part * size: (i + 1) * part * size], own[i], group=group)
+            self.groups.transport.all_gather_into_tensor(region[i * part * size: (i + 1) * part * size], own[i],
+                                                         group)
         return reg.slot_numel * (size - 1) * region.element_size()
 
     def _gather(self, region: torch.Tensor, reg: Region, group: Any) -> int:
         """Every member's slot, gathered in place from its own."""
         lo = reg.slot_offset(self.member) - reg.offset
-        compat.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group=group)
+        self.groups.transport.all_gather_into_tensor(region, region[lo: lo + reg.slot_numel], group)
         return reg.slot_numel * (len(reg.members) - 1) * region.element_size()
 
 
@@ -264,10 +265,9 @@ def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Seque
         held.setdefault(key, dataclasses.replace(info, name=key))
     rollout_params = dict(named_parameters(list(rollout_chunks)))
     needs = keys_of(list(rollout_params), tied=tied)
-    mine = RankTensors(dist.get_rank(), tp_rank, groups.tp_rank, tuple(held.values()), tuple(needs.values()))
-    everyone: list[Any] = [None] * dist.get_world_size()
+    mine = RankTensors(groups.transport.rank, tp_rank, groups.tp_rank, tuple(held.values()), tuple(needs.values()))
     with groups.errors("HybridEngine()", "the world's gather of the parameter descriptions"):
-        dist.all_gather_object(everyone, mine, group=groups.world)
+        everyone = groups.transport.all_gather_object(mine, groups.world)
     infos = {info.name: info for rt in everyone for info in rt.held}
     adopt_training_attributes(rollout_params, {n: infos[k] for n, k in needs.items() if k in infos}, tp=lay.t,
                               rollout_tp=lay.t_g, holders="training rank")
@@ -323,7 +323,7 @@ class ExchangeExecutor:
             recv = buffers[dtype][: sum(out_splits)] if dtype in buffers else send.new_empty(0)
             t0, wall0 = time.perf_counter(), time.time()
             with self.groups.errors("switch_to_rollout", f"the all_to_all_single of {dtype} pieces over the world"):
-                dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.groups.world)
+                self.groups.transport.all_to_all_single(recv, send, out_splits, in_splits, self.groups.world)
             if profile and self.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0

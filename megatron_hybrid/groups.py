@@ -30,6 +30,7 @@ import torch.distributed as dist
 from . import compat
 from .exchange import Arrangement, arrange
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout
+from .transport import TORCH, Transport
 
 #: Group kinds, in creation order (every rank creates every group in the same order). The expert kinds (an MoE
 #: model's: its rollout expert groups and the micro-EP groups its switch gathers expert tensors over) and
@@ -67,6 +68,9 @@ class RolloutGroups:
     """The layout the groups serve (an exchange one where the in-place groups could not keep their order)."""
     arrangement: Optional[Arrangement] = None
     """Every rank's rollout coordinate (exchange layouts only)."""
+    transport: Transport = TORCH
+    """How the switch's collectives move bytes (:mod:`megatron_hybrid.transport`): ``torch.distributed`` here; an
+    in-process world's rank for a simulated one."""
 
     def group_of(self, ranks: list[int]) -> Any:
         return self.by_ranks[tuple(ranks)]
