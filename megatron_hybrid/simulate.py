@@ -1,0 +1,340 @@
+"""A simulated world: every rank of a layout pair in one process, the switch run by the engine's own plan,
+placement and executor through the in-process transport, each rank's rollout tensors checked bit for bit.
+
+Issue 48, step 3. A check of one layout pair on real gloo ranks takes minutes on 2 cores; here it takes
+milliseconds, so the whole layout space can be swept (``tests/test_simulate.py``, ``bench/layout_sweep.py``). What
+runs is the engine's code from the parameter descriptions on: :func:`~megatron_hybrid.plan.build_group_plan` (as
+:func:`~megatron_hybrid.executor.make_group_plan` calls it), :class:`~megatron_hybrid.placement.Placement` (the
+training tensors moved into their slots, the blocks a rollout tensor reads) and
+:class:`~megatron_hybrid.executor.PlanExecutor` (the collectives, here copies between the ranks' threads). What
+does not run: megatron-core's modules. The model is a table of its parameters (:func:`gpt_parameters`: the names,
+order, shapes and tensor-parallel attributes megatron-core gives a :class:`~megatron_hybrid.models.GPTArchitecture`,
+checked against the model it builds), every rank's training shards are cut from one unsharded model with
+:func:`~megatron_hybrid.sharding.shard`, and a rank's rollout tensor (its blocks, materialised as the canonical
+binding does) is compared with the unsharded tensor's rollout shard, cut the same way.
+
+Covered now: dense GPT models with every architecture option of ``GPTArchitecture`` but tied embeddings; every
+layout pair, in place (micro-DP gathers: t_g | t, or t_g = m·t with m | d and p_g = p; p_g | p) or exchanged
+(:mod:`megatron_hybrid.exchange`: one all-to-all); aliased and canonical weights; one model chunk per stage.
+Refused with a ``ValueError`` naming what (not simulated yet): MoE, tied embeddings, virtual chunks, FP8 rollout
+weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .exchange import RankTensors, arrange, build_exchange_plan
+from .executor import ExchangeExecutor, PlanExecutor, PlaneSpec
+from .groups import collective_errors
+from .layout import Grid, ParallelLayout, RolloutLayout
+from .models import GPTArchitecture
+from .placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement
+from .plan import MemberInfo, ParamInfo, build_group_plan
+from .sharding import TPSpec, shard
+from .transport import InProcessWorld
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
+                   ) -> dict[str, tuple[tuple[int, ...], TPSpec]]:
+    """Every parameter of the unsharded model: global name -> (full shape, tensor-parallel spec), in the order of
+    megatron-core's ``named_parameters`` (local spec).
+
+    Column-parallel weights (QKV, fc1, the vocabulary) split along dim 0, fc1 with ``partition_stride`` 2 when
+    gated (its shard is ``[gate_r; up_r]``), row-parallel weights along dim 1; norms, row-parallel biases and
+    learned position embeddings replicated. ``vocab_size``: the padded vocabulary (default: padded for TP 1).
+    ``tests/test_simulate.py`` checks this table against the model megatron-core builds.
+    """
+    if arch.num_experts is not None:
+        raise ValueError(f"num_experts ({arch.num_experts}): MoE models are not simulated yet")
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    groups = arch.num_query_groups or heads
+    kv = arch.kv_channels or h // heads
+    ffn = arch.ffn_hidden_size or 4 * h
+    vocab = vocab_size if vocab_size is not None else arch.padded_vocab_size(1)
+    col, row, rep = TPSpec(True, 0, 1), TPSpec(True, 1, 1), TPSpec(False)
+    fc1 = TPSpec(True, 0, 2) if arch.swiglu else col
+    norm = ("weight", "bias") if arch.normalization == "LayerNorm" else ("weight",)
+    fc1_rows = 2 * ffn if arch.swiglu else ffn
+    bias = arch.add_bias_linear
+    out: dict[str, tuple[tuple[int, ...], TPSpec]] = {"embedding.word_embeddings.weight": ((vocab, h), col)}
+    if arch.position_embedding_type == "learned_absolute":
+        out["embedding.position_embeddings.weight"] = ((arch.max_position_embeddings, h), rep)
+    for i in range(arch.num_layers):
+        p = f"{_LAYER_PREFIX}{i}."
+        layer = [*((f"input_layernorm.{w}", (h,), rep) for w in norm),
+                 ("self_attention.linear_proj.weight", (h, heads * kv), row),
+                 *((("self_attention.linear_proj.bias", (h,), rep),) if bias else ()),
+                 ("self_attention.linear_qkv.weight", ((heads + 2 * groups) * kv, h), col),
+                 *((("self_attention.linear_qkv.bias", ((heads + 2 * groups) * kv,), col),)
+                   if bias or arch.add_qkv_bias else ()),
+                 *((f"self_attention.{qk}_layernorm.{w}", (kv,), rep) for qk in ("q", "k") for w in norm
+                   if arch.qk_layernorm),
+                 *((f"pre_mlp_layernorm.{w}", (h,), rep) for w in norm),
+                 ("mlp.linear_fc1.weight", (fc1_rows, h), fc1),
+                 *((("mlp.linear_fc1.bias", (fc1_rows,), fc1),) if bias else ()),
+                 ("mlp.linear_fc2.weight", (h, ffn), row),
+                 *((("mlp.linear_fc2.bias", (h,), rep),) if bias else ())]
+        for name, shape, spec in layer:
+            out[p + name] = (shape, spec)
+    for w in norm:
+        out[f"decoder.final_layernorm.{w}"] = ((h,), rep)
+    if arch.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = ((vocab, h), col)
+    return out
+
+
+def unsharded_model(specs: dict[str, tuple[tuple[int, ...], TPSpec]], *, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random full tensors for a :func:`gpt_parameters` table (distinct values everywhere: a misplaced block
+    shows)."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g).to(dtype) for name, (shape, _) in specs.items()}
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The global layer index of a transformer layer's parameter, else None."""
+    if not name.startswith(_LAYER_PREFIX):
+        return None
+    return int(name[len(_LAYER_PREFIX):].split(".", 1)[0])
+
+
+def stage_names(names: list[str], *, stage: int, stages: int, num_layers: int) -> list[str]:
+    """The parameters pipeline stage ``stage`` of ``stages`` holds: its layers, the embedding on the first, the
+    final norm and the output layer on the last (megatron-core's even split)."""
+    per = num_layers // stages
+    out = []
+    for name in names:
+        layer = layer_of(name)
+        if layer is not None:
+            keep = stage * per <= layer < (stage + 1) * per
+        elif name.startswith("embedding."):
+            keep = stage == 0
+        else:
+            keep = stage == stages - 1
+        if keep:
+            out.append(name)
+    return out
+
+
+def local_name(name: str, *, stage: int, per_stage: int) -> str:
+    """A global name as the stage's model chunk names it (layer indices from the stage's first layer)."""
+    layer = layer_of(name)
+    if layer is None:
+        return name
+    rest = name[len(_LAYER_PREFIX):].split(".", 1)[1]
+    return f"{_LAYER_PREFIX}{layer - stage * per_stage}.{rest}"
+
+
+def _parameter(value: torch.Tensor, spec: TPSpec) -> torch.nn.Parameter:
+    """A training parameter with megatron-core's tensor-parallel attributes (what the placement reads)."""
+    prm = torch.nn.Parameter(value.clone(), requires_grad=False)
+    if spec.sharded:
+        prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, spec.dim, spec.stride
+    return prm
+
+
+class _Groups:
+    """What the executors read of the rollout groups, in an in-process world: a group is its ranks."""
+
+    def __init__(self, transport: Any, micro_dp: list[int]) -> None:
+        self.transport = transport
+        self.groups = {"micro_dp": tuple(micro_dp)}
+        self.world = tuple(range(transport.world_size))
+
+    def group_of(self, ranks: list[int]) -> tuple[int, ...]:
+        return tuple(ranks)
+
+    def errors(self, phase: str, what: str) -> Any:
+        import datetime
+
+        return collective_errors(phase, what, timeout=datetime.timedelta(seconds=60))
+
+
+@dataclass
+class RankResult:
+    """What one simulated rank ends with."""
+
+    rank: int
+    coord: tuple[int, int, int]
+    rollout_coord: tuple[int, int, int]
+    rollout: dict[str, torch.Tensor]
+    """Every rollout tensor of the rank's rollout stage and TP rank, materialised from its blocks."""
+    bytes_received: list[int]
+    """Per switch."""
+    placement: Placement
+
+
+@dataclass
+class SimulatedSwitch:
+    """The outcome of :func:`simulate_switch`: every rank's result and what the unsharded model says."""
+
+    layout: ParallelLayout
+    arch: GPTArchitecture
+    specs: dict[str, tuple[tuple[int, ...], TPSpec]]
+    """The unsharded model's table (:func:`gpt_parameters`, vocabulary padded for the training TP)."""
+    full: dict[str, torch.Tensor]
+    ranks: list[RankResult]
+
+    def expected(self, rank: RankResult) -> dict[str, torch.Tensor]:
+        """The unsharded model's rollout shard for ``rank``: its rollout stage's tensors cut for its rollout TP
+        rank with the project's sharding function."""
+        lay, specs = self.layout, self.specs
+        tp_g, pp_g, _ = rank.rollout_coord
+        names = stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers)
+        return {n: shard(self.full[n], specs[n][1], tp_g, lay.t_g) for n in names}
+
+    def missing_bytes(self, rank: RankResult) -> int:
+        """Bytes of the rank's rollout shard that its training shard does not hold: element index sets, cut by
+        the sharding function from an index tensor of each full shape (independent of the plan)."""
+        lay, specs = self.layout, self.specs
+        i, s, _ = rank.coord
+        tp_g, pp_g, _ = rank.rollout_coord
+        held = set(stage_names(list(specs), stage=s, stages=lay.p, num_layers=self.arch.num_layers))
+        total = 0
+        for name in stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers):
+            shape, spec = specs[name]
+            index = torch.arange(torch.Size(shape).numel()).view(shape)
+            need = set(shard(index, spec, tp_g, lay.t_g).reshape(-1).tolist())
+            have = set(shard(index, spec, i, lay.t).reshape(-1).tolist()) if name in held else set()
+            total += len(need - have) * self.full[name].element_size()
+        return total
+
+
+def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
+                    weight_mode: str = "aliased", switches: int = 1, seed: int = 0,
+                    update: Optional[Any] = None, bucket_size_mb: float = 0.001) -> SimulatedSwitch:
+    """Run the switch of layout pair ``training`` (t, p, d) -> ``rollout`` for every rank in one process.
+
+    ``switches``: how many switches to rollout, each after the previous one's return to training (which gives the
+    peers' slots back, so each switch must deliver every missing byte again). ``update``: a function applied in place
+    to every rank's training shards and to the unsharded model before the last switch (its name -> tensor, as
+    ``update(name, tensor)``), an optimizer step's stand-in: it must act element-wise and identically on a shard
+    and on the full tensor. A small ``bucket_size_mb`` gives many buckets (more regions to get wrong).
+    """
+    if weight_mode not in ("aliased", "canonical"):
+        raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased' or 'canonical' (FP8 is not simulated "
+                         "yet)")
+    if not arch.untie_embeddings_and_output_weights:
+        raise ValueError("tied embeddings are not simulated yet (untie_embeddings_and_output_weights=False)")
+    if not isinstance(training, tuple) or len(training) != 3:
+        raise ValueError(f"training ({training!r}) must be a (t, p, d) tuple")
+    t, p, d = training
+    lay = ParallelLayout.create(training=training, rollout=rollout)
+    if arch.num_layers % p or arch.num_layers % lay.p_g:
+        raise ValueError(f"num_layers ({arch.num_layers}) must split evenly into {p} training and {lay.p_g} rollout "
+                         "stages")
+    specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training model's padding
+    for name, (shape, spec) in specs.items():
+        for size in (t, lay.t_g):
+            if spec.sharded and shape[spec.dim] % (spec.stride * size):
+                raise ValueError(f"{name} {shape}: dimension {spec.dim} does not split into {spec.stride} x {size} "
+                                 "pieces")
+    full = unsharded_model(specs, seed=seed)
+    grid = Grid.megatron_default(t, p, d)
+    coords = dict(grid.coords())
+    per_stage = arch.num_layers // p
+    if lay.exchange:  # every rank's rollout coordinate, as create_rollout_groups takes it from the arrangement
+        rollout_coord = arrange(lay, grid, num_layers=arch.num_layers).coords
+        micro: dict[int, list[int]] = {}
+    else:
+        rollout_coord = {r: lay.rollout_coords(c) for r, c in coords.items()}
+        micro = {r: g for g in lay.micro_dp_groups(grid) for r in g}
+    names = list(specs)
+
+    def shards_of(rank: int) -> dict[str, torch.Tensor]:
+        i, s, _ = coords[rank]
+        return {n: shard(full[n], specs[n][1], i, t) for n in stage_names(names, stage=s, stages=p,
+                                                                           num_layers=arch.num_layers)}
+
+    def member_info(rank: int, own: dict[str, Any]) -> MemberInfo:
+        i, s, _ = coords[rank]
+        params = tuple(ParamInfo(n, local_name(n, stage=s, per_stage=per_stage), tuple(v.shape),
+                                 DTYPE_NAMES[v.dtype], specs[n][1].sharded, specs[n][1].dim, specs[n][1].stride)
+                       for n, v in own.items())
+        return MemberInfo(rank, i, s, params, per_stage)
+
+    bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
+                    for name, dt in DTYPES.items()}
+
+    def place(transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str], groups: _Groups,
+              tp_g: int) -> tuple[Placement, Any]:
+        """The placement and executor of this rank, built as the engine builds them for the layout."""
+        rank, cpu = transport.rank, torch.device("cpu")
+        i, s, _ = coords[rank]
+        if lay.exchange:  # as make_exchange_plan and HybridEngine._place_exchange (untied: keys are names)
+            held = tuple(info for info in member_info(rank, params).params)
+            everyone = transport.all_gather_object(RankTensors(rank, i, tp_g, held, tuple(needed)), groups.world)
+            xplan = build_exchange_plan(everyone, t=t, t_g=lay.t_g)
+            keys = {n: n for n in [*params, *needed]}
+            return (ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
+                    ExchangeExecutor(xplan, rank, groups, training_params=params, keys={n: n for n in params},
+                                     device=cpu))
+        plane = PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s, gathers=not lay.widens)
+        plan, index = None, 0
+        if plane.gathers:  # as make_group_plan: the members' descriptions gathered, the same plan on each
+            members = transport.all_gather_object(member_info(rank, params), groups.groups["micro_dp"])
+            members.sort(key=lambda m: m.rank)
+            index = [m.rank for m in members].index(rank)
+            plan = build_group_plan(members, needed, k=lay.k, q=lay.q, u=1, bucket_numel=bucket_numel,
+                                    strided=weight_mode == "canonical")
+        placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
+        return placement, (None if plan is None else PlanExecutor(plan, index, groups, training_params=params,
+                                                                   device=cpu))
+
+    def body(transport: Any) -> RankResult:
+        rank = transport.rank
+        i, s, dp = coords[rank]
+        tp_g, pp_g, replica = rollout_coord[rank]
+        params = {n: _parameter(v, specs[n][1]) for n, v in shards_of(rank).items()}
+        needed = stage_names(names, stage=pp_g, stages=lay.p_g, num_layers=arch.num_layers)
+        placement, executor = place(transport, params, needed, _Groups(transport, micro.get(rank, [rank])), tp_g)
+        received = []
+        for n in range(switches):
+            if n:
+                placement.unmap_rollout()  # back to training, as switch_to_training does: the peers' slots go
+            if update is not None and n == switches - 1:
+                with torch.no_grad():
+                    for name, prm in params.items():
+                        update(name, prm.data)
+            placement.map_rollout()
+            records = [] if executor is None else executor.run(
+                {dtype: buf.tensor for dtype, buf in placement.buffers.items()})
+            received.append(sum(r.bytes_received for r in records))
+        rollout_tensors = {n: placement.blocks(n).materialize() for n in needed}
+        return RankResult(rank, (i, s, dp), (tp_g, pp_g, replica), rollout_tensors, received, placement)
+
+    ranks = InProcessWorld(t * p * d).run(body)
+    if update is not None:  # after the ranks cut their shards from it: the model the last switch must deliver
+        with torch.no_grad():
+            for name, tensor in full.items():
+                update(name, tensor)
+    return SimulatedSwitch(lay, arch, specs, full, ranks)
+
+
+def check_switch(result: SimulatedSwitch) -> list[str]:
+    """Every way the simulated switch differs from the unsharded model (empty: none): a rollout tensor not bit
+    for bit its shard, a rank receiving other than the bytes it misses."""
+    faults = []
+    for rank in result.ranks:
+        want = result.expected(rank)
+        if set(want) != set(rank.rollout):
+            faults.append(f"rank {rank.rank}: rollout tensors {sorted(set(rank.rollout) ^ set(want))} differ in name")
+        for name, value in want.items():
+            got = rank.rollout.get(name)
+            if got is not None and (got.shape != value.shape or not torch.equal(got, value)):
+                faults.append(f"rank {rank.rank} {rank.coord} -> {rank.rollout_coord}: {name} differs")
+        missing = result.missing_bytes(rank)
+        for n, got_bytes in enumerate(rank.bytes_received):
+            if got_bytes != missing:
+                faults.append(f"rank {rank.rank}: switch {n + 1} received {got_bytes} bytes, it misses {missing}")
+    return faults
+
+
+__all__ = ["RankResult", "SimulatedSwitch", "check_switch", "gpt_parameters", "simulate_switch",
+           "unsharded_model"]

@@ -1,0 +1,124 @@
+"""The simulated world (issue 48, step 3): every rank of a layout pair in one process, the engine's plan,
+placement and executor through the in-process transport, each rank's rollout tensors against the unsharded
+model's rollout shard, bit for bit, and the bytes each rank receives against an independent count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hybrid.layout import RolloutLayout
+from megatron_hybrid.models import tiny_llama
+from megatron_hybrid.plan import build_group_plan
+from megatron_hybrid.sharding import shard, unshard
+from megatron_hybrid.simulate import check_switch, gpt_parameters, simulate_switch
+
+from .harness import run_distributed
+
+#: Architecture options, as tiny_llama overrides (GPTArchitecture: Megatron-LM's flags).
+KWARGS = {"swiglu-rms-gqa": {},
+          "gelu-layernorm-biases-mha": dict(swiglu=False, normalization="LayerNorm", add_qkv_bias=True,
+                                            add_bias_linear=True, num_query_groups=None),
+          "mqa-qk-norm-learned-pos": dict(num_query_groups=1, add_qkv_bias=True, qk_layernorm=True,
+                                          position_embedding_type="learned_absolute", max_position_embeddings=64,
+                                          vocab_size=96, make_vocab_size_divisible_by=8),
+          "swiglu-biases": dict(add_bias_linear=True, num_layers=2, hidden_size=32, num_attention_heads=4,
+                                num_query_groups=2, ffn_hidden_size=48)}
+ARCHS = {name: tiny_llama(**kw) for name, kw in KWARGS.items()}
+
+#: (t, p, d) -> (t_g, p_g). In place: gathers over TP, over stages and both, a rollout TP wider than training's,
+#: d > 1. Exchanged: TP 2 x PP 2 -> TP 4 (where canonical mode once rebuilt fc1 wrong), more rollout stages than
+#: training ones, both sizes changing the other way round.
+PAIRS = [((2, 1, 1), (1, 1)), ((2, 2, 1), (1, 1)), ((4, 1, 1), (2, 1)), ((2, 2, 2), (1, 2)), ((1, 2, 2), (1, 1)),
+         ((1, 1, 2), (2, 1)), ((2, 2, 1), (2, 1)), ((4, 2, 1), (2, 1)), ((2, 1, 2), (4, 1)), ((2, 2, 2), (4, 2)),
+         ((2, 2, 1), (4, 1)), ((4, 1, 1), (1, 2)), ((2, 2, 1), (1, 4)), ((2, 4, 1), (4, 2)), ((4, 2, 1), (2, 4))]
+
+
+def _update(name: str, tensor: torch.Tensor) -> None:
+    """An optimizer step's stand-in: element-wise, so a shard and the full tensor get the same bits."""
+    tensor.mul_(0.5).add_(0.25)
+
+
+@pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
+@pytest.mark.parametrize("training,rollout", PAIRS, ids=[f"{t}-{r}" for t, r in PAIRS])
+def test_every_rank_gets_its_rollout_shard_bit_for_bit(training, rollout, arch, mode):
+    if ARCHS[arch].num_layers % max(training[1], rollout[1]):
+        pytest.skip("layers do not split into the stages")
+    result = simulate_switch(ARCHS[arch], training, RolloutLayout(*rollout), weight_mode=mode, switches=2,
+                             update=_update)
+    assert len(result.ranks) == training[0] * training[1] * training[2]
+    assert result.layout.exchange == ((training, rollout) in PAIRS[10:])
+    assert check_switch(result) == []
+    # The check sees the updated weights: switch 2 delivered them (switch 1 moved the old ones).
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    rank = result.ranks[0]
+    assert torch.equal(rank.rollout[name], result.expected(rank)[name])
+
+
+def _megatron_table(arch_kw: dict) -> list:
+    """(name, shape, spec) of every parameter of the model megatron-core builds, on this TP rank."""
+    from megatron_hybrid.sharding import TPSpec
+
+    return [(n, tuple(p.shape), TPSpec.of(p)) for n, p in tiny_llama(**arch_kw).build().named_parameters()]
+
+
+def test_the_parameter_table_is_the_model_megatron_core_builds():
+    """gpt_parameters against megatron-core itself (TP 2, two gloo ranks): the same names in the same order, the
+    same tensor-parallel attributes, and each rank's shape the table's full shape cut by the sharding function."""
+    for name, kw in KWARGS.items():
+        table = gpt_parameters(ARCHS[name], vocab_size=ARCHS[name].padded_vocab_size(2))
+        for tp_rank, built in enumerate(run_distributed(_megatron_table, 2, kw, tensor_model_parallel_size=2)):
+            assert [n for n, _, _ in built] == list(table), name
+            for n, shape, spec in built:
+                full_shape, want = table[n]
+                assert spec == want, (name, n)
+                assert shape == tuple(shard(torch.empty(full_shape), spec, tp_rank, 2).shape), (name, n)
+
+
+def test_a_gated_fc1_shard_is_its_gate_and_up_rows():
+    spec = gpt_parameters(ARCHS["swiglu-rms-gqa"])["decoder.layers.0.mlp.linear_fc1.weight"][1]
+    fc1 = torch.arange(192 * 4, dtype=torch.float32).view(192, 4)
+    shards = [shard(fc1, spec, r, 2) for r in range(2)]
+    gate, up = fc1.chunk(2)
+    assert torch.equal(shards[1], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+    assert torch.equal(unshard(shards, spec), fc1)
+
+
+def test_a_misplaced_block_is_found(monkeypatch):
+    """The check can fail: a plan that loses fc1's interleave (its stride taken as 1) is caught, by name."""
+    import megatron_hybrid.simulate as simulate
+
+    def no_stride(members, needed, **kw):
+        plan = build_group_plan(members, needed, **kw)
+        sources = plan.sources
+
+        def flat(member):
+            out = sources(member)
+            for src in out.values():
+                src.stride = 1
+            return out
+
+        plan.sources = flat
+        return plan
+
+    monkeypatch.setattr(simulate, "build_group_plan", no_stride)
+    result = simulate_switch(ARCHS["swiglu-rms-gqa"], (2, 1, 1), RolloutLayout(1, 1))
+    faults = check_switch(result)
+    assert faults and all("linear_fc1.weight differs" in f for f in faults)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(weight_mode="fp8"), r"weight_mode \('fp8'\)"),
+    (dict(arch=tiny_llama(untie_embeddings_and_output_weights=False)), "tied embeddings are not simulated yet"),
+    (dict(arch=tiny_llama(num_experts=4)), r"num_experts \(4\): MoE models are not simulated yet"),
+    (dict(arch=tiny_llama(num_layers=3)), r"num_layers \(3\) must split evenly"),
+    (dict(arch=tiny_llama(vocab_size=250, make_vocab_size_divisible_by=1), training=(2, 1, 2),
+          rollout=RolloutLayout(4, 1)), r"embedding.word_embeddings.weight \(250, 64\): dimension 0 does not split"),
+    (dict(training=[2, 2, 1]), r"training \(\[2, 2, 1\]\) must be a \(t, p, d\) tuple"),
+])
+def test_what_it_cannot_simulate_is_refused(kwargs, match):
+    args = dict(arch=tiny_llama(), training=(2, 2, 1), rollout=RolloutLayout(1, 1))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        simulate_switch(args.pop("arch"), args.pop("training"), args.pop("rollout"), **args)
