@@ -211,7 +211,7 @@ setup(
     ],
     # tensorboard: --tensorboard-dir (torch.utils.tensorboard); the tests read the events back.
     # pyarrow: --prompt-data FILE.parquet (verl's data files); one wheel, no dependencies.
-    extras_require={"test": ["pytest", "tensorboard", "pyarrow"], "tensorboard": ["tensorboard"],
+    extras_require={"test": ["pytest", "tensorboard", "pyarrow", "hypothesis"], "tensorboard": ["tensorboard"],
                     "parquet": ["pyarrow"],
                     # gguf + accelerate: tools/fetch_packaged_model.py (transformers reads GGUF files through them).
                     "real-model": ["gguf", "accelerate"],

@@ -23,7 +23,7 @@ weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -206,6 +206,38 @@ class SimulatedSwitch:
         return total
 
 
+class _ModelStandIn(torch.nn.Module):
+    """What the engine's :func:`~megatron_hybrid.validation.check_model` reads of a built model chunk: its
+    ``config`` and padded ``vocab_size`` (no parameters: every tensor of the table lives in a local-spec module
+    that computes on blocks, so the aliased-mode check has nothing to refuse)."""
+
+    def __init__(self, config: Any, vocab_size: int) -> None:
+        super().__init__()
+        self.config, self.vocab_size = config, vocab_size
+
+
+def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
+             weight_mode: str = "aliased") -> ParallelLayout:
+    """The layout pair through the engine's own validation, as :class:`~megatron_hybrid.engine.HybridEngine`
+    runs it on a built model, and through what megatron-core needs to build the training model (Megatron-LM's
+    argument checks: TP divides the heads, the query groups and the MLP, PP the layers). ``ValueError`` when
+    refused; else the layout."""
+    from .validation import check_layout, check_model  # megatron-core's config types
+
+    if not isinstance(training, tuple) or len(training) != 3:
+        raise ValueError(f"training ({training!r}) must be a (t, p, d) tuple")
+    t, p, d = training
+    lay = ParallelLayout.create(training=training, rollout=rollout)
+    arch.validate(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+    groups = arch.num_query_groups or arch.num_attention_heads
+    if groups % t:
+        raise ValueError(f"tensor_model_parallel_size ({t}) must divide num_query_groups ({groups})")
+    check_layout(lay, world_size=t * p * d, num_chunks=1)
+    config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+    check_model([_ModelStandIn(config, arch.padded_vocab_size(t))], lay, weight_mode=weight_mode)
+    return lay
+
+
 def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
                     weight_mode: str = "aliased", switches: int = 1, seed: int = 0,
                     update: Optional[Any] = None, bucket_size_mb: float = 0.001) -> SimulatedSwitch:
@@ -222,13 +254,8 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                          "yet)")
     if not arch.untie_embeddings_and_output_weights:
         raise ValueError("tied embeddings are not simulated yet (untie_embeddings_and_output_weights=False)")
-    if not isinstance(training, tuple) or len(training) != 3:
-        raise ValueError(f"training ({training!r}) must be a (t, p, d) tuple")
+    lay = validate(arch, training, rollout, weight_mode=weight_mode)
     t, p, d = training
-    lay = ParallelLayout.create(training=training, rollout=rollout)
-    if arch.num_layers % p or arch.num_layers % lay.p_g:
-        raise ValueError(f"num_layers ({arch.num_layers}) must split evenly into {p} training and {lay.p_g} rollout "
-                         "stages")
     specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training model's padding
     for name, (shape, spec) in specs.items():
         for size in (t, lay.t_g):
@@ -336,5 +363,85 @@ def check_switch(result: SimulatedSwitch) -> list[str]:
     return faults
 
 
-__all__ = ["RankResult", "SimulatedSwitch", "check_switch", "gpt_parameters", "simulate_switch",
+# ---- the layout space, drawn ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Example:
+    """One point of the space a sweep draws from: a model, a layout pair, a weight mode, optimizer steps."""
+
+    arch: GPTArchitecture
+    training: tuple[int, int, int]
+    rollout: tuple[int, int]
+    weight_mode: str
+    steps: int
+    """0 or 1: whether an (element-wise) update lands between the two switches."""
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able record (the architecture's fields that differ from its defaults)."""
+        defaults = GPTArchitecture(num_layers=1, hidden_size=1, num_attention_heads=1, vocab_size=1).to_dict()
+        arch = {k: v for k, v in self.arch.to_dict().items()
+                if k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or v != defaults.get(k)}
+        return {"arch": arch, "training": list(self.training), "rollout": list(self.rollout),
+                "weight_mode": self.weight_mode, "steps": self.steps}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def draw_example(choose: Callable[[str, Sequence[Any]], Any]) -> Example:
+    """An example, each field picked by ``choose(label, options)`` (a seeded ``random.Random``'s choice in
+    ``bench/layout_sweep.py``, a Hypothesis draw in the tests): a world of 2-16 ranks, t in {1, 2, 4, 8}, p
+    and d up to 4, and any (t_g, p_g) whose product divides the world; SwiGLU or GELU, RMSNorm or LayerNorm, QKV and linear biases, QK norm, RoPE or learned
+    positions, MHA / GQA / MQA, a vocabulary that is no multiple of 128, 2-6 layers; aliased or canonical; 0 or 1
+    optimizer steps. Much of it is refused by the engine's validation (:func:`validate`), as it should be."""
+    t = choose("t", [1, 2, 4, 8])  # TP sizes models are built with; PP and DP any size up to 16 ranks in all
+    p = choose("p", [k for k in (1, 2, 3, 4) if t * k <= 16])
+    d = choose("d", [k for k in (1, 2, 3, 4) if 2 <= t * p * k <= 16])
+    world = t * p * d
+    t_g = choose("t_g", _divisors(world))
+    p_g = choose("p_g", _divisors(world // t_g))
+    # The training model is one Megatron-LM can build (TP divides the heads, query groups and MLP, PP the layers):
+    # what the engine must refuse or serve is the rollout layout.
+    heads = choose("heads", [h for h in (4, 6, 8, 12, 16) if h % t == 0])
+    groups = choose("query_groups", [g for g in _divisors(heads) if g % t == 0])
+    kv = choose("kv_channels", [4, 8])
+    arch = GPTArchitecture(
+        num_layers=choose("num_layers", [n for n in range(2, 7) if n % p == 0] or [p]), hidden_size=choose("hidden_size", [32, 48, 64]),
+        num_attention_heads=heads, num_query_groups=None if groups == heads else groups, kv_channels=kv,
+        ffn_hidden_size=choose("ffn_hidden_size", [f for f in (48, 64, 96) if f % t == 0]), vocab_size=choose("vocab_size", [50, 97, 250]),
+        make_vocab_size_divisible_by=choose("make_vocab_size_divisible_by", [1, 2, 8]),
+        swiglu=choose("swiglu", [True, False]), normalization=choose("normalization", ["RMSNorm", "LayerNorm"]),
+        add_qkv_bias=choose("add_qkv_bias", [False, True]), add_bias_linear=choose("add_bias_linear", [False, True]),
+        qk_layernorm=choose("qk_layernorm", [False, True]),
+        position_embedding_type=choose("position_embedding_type", ["rope", "learned_absolute"]),
+        max_position_embeddings=32)
+    return Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", ["aliased", "canonical"]),
+                   choose("steps", [0, 1]))
+
+
+def elementwise_step(name: str, tensor: torch.Tensor) -> None:
+    """The optimizer step's stand-in (:func:`simulate_switch`'s ``update``): element-wise, so a shard and the full
+    tensor get the same bits, and no value stays as it was."""
+    tensor.mul_(0.5).add_(0.25)
+
+
+def run_example(example: Example) -> dict[str, Any]:
+    """One example: ``{"status": "refused", "reason": ...}`` (the engine's validation said no),
+    ``{"status": "ok"}`` or ``{"status": "fault", "faults": [...]}``, with the bytes moved per rank."""
+    rollout = RolloutLayout(*example.rollout)
+    try:
+        validate(example.arch, example.training, rollout, weight_mode=example.weight_mode)
+    except ValueError as exc:
+        return {"status": "refused", "reason": str(exc)}
+    result = simulate_switch(example.arch, example.training, rollout, weight_mode=example.weight_mode, switches=2,
+                             update=elementwise_step if example.steps else None)
+    faults = check_switch(result)
+    out: dict[str, Any] = {"status": "fault" if faults else "ok", "exchange": result.layout.exchange,
+                           "bytes_received": [r.bytes_received[-1] for r in result.ranks]}
+    if faults:
+        out["faults"] = faults[:20]
+    return out
+
+
+__all__ = ["Example", "draw_example", "elementwise_step", "run_example", "validate", "RankResult", "SimulatedSwitch", "check_switch", "gpt_parameters", "simulate_switch",
            "unsharded_model"]

@@ -1,0 +1,175 @@
+"""Sweep the layout space in one process: examples drawn like the property test's, each through the engine's
+validation and, if accepted, the simulated world (issue 48).
+
+    python bench/layout_sweep.py --examples 2000 --seed 1 --output sweep.jsonl     # resumable: run it again
+    python bench/layout_sweep.py --summary sweep.jsonl                             # the tallies of a file
+    python bench/layout_sweep.py --replay 17 --seed 1                              # one example, its faults shown
+    python bench/layout_sweep.py --replay 17 --seed 1 --ranks                      # ... and on real gloo ranks
+
+Example i of seed S is drawn by ``random.Random(f"{S}:{i}")`` through
+:func:`megatron_hybrid.simulate.draw_example` (a world of 2-16 ranks, free training and rollout layouts, the
+architecture options, aliased or canonical weights, 0 or 1 optimizer steps), so a file can be extended later and
+any line replayed alone. Each line of ``--output`` (JSON) holds the example, its status (``refused`` with the
+engine's reason, ``ok``, or ``fault`` with what differs), the bytes each rank received and the seconds; lines
+already in the file are skipped. The summary counts each status, the refused share and each refusal rule.
+
+``--ranks`` ties the simulation to the real engine: the replayed example also runs on t·p·d gloo ranks
+(megatron-core models, :class:`~megatron_hybrid.HybridEngine`, a switch before and after an optimizer step, as
+``tests/test_engine.py`` runs it), loaded with the simulation's unsharded model; the engine's rollout model, made
+whole again, must equal that model bit for bit, and each rank's bytes of the first switch the simulation's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import sys
+import time
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_hybrid.simulate import draw_example, run_example  # noqa: E402
+
+
+def example_at(seed: int, index: int):
+    rng = random.Random(f"{seed}:{index}")
+    return draw_example(lambda label, options: rng.choice(list(options)))
+
+
+def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, steps: int) -> dict:
+    """On one gloo rank (run_distributed): the model megatron-core builds for ``arch`` loaded with this rank's
+    shards of ``state``, a HybridEngine, a switch, the training weights updated element-wise (when ``steps``), a
+    second switch; the rollout model made whole after each, and the bytes each switch moved."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.models import GPTArchitecture
+    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.simulate import elementwise_step
+    from tests.engine_cases import rollout_full_weights
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    a = GPTArchitecture.from_dict(arch)
+    config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode, bucket_size_mb=0.001)
+    out = []
+    for n in range(2):
+        if n and steps:
+            with torch.no_grad():
+                for name, prm in model.named_parameters():
+                    elementwise_step(name, prm.data)
+        engine.switch_to_rollout()
+        out.append({"bytes": engine.communication_report()["total_bytes"], "weights": rollout_full_weights(engine)})
+        engine.switch_to_training()
+    return {"switches": out}
+
+
+def on_ranks(example, outcome: dict[str, Any]) -> dict[str, Any]:
+    """The example on t·p·d real gloo ranks (:func:`rank_switches`) against the simulation: the rollout model
+    after each switch equal to the unsharded model bit for bit (the updated one after the second), and each
+    rank's bytes of the last switch the simulation's."""
+    import torch
+
+    from megatron_hybrid.simulate import elementwise_step, gpt_parameters, unsharded_model
+    from tests.harness import run_distributed
+
+    t, p, d = example.training
+    state = unsharded_model(gpt_parameters(example.arch, vocab_size=example.arch.padded_vocab_size(t)))
+    results = run_distributed(rank_switches, t * p * d, example.arch.to_dict(), *example.rollout,
+                              example.weight_mode, state, example.steps, tensor_model_parallel_size=t,
+                              pipeline_model_parallel_size=p)
+    differ = []
+    for n, switch in enumerate(results[0]["switches"]):
+        if n and example.steps:
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    elementwise_step(name, tensor)
+        got = switch["weights"]
+        differ += [f"switch {n + 1}: {name}" for name in state if name not in got or not torch.equal(got[name],
+                                                                                                      state[name])]
+    engine_bytes = [r["switches"][-1]["bytes"] for r in results]
+    return {"agree": not differ and engine_bytes == outcome["bytes_received"], "weights_differ": differ[:20],
+            "engine_bytes": engine_bytes, "simulated_bytes": outcome["bytes_received"]}
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    status = collections.Counter(r["status"] for r in rows)
+    rules = collections.Counter(re.sub(r"\(\d+\)", "(n)", r["reason"]) for r in rows if r["status"] == "refused")
+    exchanged = sum(1 for r in rows if r.get("exchange"))
+    n = max(1, len(rows))
+    lines = [f"{len(rows)} examples: {status['ok']} exact ({exchanged} of them exchange layouts), "
+             f"{status['fault']} faults, {status['refused']} refused ({status['refused'] / n:.0%})"]
+    lines += [f"  refused {count:5d}: {rule}" for rule, count in rules.most_common()]
+    faults = [r for r in rows if r["status"] == "fault"]
+    lines += [f"  FAULT example {r['index']} (seed {r['seed']}): {r['example']} {r['faults'][:3]}" for r in faults]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=200, help="examples 0 .. N-1 of the seed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="JSON lines, appended to (resumable)")
+    parser.add_argument("--summary", default=None, metavar="JSONL", help="print a file's tallies and exit")
+    parser.add_argument("--replay", type=int, default=None, metavar="INDEX", help="run one example and print it")
+    parser.add_argument("--ranks", action="store_true", help="with --replay: also on real gloo ranks, compared")
+    args = parser.parse_args(argv)
+    if args.examples < 0:
+        raise ValueError(f"--examples ({args.examples}) must be ≥ 0")
+    if args.summary:
+        print(summary(read(args.summary)))
+        return 0
+    if args.ranks and args.replay is None:
+        raise ValueError("--ranks replays one example: give --replay INDEX")
+    if args.replay is not None:
+        example = example_at(args.seed, args.replay)
+        outcome = {"example": example.describe(), **run_example(example)}
+        if args.ranks and outcome["status"] != "refused":
+            outcome["ranks"] = on_ranks(example, outcome)
+        print(json.dumps(outcome, indent=1))
+        return 0 if outcome["status"] != "fault" and outcome.get("ranks", {}).get("agree", True) else 1
+    done = {(r["seed"], r["index"]) for r in read(args.output)} if args.output else set()
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety
+        def tqdm(it, **_):
+            return it
+    out = open(args.output, "a") if args.output else None
+    try:
+        for index in tqdm(range(args.examples), desc="layout sweep"):
+            if (args.seed, index) in done:
+                continue
+            example = example_at(args.seed, index)
+            t0 = time.perf_counter()
+            row = {"seed": args.seed, "index": index, "example": example.describe(), **run_example(example),
+                   "seconds": round(time.perf_counter() - t0, 4)}
+            rows.append(row)
+            if out is not None:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+    finally:
+        if out is not None:
+            out.close()
+    print(summary(read(args.output) if args.output else rows))
+    return 1 if any(r["status"] == "fault" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
