@@ -5,6 +5,7 @@ validation and, if accepted, the simulated world (issue 48).
     python bench/layout_sweep.py --summary sweep.jsonl                             # the tallies of a file
     python bench/layout_sweep.py --replay 17 --seed 1                              # one example, its faults shown
     python bench/layout_sweep.py --replay 17 --seed 1 --ranks                      # ... and on real gloo ranks
+    python bench/layout_sweep.py --output sweep.jsonl --ranks-sample 20           # 20 of its examples on ranks
 
 Example i of seed S is drawn by ``random.Random(f"{S}:{i}")`` through
 :func:`megatron_hybrid.simulate.draw_example` (a world of 2-16 ranks, free training and rollout layouts, the
@@ -42,7 +43,8 @@ def example_at(seed: int, index: int):
     return draw_example(lambda label, options: rng.choice(list(options)))
 
 
-def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, steps: int) -> dict:
+def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, steps: int,
+                  chunks: int = 1) -> dict:
     """On one gloo rank (run_distributed): the model megatron-core builds for ``arch`` loaded with this rank's
     shards of ``state``, a HybridEngine, a switch, the training weights updated element-wise (when ``steps``), a
     second switch; the rollout model made whole after each, and the bytes each switch moved."""
@@ -57,16 +59,23 @@ def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     a = GPTArchitecture.from_dict(arch)
-    config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model = a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-    load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
-    engine = HybridEngine(model, RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode, bucket_size_mb=0.001)
+    config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
+    if chunks > 1:  # model chunk v of this stage, as Megatron-LM builds them
+        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(ignore_virtual=True) and v == 0,
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=True) and v == chunks - 1, vp_stage=v)
+                 for v in range(chunks)]
+    else:
+        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
+    load_full_state_dict(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    engine = HybridEngine(model if chunks > 1 else model[0], RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode,
+                          bucket_size_mb=0.001)
     out = []
     for n in range(2):
         if n and steps:
             with torch.no_grad():
-                for name, prm in model.named_parameters():
-                    elementwise_step(name, prm.data)
+                for prm in (q for chunk in model for q in chunk.parameters()):
+                    elementwise_step("", prm.data)
         engine.switch_to_rollout()
         out.append({"bytes": engine.communication_report()["total_bytes"], "weights": rollout_full_weights(engine)})
         engine.switch_to_training()
@@ -84,9 +93,12 @@ def on_ranks(example, outcome: dict[str, Any]) -> dict[str, Any]:
 
     t, p, d = example.training
     state = unsharded_model(gpt_parameters(example.arch, vocab_size=example.arch.padded_vocab_size(t)))
+    if not example.arch.untie_embeddings_and_output_weights:
+        state.pop("output_layer.weight")  # megatron-core's tied output layer copies the embedding at build
     results = run_distributed(rank_switches, t * p * d, example.arch.to_dict(), *example.rollout,
-                              example.weight_mode, state, example.steps, tensor_model_parallel_size=t,
-                              pipeline_model_parallel_size=p)
+                              example.weight_mode, state, example.steps, example.chunks,
+                              tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                              virtual_pipeline_model_parallel_size=example.chunks if example.chunks > 1 else None)
     differ = []
     for n, switch in enumerate(results[0]["switches"]):
         if n and example.steps:
@@ -108,58 +120,60 @@ def read(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def tallies(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counts of a results file: examples by status, refusals by rule, faults, replays on ranks."""
+    examples = [r for r in rows if r.get("kind", "example") == "example"]
+    replays = [r for r in rows if r.get("kind") == "ranks"]
+    status = collections.Counter(r["status"] for r in examples)
+    rules = collections.Counter(re.sub(r"\(\d+\)", "(n)", r["reason"]) for r in examples if r["status"] == "refused")
+    return {"examples": len(examples), "exact": status["ok"], "faults": status["fault"], "refused": status["refused"],
+            "refused_share": round(status["refused"] / max(1, len(examples)), 4),
+            "exact_exchange_layouts": sum(1 for r in examples if r["status"] == "ok" and r.get("exchange")),
+            "seeds": sorted({r["seed"] for r in examples}), "refused_by_rule": dict(rules.most_common()),
+            "failing_examples": [{k: r[k] for k in ("seed", "index", "example", "faults")}
+                                 for r in examples if r["status"] == "fault"],
+            "replayed_on_ranks": len(replays), "replays_agreeing": sum(1 for r in replays if r["agree"]),
+            "replays_disagreeing": [{k: r[k] for k in ("seed", "index", "example")} for r in replays
+                                    if not r["agree"]]}
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
-    status = collections.Counter(r["status"] for r in rows)
-    rules = collections.Counter(re.sub(r"\(\d+\)", "(n)", r["reason"]) for r in rows if r["status"] == "refused")
-    exchanged = sum(1 for r in rows if r.get("exchange"))
-    n = max(1, len(rows))
-    lines = [f"{len(rows)} examples: {status['ok']} exact ({exchanged} of them exchange layouts), "
-             f"{status['fault']} faults, {status['refused']} refused ({status['refused'] / n:.0%})"]
-    lines += [f"  refused {count:5d}: {rule}" for rule, count in rules.most_common()]
-    faults = [r for r in rows if r["status"] == "fault"]
-    lines += [f"  FAULT example {r['index']} (seed {r['seed']}): {r['example']} {r['faults'][:3]}" for r in faults]
+    t = tallies(rows)
+    lines = [f"{t['examples']} examples: {t['exact']} exact ({t['exact_exchange_layouts']} of them exchange "
+             f"layouts), {t['faults']} faults, {t['refused']} refused ({t['refused_share']:.0%})"]
+    lines += [f"  refused {count:5d}: {rule}" for rule, count in t["refused_by_rule"].items()]
+    lines += [f"  FAULT example {r['index']} (seed {r['seed']}): {r['example']} {r['faults'][:3]}"
+              for r in t["failing_examples"]]
+    if t["replayed_on_ranks"]:
+        lines.append(f"{t['replayed_on_ranks']} replayed on gloo ranks: {t['replays_agreeing']} agree with the "
+                     "simulation (bytes and bits)")
+        lines += [f"  DISAGREES: example {r['index']} (seed {r['seed']}): {r['example']}"
+                  for r in t["replays_disagreeing"]]
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=200, help="examples 0 .. N-1 of the seed")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=None, help="JSON lines, appended to (resumable)")
-    parser.add_argument("--summary", default=None, metavar="JSONL", help="print a file's tallies and exit")
-    parser.add_argument("--replay", type=int, default=None, metavar="INDEX", help="run one example and print it")
-    parser.add_argument("--ranks", action="store_true", help="with --replay: also on real gloo ranks, compared")
-    args = parser.parse_args(argv)
-    if args.examples < 0:
-        raise ValueError(f"--examples ({args.examples}) must be ≥ 0")
-    if args.summary:
-        print(summary(read(args.summary)))
-        return 0
-    if args.ranks and args.replay is None:
-        raise ValueError("--ranks replays one example: give --replay INDEX")
-    if args.replay is not None:
-        example = example_at(args.seed, args.replay)
-        outcome = {"example": example.describe(), **run_example(example)}
-        if args.ranks and outcome["status"] != "refused":
-            outcome["ranks"] = on_ranks(example, outcome)
-        print(json.dumps(outcome, indent=1))
-        return 0 if outcome["status"] != "fault" and outcome.get("ranks", {}).get("agree", True) else 1
-    done = {(r["seed"], r["index"]) for r in read(args.output)} if args.output else set()
-    rows = []
+def _progress(it, **kw):
     try:
         from tqdm import tqdm
     except ImportError:  # progress is a nicety
-        def tqdm(it, **_):
-            return it
+        return it
+    return tqdm(it, **kw)
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Examples 0 .. N-1 of the seed not yet in the output, run and appended as they finish."""
+    done = {(r["seed"], r["index"]) for r in read(args.output) if r.get("kind", "example") == "example"} \
+        if args.output else set()
+    rows = []
     out = open(args.output, "a") if args.output else None
     try:
-        for index in tqdm(range(args.examples), desc="layout sweep"):
+        for index in _progress(range(args.examples), desc="layout sweep"):
             if (args.seed, index) in done:
                 continue
             example = example_at(args.seed, index)
             t0 = time.perf_counter()
-            row = {"seed": args.seed, "index": index, "example": example.describe(), **run_example(example),
-                   "seconds": round(time.perf_counter() - t0, 4)}
+            row = {"kind": "example", "seed": args.seed, "index": index, "example": example.describe(),
+                   **run_example(example), "seconds": round(time.perf_counter() - t0, 4)}
             rows.append(row)
             if out is not None:
                 out.write(json.dumps(row) + "\n")
@@ -167,8 +181,80 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if out is not None:
             out.close()
-    print(summary(read(args.output) if args.output else rows))
-    return 1 if any(r["status"] == "fault" for r in rows) else 0
+    return rows
+
+
+def replay_sample(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--ranks-sample K``: K of the output's exact examples not yet replayed, on real gloo ranks (worlds of at
+    most ``--max-ranks``; a deterministic spread: every kind of layout pair first), appended as ``ranks`` rows."""
+    rows = read(args.output)
+    replayed = {(r["seed"], r["index"]) for r in rows if r.get("kind") == "ranks"}
+    pool = [r for r in rows if r.get("kind", "example") == "example" and r["status"] == "ok"
+            and (r["seed"], r["index"]) not in replayed
+            and r["example"]["training"][0] * r["example"]["training"][1] * r["example"]["training"][2]
+            <= args.max_ranks]
+    seen, picked = set(), []
+    for r in pool:  # one of each (exchange, mode, steps, chunks, tied) first, then in file order
+        kind = (r["exchange"], r["example"]["weight_mode"], r["example"]["steps"], r["example"].get("chunks", 1),
+                r["example"]["arch"].get("untie_embeddings_and_output_weights", True))
+        if kind not in seen:
+            seen.add(kind)
+            picked.append(r)
+    picked += [r for r in pool if r not in picked]
+    new = []
+    with open(args.output, "a") as out:
+        for r in _progress(picked[: args.ranks_sample], desc="replays on gloo ranks"):
+            example = example_at(r["seed"], r["index"])
+            assert example.describe() == r["example"], "the draw changed since the file was written"
+            t0 = time.perf_counter()
+            row = {"kind": "ranks", "seed": r["seed"], "index": r["index"], "example": r["example"],
+                   **on_ranks(example, r), "seconds": round(time.perf_counter() - t0, 2)}
+            new.append(row)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+    return new
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=200, help="examples 0 .. N-1 of the seed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="JSON lines, appended to (resumable); its tallies go to "
+                                                        "the same name with .json")
+    parser.add_argument("--summary", default=None, metavar="JSONL", help="print a file's tallies and exit")
+    parser.add_argument("--replay", type=int, default=None, metavar="INDEX", help="run one example and print it")
+    parser.add_argument("--ranks", action="store_true", help="with --replay: also on real gloo ranks, compared")
+    parser.add_argument("--ranks-sample", type=int, default=0, metavar="K",
+                        help="replay K of --output's exact examples on real gloo ranks (no new examples)")
+    parser.add_argument("--max-ranks", type=int, default=8, help="the largest world --ranks-sample replays")
+    args = parser.parse_args(argv)
+    if args.examples < 0:
+        raise ValueError(f"--examples ({args.examples}) must be ≥ 0")
+    if args.ranks_sample < 0:
+        raise ValueError(f"--ranks-sample ({args.ranks_sample}) must be ≥ 0")
+    if args.summary:
+        print(summary(read(args.summary)))
+        return 0
+    if args.ranks and args.replay is None:
+        raise ValueError("--ranks replays one example: give --replay INDEX")
+    if args.ranks_sample and not args.output:
+        raise ValueError("--ranks-sample replays examples of a results file: give --output FILE")
+    if args.replay is not None:
+        example = example_at(args.seed, args.replay)
+        outcome = {"example": example.describe(), **run_example(example)}
+        if args.ranks and outcome["status"] != "refused":
+            outcome["ranks"] = on_ranks(example, outcome)
+        print(json.dumps(outcome, indent=1))
+        return 0 if outcome["status"] != "fault" and outcome.get("ranks", {}).get("agree", True) else 1
+    new = replay_sample(args) if args.ranks_sample else sweep(args)
+    rows = read(args.output) if args.output else new
+    if args.output:
+        base = args.output[: -len(".jsonl")] if args.output.endswith(".jsonl") else args.output
+        with open(base + ".json", "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), **tallies(rows)}, f, indent=1)
+    print(summary(rows))
+    bad = any(r.get("status") == "fault" or r.get("agree") is False for r in new)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

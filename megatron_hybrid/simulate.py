@@ -13,21 +13,23 @@ checked against the model it builds), every rank's training shards are cut from 
 :func:`~megatron_hybrid.sharding.shard`, and a rank's rollout tensor (its blocks, materialised as the canonical
 binding does) is compared with the unsharded tensor's rollout shard, cut the same way.
 
-Covered now: dense GPT models with every architecture option of ``GPTArchitecture`` but tied embeddings; every
+Covered now: dense GPT models with every architecture option of ``GPTArchitecture``, tied embeddings included; every
 layout pair, in place (micro-DP gathers: t_g | t, or t_g = m·t with m | d and p_g = p; p_g | p) or exchanged
-(:mod:`megatron_hybrid.exchange`: one all-to-all); aliased and canonical weights; one model chunk per stage.
-Refused with a ``ValueError`` naming what (not simulated yet): MoE, tied embeddings, virtual chunks, FP8 rollout
-weights.
+(:mod:`megatron_hybrid.exchange`: one all-to-all); virtual pipeline chunks (an exchange layout, as the engine
+serves a dense model with them); aliased and canonical weights. Refused with a ``ValueError`` naming what (not
+simulated yet): MoE, FP8 rollout weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .exchange import RankTensors, arrange, build_exchange_plan
+from .exchange import RankTensors, arrange, build_exchange_plan, keys_of
 from .executor import ExchangeExecutor, PlanExecutor, PlaneSpec
 from .groups import collective_errors
 from .layout import Grid, ParallelLayout, RolloutLayout
@@ -38,6 +40,7 @@ from .sharding import TPSpec, shard
 from .transport import InProcessWorld
 
 _LAYER_PREFIX = "decoder.layers."
+OUTPUT, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
 
 
 def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
@@ -84,8 +87,9 @@ def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
             out[p + name] = (shape, spec)
     for w in norm:
         out[f"decoder.final_layernorm.{w}"] = ((h,), rep)
-    if arch.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = ((vocab, h), col)
+    # Tied: the last stage's copy of the embedding (``shared_embedding``), which exists only in a model of more than
+    # one stage (:func:`stage_names` drops it otherwise); megatron-core keeps the two equal.
+    out[OUTPUT] = ((vocab, h), col)
     return out
 
 
@@ -104,15 +108,21 @@ def layer_of(name: str) -> Optional[int]:
     return int(name[len(_LAYER_PREFIX):].split(".", 1)[0])
 
 
-def stage_names(names: list[str], *, stage: int, stages: int, num_layers: int) -> list[str]:
-    """The parameters pipeline stage ``stage`` of ``stages`` holds: its layers, the embedding on the first, the
-    final norm and the output layer on the last (megatron-core's even split)."""
-    per = num_layers // stages
+def stage_names(names: list[str], *, stage: int, stages: int, num_layers: int, tied: bool = False,
+                chunks: int = 1) -> list[str]:
+    """The parameters pipeline stage ``stage`` of ``stages`` holds, in its chunks' order: its layers, the embedding
+    on the first, the final norm and the output layer on the last (megatron-core's even split: with ``chunks``
+    virtual chunks a stage, model chunk c = v · stages + s holds layers [c · n, (c + 1) · n), n = num_layers /
+    (stages · chunks)); with ``tied`` embeddings, the output layer only where there is more than one stage (else
+    the embedding serves)."""
+    per = num_layers // (stages * chunks)
     out = []
     for name in names:
+        if tied and name == OUTPUT and stages == 1:
+            continue
         layer = layer_of(name)
         if layer is not None:
-            keep = stage * per <= layer < (stage + 1) * per
+            keep = (layer // per) % stages == stage
         elif name.startswith("embedding."):
             keep = stage == 0
         else:
@@ -122,13 +132,13 @@ def stage_names(names: list[str], *, stage: int, stages: int, num_layers: int) -
     return out
 
 
-def local_name(name: str, *, stage: int, per_stage: int) -> str:
-    """A global name as the stage's model chunk names it (layer indices from the stage's first layer)."""
+def local_name(name: str, *, per_chunk: int) -> str:
+    """A global name as its model chunk names it (layer indices from the chunk's first layer)."""
     layer = layer_of(name)
     if layer is None:
         return name
     rest = name[len(_LAYER_PREFIX):].split(".", 1)[1]
-    return f"{_LAYER_PREFIX}{layer - stage * per_stage}.{rest}"
+    return f"{_LAYER_PREFIX}{layer % per_chunk}.{rest}"
 
 
 def _parameter(value: torch.Tensor, spec: TPSpec) -> torch.nn.Parameter:
@@ -151,8 +161,6 @@ class _Groups:
         return tuple(ranks)
 
     def errors(self, phase: str, what: str) -> Any:
-        import datetime
-
         return collective_errors(phase, what, timeout=datetime.timedelta(seconds=60))
 
 
@@ -176,6 +184,8 @@ class SimulatedSwitch:
 
     layout: ParallelLayout
     arch: GPTArchitecture
+    chunks: int
+    """Virtual pipeline chunks a training stage."""
     specs: dict[str, tuple[tuple[int, ...], TPSpec]]
     """The unsharded model's table (:func:`gpt_parameters`, vocabulary padded for the training TP)."""
     full: dict[str, torch.Tensor]
@@ -186,8 +196,17 @@ class SimulatedSwitch:
         rank with the project's sharding function."""
         lay, specs = self.layout, self.specs
         tp_g, pp_g, _ = rank.rollout_coord
-        names = stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers)
+        names = stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers,
+                            tied=self.tied)
         return {n: shard(self.full[n], specs[n][1], tp_g, lay.t_g) for n in names}
+
+    @property
+    def tied(self) -> bool:
+        return not self.arch.untie_embeddings_and_output_weights
+
+    def key(self, name: str) -> str:
+        """What a tensor is, as the bytes count: a tied output layer is the embedding."""
+        return EMBEDDING if self.tied and name == OUTPUT else name
 
     def missing_bytes(self, rank: RankResult) -> int:
         """Bytes of the rank's rollout shard that its training shard does not hold: element index sets, cut by
@@ -195,13 +214,15 @@ class SimulatedSwitch:
         lay, specs = self.layout, self.specs
         i, s, _ = rank.coord
         tp_g, pp_g, _ = rank.rollout_coord
-        held = set(stage_names(list(specs), stage=s, stages=lay.p, num_layers=self.arch.num_layers))
+        held = {self.key(n) for n in stage_names(list(specs), stage=s, stages=lay.p, num_layers=self.arch.num_layers,
+                                                 tied=self.tied, chunks=self.chunks)}
         total = 0
-        for name in stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers):
+        for name in stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers,
+                                tied=self.tied):
             shape, spec = specs[name]
             index = torch.arange(torch.Size(shape).numel()).view(shape)
             need = set(shard(index, spec, tp_g, lay.t_g).reshape(-1).tolist())
-            have = set(shard(index, spec, i, lay.t).reshape(-1).tolist()) if name in held else set()
+            have = set(shard(index, spec, i, lay.t).reshape(-1).tolist()) if self.key(name) in held else set()
             total += len(need - have) * self.full[name].element_size()
         return total
 
@@ -217,11 +238,11 @@ class _ModelStandIn(torch.nn.Module):
 
 
 def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
-             weight_mode: str = "aliased") -> ParallelLayout:
+             weight_mode: str = "aliased", chunks: int = 1) -> ParallelLayout:
     """The layout pair through the engine's own validation, as :class:`~megatron_hybrid.engine.HybridEngine`
     runs it on a built model, and through what megatron-core needs to build the training model (Megatron-LM's
     argument checks: TP divides the heads, the query groups and the MLP, PP the layers). ``ValueError`` when
-    refused; else the layout."""
+    refused; else the layout (an exchange one with virtual ``chunks``, as the engine makes it for a dense model)."""
     from .validation import check_layout, check_model  # megatron-core's config types
 
     if not isinstance(training, tuple) or len(training) != 3:
@@ -232,14 +253,21 @@ def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: Rol
     groups = arch.num_query_groups or arch.num_attention_heads
     if groups % t:
         raise ValueError(f"tensor_model_parallel_size ({t}) must divide num_query_groups ({groups})")
-    check_layout(lay, world_size=t * p * d, num_chunks=1)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks ({chunks!r}) must be a positive integer")
+    if chunks > 1 and (p < 2 or arch.num_layers % (p * chunks)):
+        raise ValueError(f"virtual pipeline chunks ({chunks}) need pipeline_model_parallel_size ({p}) ≥ 2 and "
+                         f"num_layers ({arch.num_layers}) divisible by pipeline size × chunks")
+    if chunks > 1:
+        lay = dataclasses.replace(lay, exchange=True)
+    check_layout(lay, world_size=t * p * d, num_chunks=chunks)
     config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
     check_model([_ModelStandIn(config, arch.padded_vocab_size(t))], lay, weight_mode=weight_mode)
     return lay
 
 
 def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
-                    weight_mode: str = "aliased", switches: int = 1, seed: int = 0,
+                    weight_mode: str = "aliased", switches: int = 1, seed: int = 0, chunks: int = 1,
                     update: Optional[Any] = None, bucket_size_mb: float = 0.001) -> SimulatedSwitch:
     """Run the switch of layout pair ``training`` (t, p, d) -> ``rollout`` for every rank in one process.
 
@@ -252,9 +280,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     if weight_mode not in ("aliased", "canonical"):
         raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased' or 'canonical' (FP8 is not simulated "
                          "yet)")
-    if not arch.untie_embeddings_and_output_weights:
-        raise ValueError("tied embeddings are not simulated yet (untie_embeddings_and_output_weights=False)")
-    lay = validate(arch, training, rollout, weight_mode=weight_mode)
+    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks)
     t, p, d = training
     specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training model's padding
     for name, (shape, spec) in specs.items():
@@ -263,11 +289,16 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                 raise ValueError(f"{name} {shape}: dimension {spec.dim} does not split into {spec.stride} x {size} "
                                  "pieces")
     full = unsharded_model(specs, seed=seed)
+    tied = not arch.untie_embeddings_and_output_weights
+    if tied:
+        full[OUTPUT] = full[EMBEDDING].clone()
+    # As HybridEngine: with p_g = 1 < p the last stage's tied output layer serves the rollout embedding in place.
+    plan_tied = (OUTPUT, EMBEDDING) if tied and lay.p_g == 1 < p and not lay.widens and not lay.exchange else None
     grid = Grid.megatron_default(t, p, d)
     coords = dict(grid.coords())
-    per_stage = arch.num_layers // p
+    per_chunk = arch.num_layers // (p * chunks)
     if lay.exchange:  # every rank's rollout coordinate, as create_rollout_groups takes it from the arrangement
-        rollout_coord = arrange(lay, grid, num_layers=arch.num_layers).coords
+        rollout_coord = arrange(lay, grid, num_layers=arch.num_layers, chunks=chunks).coords
         micro: dict[int, list[int]] = {}
     else:
         rollout_coord = {r: lay.rollout_coords(c) for r, c in coords.items()}
@@ -277,14 +308,15 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     def shards_of(rank: int) -> dict[str, torch.Tensor]:
         i, s, _ = coords[rank]
         return {n: shard(full[n], specs[n][1], i, t) for n in stage_names(names, stage=s, stages=p,
-                                                                           num_layers=arch.num_layers)}
+                                                                           num_layers=arch.num_layers, tied=tied,
+                                                                           chunks=chunks)}
 
     def member_info(rank: int, own: dict[str, Any]) -> MemberInfo:
         i, s, _ = coords[rank]
-        params = tuple(ParamInfo(n, local_name(n, stage=s, per_stage=per_stage), tuple(v.shape),
+        params = tuple(ParamInfo(n, local_name(n, per_chunk=per_chunk), tuple(v.shape),
                                  DTYPE_NAMES[v.dtype], specs[n][1].sharded, specs[n][1].dim, specs[n][1].stride)
                        for n, v in own.items())
-        return MemberInfo(rank, i, s, params, per_stage)
+        return MemberInfo(rank, i, s, params, arch.num_layers // p)
 
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
                     for name, dt in DTYPES.items()}
@@ -294,14 +326,17 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
         """The placement and executor of this rank, built as the engine builds them for the layout."""
         rank, cpu = transport.rank, torch.device("cpu")
         i, s, _ = coords[rank]
-        if lay.exchange:  # as make_exchange_plan and HybridEngine._place_exchange (untied: keys are names)
-            held = tuple(info for info in member_info(rank, params).params)
-            everyone = transport.all_gather_object(RankTensors(rank, i, tp_g, held, tuple(needed)), groups.world)
-            xplan = build_exchange_plan(everyone, t=t, t_g=lay.t_g)
-            keys = {n: n for n in [*params, *needed]}
+        if lay.exchange:  # as make_exchange_plan and HybridEngine._place_exchange (tied: the output layer is the
+            # embedding)
+            keys = keys_of([*params, *needed], tied=tied)
+            held: dict[str, ParamInfo] = {}
+            for info in member_info(rank, params).params:
+                held.setdefault(keys[info.name], dataclasses.replace(info, name=keys[info.name]))
+            mine = RankTensors(rank, i, tp_g, tuple(held.values()), tuple(keys[n] for n in needed))
+            xplan = build_exchange_plan(transport.all_gather_object(mine, groups.world), t=t, t_g=lay.t_g)
             return (ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
-                    ExchangeExecutor(xplan, rank, groups, training_params=params, keys={n: n for n in params},
-                                     device=cpu))
+                    ExchangeExecutor(xplan, rank, groups, training_params=params,
+                                     keys={n: keys[n] for n in params}, device=cpu))
         plane = PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s, gathers=not lay.widens)
         plan, index = None, 0
         if plane.gathers:  # as make_group_plan: the members' descriptions gathered, the same plan on each
@@ -309,7 +344,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
             members.sort(key=lambda m: m.rank)
             index = [m.rank for m in members].index(rank)
             plan = build_group_plan(members, needed, k=lay.k, q=lay.q, u=1, bucket_numel=bucket_numel,
-                                    strided=weight_mode == "canonical")
+                                    tied=plan_tied, strided=weight_mode == "canonical")
         placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
         return placement, (None if plan is None else PlanExecutor(plan, index, groups, training_params=params,
                                                                    device=cpu))
@@ -319,7 +354,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
         i, s, dp = coords[rank]
         tp_g, pp_g, replica = rollout_coord[rank]
         params = {n: _parameter(v, specs[n][1]) for n, v in shards_of(rank).items()}
-        needed = stage_names(names, stage=pp_g, stages=lay.p_g, num_layers=arch.num_layers)
+        needed = stage_names(names, stage=pp_g, stages=lay.p_g, num_layers=arch.num_layers, tied=tied)
         placement, executor = place(transport, params, needed, _Groups(transport, micro.get(rank, [rank])), tp_g)
         received = []
         for n in range(switches):
@@ -341,7 +376,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
         with torch.no_grad():
             for name, tensor in full.items():
                 update(name, tensor)
-    return SimulatedSwitch(lay, arch, specs, full, ranks)
+    return SimulatedSwitch(lay, arch, chunks, specs, full, ranks)
 
 
 def check_switch(result: SimulatedSwitch) -> list[str]:
@@ -374,6 +409,8 @@ class Example:
     weight_mode: str
     steps: int
     """0 or 1: whether an (element-wise) update lands between the two switches."""
+    chunks: int = 1
+    """Virtual pipeline chunks a training stage."""
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able record (the architecture's fields that differ from its defaults)."""
@@ -381,7 +418,7 @@ class Example:
         arch = {k: v for k, v in self.arch.to_dict().items()
                 if k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or v != defaults.get(k)}
         return {"arch": arch, "training": list(self.training), "rollout": list(self.rollout),
-                "weight_mode": self.weight_mode, "steps": self.steps}
+                "weight_mode": self.weight_mode, "steps": self.steps, "chunks": self.chunks}
 
 
 def _divisors(n: int) -> list[int]:
@@ -390,10 +427,11 @@ def _divisors(n: int) -> list[int]:
 
 def draw_example(choose: Callable[[str, Sequence[Any]], Any]) -> Example:
     """An example, each field picked by ``choose(label, options)`` (a seeded ``random.Random``'s choice in
-    ``bench/layout_sweep.py``, a Hypothesis draw in the tests): a world of 2-16 ranks, t in {1, 2, 4, 8}, p
-    and d up to 4, and any (t_g, p_g) whose product divides the world; SwiGLU or GELU, RMSNorm or LayerNorm, QKV and linear biases, QK norm, RoPE or learned
-    positions, MHA / GQA / MQA, a vocabulary that is no multiple of 128, 2-6 layers; aliased or canonical; 0 or 1
-    optimizer steps. Much of it is refused by the engine's validation (:func:`validate`), as it should be."""
+    ``bench/layout_sweep.py``, a Hypothesis draw in the tests): a world of 2-16 ranks, t in {1, 2, 4, 8}, p and
+    d up to 4, and any (t_g, p_g) whose product divides the world; SwiGLU or GELU, RMSNorm or LayerNorm, QKV and
+    linear biases, QK norm, RoPE or learned positions, MHA / GQA / MQA, tied or untied embeddings, a vocabulary
+    that is no multiple of 128, 2-6 layers, 1 or 2 virtual chunks; aliased or canonical; 0 or 1 optimizer steps. Much of it is refused
+    by the engine's validation (:func:`validate`), as it should be."""
     t = choose("t", [1, 2, 4, 8])  # TP sizes models are built with; PP and DP any size up to 16 ranks in all
     p = choose("p", [k for k in (1, 2, 3, 4) if t * k <= 16])
     d = choose("d", [k for k in (1, 2, 3, 4) if 2 <= t * p * k <= 16])
@@ -406,17 +444,21 @@ def draw_example(choose: Callable[[str, Sequence[Any]], Any]) -> Example:
     groups = choose("query_groups", [g for g in _divisors(heads) if g % t == 0])
     kv = choose("kv_channels", [4, 8])
     arch = GPTArchitecture(
-        num_layers=choose("num_layers", [n for n in range(2, 7) if n % p == 0] or [p]), hidden_size=choose("hidden_size", [32, 48, 64]),
-        num_attention_heads=heads, num_query_groups=None if groups == heads else groups, kv_channels=kv,
-        ffn_hidden_size=choose("ffn_hidden_size", [f for f in (48, 64, 96) if f % t == 0]), vocab_size=choose("vocab_size", [50, 97, 250]),
+        num_layers=choose("num_layers", [n for n in range(2, 7) if n % p == 0] or [p]),
+        hidden_size=choose("hidden_size", [32, 48, 64]), num_attention_heads=heads,
+        num_query_groups=None if groups == heads else groups, kv_channels=kv,
+        ffn_hidden_size=choose("ffn_hidden_size", [f for f in (48, 64, 96) if f % t == 0]),
+        vocab_size=choose("vocab_size", [50, 97, 250]),
         make_vocab_size_divisible_by=choose("make_vocab_size_divisible_by", [1, 2, 8]),
         swiglu=choose("swiglu", [True, False]), normalization=choose("normalization", ["RMSNorm", "LayerNorm"]),
         add_qkv_bias=choose("add_qkv_bias", [False, True]), add_bias_linear=choose("add_bias_linear", [False, True]),
         qk_layernorm=choose("qk_layernorm", [False, True]),
         position_embedding_type=choose("position_embedding_type", ["rope", "learned_absolute"]),
+        untie_embeddings_and_output_weights=choose("untie_embeddings_and_output_weights", [True, False]),
         max_position_embeddings=32)
+    chunks = choose("virtual_chunks", [1, 2] if p > 1 and arch.num_layers % (2 * p) == 0 else [1])
     return Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", ["aliased", "canonical"]),
-                   choose("steps", [0, 1]))
+                   choose("steps", [0, 1]), chunks)
 
 
 def elementwise_step(name: str, tensor: torch.Tensor) -> None:
@@ -430,11 +472,11 @@ def run_example(example: Example) -> dict[str, Any]:
     ``{"status": "ok"}`` or ``{"status": "fault", "faults": [...]}``, with the bytes moved per rank."""
     rollout = RolloutLayout(*example.rollout)
     try:
-        validate(example.arch, example.training, rollout, weight_mode=example.weight_mode)
+        validate(example.arch, example.training, rollout, weight_mode=example.weight_mode, chunks=example.chunks)
     except ValueError as exc:
         return {"status": "refused", "reason": str(exc)}
     result = simulate_switch(example.arch, example.training, rollout, weight_mode=example.weight_mode, switches=2,
-                             update=elementwise_step if example.steps else None)
+                             update=elementwise_step if example.steps else None, chunks=example.chunks)
     faults = check_switch(result)
     out: dict[str, Any] = {"status": "fault" if faults else "ok", "exchange": result.layout.exchange,
                            "bytes_received": [r.bytes_received[-1] for r in result.ranks]}
@@ -443,5 +485,5 @@ def run_example(example: Example) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Example", "draw_example", "elementwise_step", "run_example", "validate", "RankResult", "SimulatedSwitch", "check_switch", "gpt_parameters", "simulate_switch",
-           "unsharded_model"]
+__all__ = ["Example", "RankResult", "SimulatedSwitch", "check_switch", "draw_example", "elementwise_step",
+           "gpt_parameters", "run_example", "simulate_switch", "unsharded_model", "validate"]

@@ -11,7 +11,7 @@ from megatron_hybrid.layout import RolloutLayout
 from megatron_hybrid.models import tiny_llama
 from megatron_hybrid.plan import build_group_plan
 from megatron_hybrid.sharding import shard, unshard
-from megatron_hybrid.simulate import check_switch, gpt_parameters, simulate_switch, validate
+from megatron_hybrid.simulate import check_switch, gpt_parameters, simulate_switch, stage_names, validate
 
 from .harness import run_distributed
 
@@ -23,7 +23,8 @@ KWARGS = {"swiglu-rms-gqa": {},
                                           position_embedding_type="learned_absolute", max_position_embeddings=64,
                                           vocab_size=96, make_vocab_size_divisible_by=8),
           "swiglu-biases": dict(add_bias_linear=True, num_layers=2, hidden_size=32, num_attention_heads=8,
-                                num_query_groups=4, ffn_hidden_size=48)}
+                                num_query_groups=4, ffn_hidden_size=48),
+          "tied": dict(untie_embeddings_and_output_weights=False)}
 ARCHS = {name: tiny_llama(**kw) for name, kw in KWARGS.items()}
 
 #: (t, p, d) -> (t_g, p_g). In place: gathers over TP, over stages and both, a rollout TP wider than training's,
@@ -58,6 +59,19 @@ def test_every_rank_gets_its_rollout_shard_bit_for_bit(training, rollout, arch, 
     assert torch.equal(rank.rollout[name], result.expected(rank)[name])
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("training,rollout", [((2, 2, 1), (1, 2)), ((2, 2, 1), (1, 1)), ((1, 2, 2), (2, 1)),
+                                              ((2, 2, 2), (4, 2))])
+def test_virtual_chunks_are_served_as_an_exchange_layout(training, rollout, tied):
+    """Two virtual chunks a stage (model chunk v of stage s holds layers of chunk v·p + s): the engine exchanges
+    whatever the pair, and every rank still gets its rollout shard bit for bit."""
+    arch = tiny_llama(untie_embeddings_and_output_weights=not tied)
+    result = simulate_switch(arch, training, RolloutLayout(*rollout), weight_mode="canonical", switches=2,
+                             update=_update, chunks=2)
+    assert result.layout.exchange
+    assert check_switch(result) == []
+
+
 def _megatron_table(arch_kw: dict) -> list:
     """(name, shape, spec) of every parameter of the model megatron-core builds, on this TP rank."""
     from megatron_hybrid.sharding import TPSpec
@@ -70,8 +84,10 @@ def test_the_parameter_table_is_the_model_megatron_core_builds():
     same tensor-parallel attributes, and each rank's shape the table's full shape cut by the sharding function."""
     for name, kw in KWARGS.items():
         table = gpt_parameters(ARCHS[name], vocab_size=ARCHS[name].padded_vocab_size(2))
+        one_stage = stage_names(list(table), stage=0, stages=1, num_layers=ARCHS[name].num_layers,
+                                tied=not ARCHS[name].untie_embeddings_and_output_weights)
         for tp_rank, built in enumerate(run_distributed(_megatron_table, 2, kw, tensor_model_parallel_size=2)):
-            assert [n for n, _, _ in built] == list(table), name
+            assert [n for n, _, _ in built] == one_stage, name
             for n, shape, spec in built:
                 full_shape, want = table[n]
                 assert spec == want, (name, n)
@@ -112,7 +128,6 @@ def test_a_misplaced_block_is_found(monkeypatch):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(weight_mode="fp8"), r"weight_mode \('fp8'\)"),
-    (dict(arch=tiny_llama(untie_embeddings_and_output_weights=False)), "tied embeddings are not simulated yet"),
     (dict(arch=tiny_llama(num_experts=4)), r"num_experts \(4\): MoE models are not simulated yet"),
     # The engine's own checks (validation.check_model), and megatron-core's for the training model:
     (dict(arch=tiny_llama(num_layers=3)), r"pipeline_model_parallel_size \(2\) must divide num_layers \(3\)"),
@@ -126,6 +141,8 @@ def test_a_misplaced_block_is_found(monkeypatch):
           rollout=RolloutLayout(3, 1)), r"rollout tensor_model_parallel_size \(3\) must divide num_query_groups "
                                         r"\(4\)"),
     (dict(training=[2, 2, 1]), r"training \(\[2, 2, 1\]\) must be a \(t, p, d\) tuple"),
+    (dict(chunks=2, training=(2, 1, 2)), r"virtual pipeline chunks \(2\) need pipeline_model_parallel_size \(1\)"),
+    (dict(chunks=0), r"chunks \(0\) must be a positive integer"),
 ])
 def test_what_it_cannot_simulate_is_refused(kwargs, match):
     args = dict(arch=tiny_llama(), training=(2, 2, 1), rollout=RolloutLayout(1, 1))
