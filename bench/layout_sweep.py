@@ -250,8 +250,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = read(args.output) if args.output else new
     if args.output:
         base = args.output[: -len(".jsonl")] if args.output.endswith(".jsonl") else args.output
+        commands = []  # every run that wrote the file, in order
+        if os.path.exists(base + ".json"):
+            with open(base + ".json") as f:
+                commands = json.load(f).get("commands", [])
+        commands.append("python " + " ".join(sys.argv))
         with open(base + ".json", "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), **tallies(rows)}, f, indent=1)
+            json.dump({"commands": commands, **tallies(rows)}, f, indent=1)
     print(summary(rows))
     bad = any(r.get("status") == "fault" or r.get("agree") is False for r in new)
     return 1 if bad else 0

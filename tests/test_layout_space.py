@@ -62,10 +62,11 @@ def test_the_sweep_resumes_and_tallies(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [5, 60], ids=["in-place-TP2xDP2-to-TP1-canonical-step",
-                                                 "exchange-TP4-to-PP2-canonical-step"])
+@pytest.mark.parametrize("index", [11, 40, 122], ids=["in-place-TP2-to-TP1-canonical-step",
+                                                       "exchange-PP2xDP2-to-TP2-tied-canonical-step",
+                                                       "exchange-2-virtual-chunks-PP2-to-TP2-canonical-step"])
 def test_the_simulation_agrees_with_the_engine_on_gloo_ranks(index):
-    """The simulated world against the real one: seed 1's example on 4 gloo ranks (megatron-core models, a
+    """The simulated world against the real one: seed 1's example on 2-4 gloo ranks (megatron-core models, a
     HybridEngine, a switch, an element-wise step, a second switch), the rollout model bit for bit and every rank's
     bytes as simulated."""
     from bench import layout_sweep
