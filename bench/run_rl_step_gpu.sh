@@ -7,7 +7,8 @@
 #   bf16       bench/rl_step.py, the 1.5B shape                    -> rl_step_<gpu>.json
 #   fp8        the same with --rollout-fp8, same seeds             -> rl_step_<gpu>.json
 #   7b         the 7B shape: distributed optimizer, its CPU offload, full recompute -> rl_step_<gpu>.json
-#   learn      the 1.5B shape, 1,024-token vocabulary, 20 steps: the reward's rise -> rl_step_learn_<gpu>.json
+#   learn      the 1.5B shape, 1,024-token vocabulary, 20 steps at LEARN_LR (default 1e-5; the bench's own 1e-6
+#              keeps the policy still): the reward's rise      -> rl_step_learn_<gpu>.json
 #   packed     tests/gpu_packed_attention.py first (60 s): the varlen pack and the cuDNN backward  -> packed_attention_<gpu>.json
 # STEPS="bf16 fp8" runs a subset; WARMUP and MEASURED set the rl_step steps (default 2 and 5); RL_ARGS adds flags to
 # the bf16, fp8 and 7b runs (say "--prompts 32" for a short first check); LIMIT_<STEP> a limit.
@@ -34,6 +35,6 @@ step 7b 400 python3 bench/rl_step.py --shape qwen2.5-7b "${steps[@]}" --out "$OU
   --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1
 step learn 500 python3 bench/rl_step.py --warmup 0 --steps 20 --prompts 32 --max-new-tokens 1024 \
-  --out "$OUT/rl_step_learn_$gpu.json"
+  --lr "${LEARN_LR:-1e-5}" --out "$OUT/rl_step_learn_$gpu.json"
 for f in "$OUT"/rl_step_*.json; do [ -f "$f" ] && python3 bench/rl_step.py --table "$f"; done
 grep -h -i "error" "$OUT"/*.txt | grep -v -i warn | sort | uniq -c | head -20
