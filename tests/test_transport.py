@@ -13,6 +13,7 @@ import torch
 from megatron_hybrid.executor import PlanExecutor
 from megatron_hybrid.groups import RolloutGroups
 from megatron_hybrid.plan import RegionKind, build_group_plan
+from megatron_hybrid.simulate import _Groups as SimulatedGroups
 from megatron_hybrid.transport import TORCH, InProcessWorld, TorchTransport, WorldBroken
 
 from .test_executor import _members
@@ -93,21 +94,6 @@ def _tensor(name: str, tp: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-class _Groups:
-    """What the executor reads of the rollout groups, over an in-process world: groups are rank tuples."""
-
-    def __init__(self, transport):
-        self.transport = transport
-
-    def group_of(self, ranks):
-        return tuple(ranks)
-
-    def errors(self, phase, what):
-        from megatron_hybrid.groups import collective_errors
-
-        return collective_errors(phase, what, timeout=datetime.timedelta(seconds=30))
-
-
 @pytest.mark.parametrize("k,q,strided", [(2, 2, False), (4, 1, True), (1, 4, False)], ids=["k2q2", "k4-strided",
                                                                                          "k1q4"])
 def test_the_executor_runs_every_member_of_a_plan_in_one_process(k, q, strided):
@@ -133,7 +119,8 @@ def test_the_executor_runs_every_member_of_a_plan_in_one_process(k, q, strided):
                 dtype, off = plan.where(j, name)
                 buffers[dtype][off: off + value.numel()] = value.reshape(-1)
         params = {n: torch.nn.Parameter(v.clone()) for n, v in training[j].items()}
-        records = PlanExecutor(plan, j, _Groups(t), training_params=params, device=torch.device("cpu")).run(buffers)
+        records = PlanExecutor(plan, j, SimulatedGroups(t, []), training_params=params,
+                               device=torch.device("cpu")).run(buffers)
         return j, buffers, records
 
     for j, buffers, records in InProcessWorld(k * q).run(body):
