@@ -17,6 +17,14 @@ parameters. ``--warmup`` steps (CUDA graphs captured, kernels compiled), then ``
 measured step with every phase's seconds (``time/*``), each way of the switch and of the offload, the peak memory
 of each phase (``memory/*``), generation tokens/s and the update's MFU, then a ``summary`` row of medians. Rows go
 to ``--out`` (a JSON list) with the command and the device; the phase table is printed as markdown.
+
+``--compare-generation RUNS`` (issue 45: generation inside the loop against ``bench/generate.py``'s way, side by
+side): after the measured steps, with the weights of the last one, the last step's prompts and seed are generated
+RUNS times through the loop's own call (``Trainer.generate``: the switch, the offload policy, the cache sized to
+what is free; its generation seconds as the loop's phase counts them) and RUNS times as ``bench/generate.py`` calls
+the generator (the engine in rollout with the optimizer and gradients on the host, a generator of
+``--inference-max-requests`` slots made for the purpose, one untimed warm-up call, wall time of each call). A
+``generation`` row gives both tok/s, their ratio (the acceptance's 90 %), tokens and slots of each.
 """
 
 from __future__ import annotations
@@ -122,11 +130,67 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
                       f"response length {metrics['response_length']:.0f}", flush=True)
                 if on_step is not None and step >= args.warmup:
                     on_step(_rows(args, argv, history))
-    return _rows(args, argv, history)
+            compared = [compare_generation(trainer, args, argv)] if args.compare_generation else []
+    return _rows(args, argv, history) + compared
+
+
+def compare_generation(trainer: Any, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The ``generation`` row of ``--compare-generation`` (the module docstring): the loop's generate call against
+    the generator called as ``bench/generate.py`` calls it, same weights, prompts, seed and sampling."""
+    from megatron_hybrid.inference import GenerationConfig
+
+    from bench.measure import timed
+
+    a, step = trainer.args, trainer.step - 1  # the last step's prompts and seed
+    base = trainer.prompts.for_step(step, dp_rank=trainer.dp_rank, dp_size=trainer.dp_size)
+    prompts = [e.tokens for e in base for _ in range(a.num_samples_per_prompt)]
+    seed = a.seed * 7919 + step
+    loop = []
+    for _ in range(args.compare_generation):
+        rollout = trainer.generate(prompts, seed)
+        loop.append((rollout.num_tokens, rollout.generation_seconds, trainer.engine.generation_report()))
+    engine, device = trainer.engine, trainer.device
+    sizes = trainer.generation_config
+    config = GenerationConfig(max_batch_size=args.inference_max_requests, max_sequence_length=sizes.max_sequence_length)
+    params = _sampling_params(a)
+    stop = ([] if trainer.tokenizer.eod is None else [trainer.tokenizer.eod]) + a.stop_token_ids
+    engine.switch_to_rollout(offload_optimizer=trainer.actor.optimizer, offload_grads=True)
+    try:
+        out, times = timed(lambda: engine.generate(prompts, params, seed=seed, vocab_size=trainer.tokenizer.vocab_size,
+                                                   stop_token_ids=stop, tempered_log_probs=True, config=config),
+                           device, runs=args.compare_generation, warmup=1)
+        alone_report = engine.generation_report()
+    finally:
+        engine.switch_to_training()
+    alone_tokens = sum(len(r.generated_tokens) for r in out)
+    loop_tok_s = statistics.median(n / s for n, s, _ in loop)
+    alone_tok_s = alone_tokens / statistics.median(times)
+    row = {"kind": "generation", "shape": args.shape, "device": _device_name(), "command": " ".join(sys.argv),
+           "recipe_argv": argv, "prompts": len(prompts), "runs": args.compare_generation,
+           "loop_tok_s": loop_tok_s, "standalone_tok_s": alone_tok_s, "loop_over_standalone": loop_tok_s / alone_tok_s,
+           "loop_tokens": [n for n, _, _ in loop], "loop_seconds": [s for _, s, _ in loop],
+           "standalone_tokens": alone_tokens, "standalone_seconds": times,
+           "loop_slots": loop[-1][2].get("kv_cache_slots"), "standalone_slots": alone_report.get("kv_cache_slots"),
+           "loop_kv_cache_bytes": loop[-1][2].get("kv_cache_bytes"),
+           "standalone_kv_cache_bytes": alone_report.get("kv_cache_bytes")}
+    print(json.dumps({k: v for k, v in row.items() if k not in ("command", "recipe_argv")}), flush=True)
+    return row
+
+
+def _sampling_params(a: argparse.Namespace) -> Any:
+    """The recipe's sampling settings (Trainer.generate's)."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          num_tokens_to_generate=a.max_new_tokens)
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _rows(args: argparse.Namespace, argv: list[str], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = _device_name()
     rows = [{**{k: v if k == "partial/staleness" else _scalar(v) for k, v in m.items()}, "kind": "step",
              "shape": args.shape, "device": device, "command": " ".join(sys.argv), "recipe_argv": argv}
             for i, m in enumerate(history) if i >= args.warmup]
@@ -136,6 +200,9 @@ def _rows(args: argparse.Namespace, argv: list[str], history: list[dict[str, Any
                       - {"step"}):
         values = [r[key] for r in rows if key in r]
         summary[key] = statistics.median(values)
+    if len(rows) >= 10:  # the acceptance's rise of the reward: the last 5 measured steps' mean minus the first 5's
+        rewards = [r["reward_mean"] for r in rows]
+        summary["reward_rise"] = statistics.fmean(rewards[-5:]) - statistics.fmean(rewards[:5])
     return rows + [summary]
 
 
@@ -166,6 +233,13 @@ def table(rows: list[dict[str, Any]]) -> str:
                        ("switch/offload_gib", "offloaded GiB"), ("memory/update_peak_gib", "update peak GiB"),
                        ("memory/generation_peak_gib", "generation peak GiB")):
         lines.append(f"| {label} | " + " | ".join(f"{r[key]:.3g}" if key in r else "—" for r in summaries) + " |")
+    for r in rows:
+        if r.get("kind") == "generation":
+            lines.append(f"\ngeneration in the loop {r['loop_tok_s']:.0f} tok/s, as bench/generate.py calls it "
+                         f"{r['standalone_tok_s']:.0f} tok/s: {r['loop_over_standalone']:.1%} ({r['shape']}, "
+                         f"{r['prompts']} prompts, {r['loop_slots']} vs {r['standalone_slots']} slots)")
+        elif r.get("kind") == "summary" and "reward_rise" in r:
+            lines.append(f"\nreward rise (last 5 steps minus first 5): {r['reward_rise']:+.3f} ({r['command']})")
     return "\n".join(lines)
 
 
@@ -188,6 +262,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="the actor's learning rate (default 1e-6, verl's actor default; the recipe's own 3e-3 "
                              "suits tiny CPU models: on the 1.5B shape it drove the stop token out within two steps, "
                              "every response then ran to --max-new-tokens)")
+    parser.add_argument("--compare-generation", type=int, default=0, metavar="RUNS",
+                        help="after the measured steps: RUNS generate calls through the loop against RUNS as "
+                             "bench/generate.py makes them, same weights and prompts (a 'generation' row)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and batch on whatever device there is")
     parser.add_argument("--out", default=None, help="JSON list the rows are appended to")
     parser.add_argument("--table", default=None, metavar="JSON", help="print a results file's table and exit")

@@ -7,8 +7,11 @@
 #   bf16       bench/rl_step.py, the 1.5B shape                    -> rl_step_<gpu>.json
 #   fp8        the same with --rollout-fp8, same seeds             -> rl_step_<gpu>.json
 #   7b         the 7B shape: distributed optimizer, its CPU offload, full recompute -> rl_step_<gpu>.json
-#   learn      the 1.5B shape, 1,024-token vocabulary, 20 steps at LEARN_LR (default 1e-5; the bench's own 1e-6
-#              keeps the policy still): the reward's rise      -> rl_step_learn_<gpu>.json
+#   learn      the 1.5B shape, 1,024-token vocabulary, 16 prompts of 32-128 tokens, 256 new, LEARN_STEPS (20) steps
+#              at each of LEARN_LR (say "3e-5 1e-4"; default 1e-5; the bench's own 1e-6 keeps the policy still):
+#              the reward's rise, last 5 steps minus first 5  -> rl_step_learn_<gpu>.json
+# bf16 also compares generation in the loop with bench/generate.py's way of calling the generator (--compare-generation
+# COMPARE, default 2 calls each).
 #   packed     tests/gpu_packed_attention.py first (60 s): the varlen pack and the cuDNN backward  -> packed_attention_<gpu>.json
 # STEPS="bf16 fp8" runs a subset; WARMUP and MEASURED set the rl_step steps (default 2 and 5); RL_ARGS adds flags to
 # the bf16, fp8 and 7b runs (say "--prompts 32" for a short first check); LIMIT_<STEP> a limit.
@@ -24,17 +27,19 @@ step() {  # step NAME DEFAULT_LIMIT_S COMMAND...
   local name=$1 limit_var="LIMIT_${1^^}" limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
-  timeout "${!limit_var:-$limit}" "$@" > "$OUT/$name.txt" 2>&1
+  timeout "${!limit_var:-$limit}" "$@" >> "$OUT/$name.txt" 2>&1
   echo "$name: rc=$? $((SECONDS - t0)) s: $*" | tee -a "$OUT/steps.txt"
 }
 step packed 120 python3 tests/gpu_packed_attention.py --output "$OUT/packed_attention_$gpu.json"
-step bf16 300 python3 bench/rl_step.py "${steps[@]}" --out "$OUT/rl_step_$gpu.json"
+step bf16 300 python3 bench/rl_step.py "${steps[@]}" --compare-generation "${COMPARE:-2}" --out "$OUT/rl_step_$gpu.json"
 step memory 300 python3 tests/gpu_rollout_memory.py --timeout 140 --output "$OUT/rollout_memory_$gpu.json"
 step fp8 300 python3 bench/rl_step.py "${steps[@]}" --rollout-fp8 --out "$OUT/rl_step_$gpu.json"
 step 7b 400 python3 bench/rl_step.py --shape qwen2.5-7b "${steps[@]}" --out "$OUT/rl_step_$gpu.json" -- \
   --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1
-step learn 500 python3 bench/rl_step.py --warmup 0 --steps 20 --prompts 32 --max-new-tokens 1024 \
-  --lr "${LEARN_LR:-1e-5}" --out "$OUT/rl_step_learn_$gpu.json"
+for lr in ${LEARN_LR:-1e-5}; do  # the reward's rise: short samples, one run per learning rate
+  step learn "${LIMIT_LEARN_EACH:-200}" python3 bench/rl_step.py --warmup 0 --steps "${LEARN_STEPS:-20}" --prompts 16 \
+    --prompt-range 32 128 --max-new-tokens 256 --lr "$lr" --out "$OUT/rl_step_learn_$gpu.json"
+done
 for f in "$OUT"/rl_step_*.json; do [ -f "$f" ] && python3 bench/rl_step.py --table "$f"; done
 grep -h -i "error" "$OUT"/*.txt | grep -v -i warn | sort | uniq -c | head -20
