@@ -6,6 +6,7 @@ validation and, if accepted, the simulated world (issue 48).
     python bench/layout_sweep.py --replay 17 --seed 1                              # one example, its faults shown
     python bench/layout_sweep.py --replay 17 --seed 1 --ranks                      # ... and on real gloo ranks
     python bench/layout_sweep.py --output sweep.jsonl --ranks-sample 20           # 20 of its examples on ranks
+    python bench/layout_sweep.py --moe --examples 2000 --seed 1 --output moe.jsonl # MoE models and expert layouts
 
 Example i of seed S is drawn by ``random.Random(f"{S}:{i}")`` through
 :func:`megatron_hybrid.simulate.draw_example` (a world of 2-16 ranks, free training and rollout layouts, the
@@ -38,9 +39,56 @@ sys.path.insert(0, ROOT)
 from megatron_hybrid.simulate import draw_example, run_example  # noqa: E402
 
 
-def example_at(seed: int, index: int):
-    rng = random.Random(f"{seed}:{index}")
-    return draw_example(lambda label, options: rng.choice(list(options)))
+def example_at(seed: int, index: int, moe: bool = False):
+    """Example ``index`` of ``seed`` (an MoE one of its own stream with ``moe``)."""
+    rng = random.Random(f"moe:{seed}:{index}" if moe else f"{seed}:{index}")
+    return draw_example(lambda label, options: rng.choice(list(options)), moe=moe)
+
+
+def moe_rank_switches(arch: dict, rollout: list[int], mode: str, state: dict, steps: int, chunks: int = 1) -> dict:
+    """:func:`rank_switches` for an MoE model (run_distributed with its expert sizes): this rank's shards of
+    ``state`` loaded (routed experts by global index over expert TP), a HybridEngine, two switches with the
+    element-wise update between them when ``steps``; after each, the rollout tensors of this rank that differ in
+    any bit from its rollout shard of the state (dense over rollout TP, experts over rollout expert TP)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.models import GPTArchitecture
+    from megatron_hybrid.simulate import elementwise_step
+    from tests.moe_engine_cases import _load, _rollout_mismatches
+
+    state = {name: tensor.clone() for name, tensor in state.items()}  # the ranks' copies share memory: stepped here
+    a = GPTArchitecture.from_dict(arch)
+    config = a.transformer_config(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
+    if chunks > 1:
+        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(ignore_virtual=True) and v == 0,
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=True) and v == chunks - 1, vp_stage=v)
+                 for v in range(chunks)]
+    else:
+        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
+    for chunk in model:
+        _load(chunk, state)
+    engine = HybridEngine(model if chunks > 1 else model[0], RolloutLayout(*rollout), weight_mode=mode,
+                          bucket_size_mb=0.001)
+    out = []
+    for n in range(2):
+        if n and steps:
+            with torch.no_grad():
+                for prm in (q for chunk in model for q in chunk.parameters()):
+                    elementwise_step("", prm.data)
+                for tensor in state.values():
+                    elementwise_step("", tensor)
+        engine.switch_to_rollout()
+        out.append({"bytes": engine.communication_report()["total_bytes"],
+                    "mismatches": _rollout_mismatches(engine, state)})
+        engine.switch_to_training()
+    return {"switches": out}
 
 
 def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, steps: int,
@@ -93,6 +141,8 @@ def on_ranks(example, outcome: dict[str, Any]) -> dict[str, Any]:
 
     t, p, d = example.training
     state = unsharded_model(gpt_parameters(example.arch, vocab_size=example.arch.padded_vocab_size(t)))
+    if example.expert_parallel is not None:
+        return _moe_on_ranks(example, outcome, state)
     if not example.arch.untie_embeddings_and_output_weights:
         state.pop("output_layer.weight")  # megatron-core's tied output layer copies the embedding at build
     results = run_distributed(rank_switches, t * p * d, example.arch.to_dict(), *example.rollout,
@@ -108,6 +158,28 @@ def on_ranks(example, outcome: dict[str, Any]) -> dict[str, Any]:
         got = switch["weights"]
         differ += [f"switch {n + 1}: {name}" for name in state if name not in got or not torch.equal(got[name],
                                                                                                       state[name])]
+    engine_bytes = [r["switches"][-1]["bytes"] for r in results]
+    return {"agree": not differ and engine_bytes == outcome["bytes_received"], "weights_differ": differ[:20],
+            "engine_bytes": engine_bytes, "simulated_bytes": outcome["bytes_received"]}
+
+
+def _moe_on_ranks(example, outcome: dict[str, Any], state: dict) -> dict[str, Any]:
+    """:func:`on_ranks` for an MoE example (:func:`moe_rank_switches`): every rank's rollout tensors bit for bit
+    after each switch, and each rank's bytes of the last switch the simulation's."""
+    from megatron_hybrid.simulate import EMBEDDING, OUTPUT
+    from tests.harness import run_distributed
+
+    t, p, d = example.training
+    e, et = example.expert_parallel
+    if not example.arch.untie_embeddings_and_output_weights:
+        state[OUTPUT] = state[EMBEDDING].clone()  # megatron-core keeps the tied copy equal
+    results = run_distributed(moe_rank_switches, t * p * d, example.arch.to_dict(), list(example.rollout),
+                              example.weight_mode, state, example.steps, example.chunks,
+                              tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                              virtual_pipeline_model_parallel_size=example.chunks if example.chunks > 1 else None,
+                              expert_model_parallel_size=e, expert_tensor_parallel_size=et)
+    differ = [f"rank {r}, switch {n + 1}: {name}" for r, res in enumerate(results)
+              for n, switch in enumerate(res["switches"]) for name in switch["mismatches"]]
     engine_bytes = [r["switches"][-1]["bytes"] for r in results]
     return {"agree": not differ and engine_bytes == outcome["bytes_received"], "weights_differ": differ[:20],
             "engine_bytes": engine_bytes, "simulated_bytes": outcome["bytes_received"]}
@@ -162,17 +234,18 @@ def _progress(it, **kw):
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Examples 0 .. N-1 of the seed not yet in the output, run and appended as they finish."""
-    done = {(r["seed"], r["index"]) for r in read(args.output) if r.get("kind", "example") == "example"} \
-        if args.output else set()
+    done = {(r["seed"], r["index"]) for r in read(args.output) if r.get("kind", "example") == "example"
+            and r.get("moe", False) == args.moe} if args.output else set()
     rows = []
     out = open(args.output, "a") if args.output else None
     try:
         for index in _progress(range(args.examples), desc="layout sweep"):
             if (args.seed, index) in done:
                 continue
-            example = example_at(args.seed, index)
+            example = example_at(args.seed, index, args.moe)
             t0 = time.perf_counter()
-            row = {"kind": "example", "seed": args.seed, "index": index, "example": example.describe(),
+            row = {"kind": "example", "seed": args.seed, "index": index, **({"moe": True} if args.moe else {}),
+                   "example": example.describe(),
                    **run_example(example), "seconds": round(time.perf_counter() - t0, 4)}
             rows.append(row)
             if out is not None:
@@ -188,15 +261,15 @@ def replay_sample(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--ranks-sample K``: K of the output's exact examples not yet replayed, on real gloo ranks (worlds of at
     most ``--max-ranks``; a deterministic spread: every kind of layout pair first), appended as ``ranks`` rows."""
     rows = read(args.output)
-    replayed = {(r["seed"], r["index"]) for r in rows if r.get("kind") == "ranks"}
+    replayed = {(r["seed"], r["index"], r.get("moe", False)) for r in rows if r.get("kind") == "ranks"}
     pool = [r for r in rows if r.get("kind", "example") == "example" and r["status"] == "ok"
-            and (r["seed"], r["index"]) not in replayed
+            and (r["seed"], r["index"], r.get("moe", False)) not in replayed
             and r["example"]["training"][0] * r["example"]["training"][1] * r["example"]["training"][2]
             <= args.max_ranks]
     seen, picked = set(), []
     for r in pool:  # one of each (exchange, mode, steps, chunks, tied) first, then in file order
         kind = (r["exchange"], r["example"]["weight_mode"], r["example"]["steps"], r["example"].get("chunks", 1),
-                r["example"]["arch"].get("untie_embeddings_and_output_weights", True))
+                r["example"]["arch"].get("untie_embeddings_and_output_weights", True), r.get("moe", False))
         if kind not in seen:
             seen.add(kind)
             picked.append(r)
@@ -204,10 +277,11 @@ def replay_sample(args: argparse.Namespace) -> list[dict[str, Any]]:
     new = []
     with open(args.output, "a") as out:
         for r in _progress(picked[: args.ranks_sample], desc="replays on gloo ranks"):
-            example = example_at(r["seed"], r["index"])
+            example = example_at(r["seed"], r["index"], r.get("moe", False))
             assert example.describe() == r["example"], "the draw changed since the file was written"
             t0 = time.perf_counter()
-            row = {"kind": "ranks", "seed": r["seed"], "index": r["index"], "example": r["example"],
+            row = {"kind": "ranks", "seed": r["seed"], "index": r["index"],
+                   **({"moe": True} if r.get("moe") else {}), "example": r["example"],
                    **on_ranks(example, r), "seconds": round(time.perf_counter() - t0, 2)}
             new.append(row)
             out.write(json.dumps(row) + "\n")
@@ -227,6 +301,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ranks-sample", type=int, default=0, metavar="K",
                         help="replay K of --output's exact examples on real gloo ranks (no new examples)")
     parser.add_argument("--max-ranks", type=int, default=8, help="the largest world --ranks-sample replays")
+    parser.add_argument("--moe", action="store_true",
+                        help="MoE examples (routed experts, expert layouts; a stream of their own per seed)")
     args = parser.parse_args(argv)
     if args.examples < 0:
         raise ValueError(f"--examples ({args.examples}) must be ≥ 0")
@@ -240,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.ranks_sample and not args.output:
         raise ValueError("--ranks-sample replays examples of a results file: give --output FILE")
     if args.replay is not None:
-        example = example_at(args.seed, args.replay)
+        example = example_at(args.seed, args.replay, args.moe)
         outcome = {"example": example.describe(), **run_example(example)}
         if args.ranks and outcome["status"] != "refused":
             outcome["ranks"] = on_ranks(example, outcome)

@@ -174,6 +174,9 @@ class GPTArchitecture:
         if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
             raise ValueError("moe_router_topk (1) with moe_router_score_function 'softmax' needs "
                              "moe_router_pre_softmax (a softmax over one logit is constant)")
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
+            raise ValueError(f"moe_shared_expert_intermediate_size ({self.moe_shared_expert_intermediate_size}) "
+                             "with add_bias_linear: megatron-core's shared experts have no biases")
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size (None: no shared "
                              "expert to gate)")
@@ -200,6 +203,9 @@ class GPTArchitecture:
             raise ValueError(f"expert_model_parallel_size ({e}) must divide num_experts ({n})")
         if et < 1:
             raise ValueError(f"expert_tensor_parallel_size ({et}) must be ≥ 1")
+        if self.add_bias_linear and et > 1:  # megatron-core asserts it in TransformerConfig
+            raise ValueError(f"add_bias_linear with experts needs expert_tensor_parallel_size 1 (got {et}): "
+                             "megatron-core supports expert biases only then")
 
     def transformer_config(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                            expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,

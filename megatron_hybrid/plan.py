@@ -328,14 +328,17 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
               alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)),
               group=(lambda p: _pair_key(p, members[0].layers_per_stage)[:2]) if bucket_per_layer else None)
 
-    if q > 1:
-        # 2. stage_gather regions: TP-replicated layer tensors, exchanged between stages only.
-        for a, c in ((a, c) for a in range(k) for c in range(u)):
-            group = [at[(a, b, c)] for b in range(q)]
+    if q > 1 or u > 1:
+        # 2. stage_gather regions: TP-replicated layer tensors, exchanged within a TP column: the other stages'
+        # layers, and (u > 1) the other expert-parallel ranks' experts (a routed expert's replicated tensor, say
+        # its fc2 bias, is the same on every expert-TP rank but each expert's own).
+        for a in range(k):
+            group = sorted(at[(a, b, c)] for b in range(q) for c in range(u))
             rep = {j: [p for p in members[j].params if not p.sharded and wanted(p)
                        and _pair_key(p, members[j].layers_per_stage)[0] == "layer"] for j in group}
             _bucketed(rep, bucket_numel,
                       lambda dtype, per, group=group: add_region(dtype, RegionKind.STAGE_GATHER, group, per))
+    if q > 1:
         # 3. tensors of one stage only (embedding, output layer, final norm). TP-sharded ones go to every member:
         # when every member holds the same number of elements of them (untied embedding and output layer of equal
         # size), one gather region moves them all; otherwise each owner broadcasts its own. Replicated ones go

@@ -16,14 +16,18 @@ binding does) is compared with the unsharded tensor's rollout shard, cut the sam
 Covered now: dense GPT models with every architecture option of ``GPTArchitecture``, tied embeddings included; every
 layout pair, in place (micro-DP gathers: t_g | t, or t_g = m·t with m | d and p_g = p; p_g | p) or exchanged
 (:mod:`megatron_hybrid.exchange`: one all-to-all); virtual pipeline chunks (an exchange layout, as the engine
-serves a dense model with them); aliased and canonical weights. Refused with a ``ValueError`` naming what (not
-simulated yet): MoE, FP8 rollout weights.
+serves a dense model with them); aliased and canonical weights. MoE models (routed experts, shared experts and
+their gate, dense and MoE layers mixed, expert biases) on the layouts the engine serves them on (in place): the
+routed experts as a second plane over the micro-EP groups of megatron-core's expert grid (expert TP, EP, expert
+DP, PP), as :class:`~megatron_hybrid.engine.HybridEngine` places them. Refused with a ``ValueError`` naming what
+(not simulated yet): FP8 rollout weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,7 +36,7 @@ import torch
 from .exchange import RankTensors, arrange, build_exchange_plan, keys_of
 from .executor import ExchangeExecutor, PlanExecutor, PlaneSpec
 from .groups import collective_errors
-from .layout import Grid, ParallelLayout, RolloutLayout
+from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .models import GPTArchitecture
 from .placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement
 from .plan import MemberInfo, ParamInfo, build_group_plan
@@ -41,6 +45,7 @@ from .transport import InProcessWorld
 
 _LAYER_PREFIX = "decoder.layers."
 OUTPUT, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
@@ -51,10 +56,11 @@ def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
     Column-parallel weights (QKV, fc1, the vocabulary) split along dim 0, fc1 with ``partition_stride`` 2 when
     gated (its shard is ``[gate_r; up_r]``), row-parallel weights along dim 1; norms, row-parallel biases and
     learned position embeddings replicated. ``vocab_size``: the padded vocabulary (default: padded for TP 1).
+    An MoE layer (``moe_layer_freq``) has megatron-core's local spec instead of the MLP: the router (replicated),
+    every routed expert by its global index (``experts.local_experts.{j}``, SequentialMLP; split over expert TP
+    as the MLP is over TP, and over EP by index), then the shared expert (TP like the MLP) and its gate.
     ``tests/test_simulate.py`` checks this table against the model megatron-core builds.
     """
-    if arch.num_experts is not None:
-        raise ValueError(f"num_experts ({arch.num_experts}): MoE models are not simulated yet")
     h, heads = arch.hidden_size, arch.num_attention_heads
     groups = arch.num_query_groups or heads
     kv = arch.kv_channels or h // heads
@@ -63,13 +69,31 @@ def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
     col, row, rep = TPSpec(True, 0, 1), TPSpec(True, 1, 1), TPSpec(False)
     fc1 = TPSpec(True, 0, 2) if arch.swiglu else col
     norm = ("weight", "bias") if arch.normalization == "LayerNorm" else ("weight",)
-    fc1_rows = 2 * ffn if arch.swiglu else ffn
     bias = arch.add_bias_linear
     out: dict[str, tuple[tuple[int, ...], TPSpec]] = {"embedding.word_embeddings.weight": ((vocab, h), col)}
     if arch.position_embedding_type == "learned_absolute":
         out["embedding.position_embeddings.weight"] = ((arch.max_position_embeddings, h), rep)
+
+    def mlp(prefix: str, width: int) -> list[tuple[str, tuple[int, ...], TPSpec]]:
+        rows = 2 * width if arch.swiglu else width
+        return [(f"{prefix}linear_fc1.weight", (rows, h), fc1),
+                *(((f"{prefix}linear_fc1.bias", (rows,), fc1),) if bias else ()),
+                (f"{prefix}linear_fc2.weight", (h, width), row),
+                *(((f"{prefix}linear_fc2.bias", (h,), rep),) if bias else ())]
+
+    moe = arch.moe_layer_pattern()
     for i in range(arch.num_layers):
         p = f"{_LAYER_PREFIX}{i}."
+        if moe[i]:
+            shared = arch.moe_shared_expert_intermediate_size
+            ffn_part = [("mlp.router.weight", (arch.num_experts, h), rep),
+                        *((("mlp.router.bias", (arch.num_experts,), rep),) if bias else ()),
+                        *(item for j in range(arch.num_experts)
+                          for item in mlp(f"mlp.experts.local_experts.{j}.", arch.moe_ffn_hidden_size or ffn)),
+                        *((("mlp.shared_experts.gate_weight", (1, h), rep),) if arch.moe_shared_expert_gate else ()),
+                        *(mlp("mlp.shared_experts.", shared) if shared is not None else ())]
+        else:
+            ffn_part = mlp("mlp.", ffn)
         layer = [*((f"input_layernorm.{w}", (h,), rep) for w in norm),
                  ("self_attention.linear_proj.weight", (h, heads * kv), row),
                  *((("self_attention.linear_proj.bias", (h,), rep),) if bias else ()),
@@ -78,11 +102,7 @@ def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
                    if bias or arch.add_qkv_bias else ()),
                  *((f"self_attention.{qk}_layernorm.{w}", (kv,), rep) for qk in ("q", "k") for w in norm
                    if arch.qk_layernorm),
-                 *((f"pre_mlp_layernorm.{w}", (h,), rep) for w in norm),
-                 ("mlp.linear_fc1.weight", (fc1_rows, h), fc1),
-                 *((("mlp.linear_fc1.bias", (fc1_rows,), fc1),) if bias else ()),
-                 ("mlp.linear_fc2.weight", (h, ffn), row),
-                 *((("mlp.linear_fc2.bias", (h,), rep),) if bias else ())]
+                 *((f"pre_mlp_layernorm.{w}", (h,), rep) for w in norm), *ffn_part]
         for name, shape, spec in layer:
             out[p + name] = (shape, spec)
     for w in norm:
@@ -132,12 +152,31 @@ def stage_names(names: list[str], *, stage: int, stages: int, num_layers: int, t
     return out
 
 
-def local_name(name: str, *, per_chunk: int) -> str:
-    """A global name as its model chunk names it (layer indices from the chunk's first layer)."""
+def expert_of(name: str) -> Optional[int]:
+    """The global index of a routed expert's parameter, else None."""
+    m = _EXPERT.search(name)
+    return None if m is None else int(m.group(1))
+
+
+def ep_names(names: list[str], *, ep_rank: int, ep_size: int, num_experts: Optional[int]) -> list[str]:
+    """``names`` without the routed experts that expert-parallel rank ``ep_rank`` of ``ep_size`` does not hold
+    (rank r holds experts [r · E/e, (r + 1) · E/e), megatron-core's split)."""
+    if num_experts is None:
+        return names
+    per = num_experts // ep_size
+    return [n for n in names if expert_of(n) is None or expert_of(n) // per == ep_rank]
+
+
+def local_name(name: str, *, per_chunk: int, experts_per_rank: int = 1) -> str:
+    """A global name as its model chunk names it (layer indices from the chunk's first layer, a routed expert's
+    index from the rank's first expert)."""
     layer = layer_of(name)
     if layer is None:
         return name
     rest = name[len(_LAYER_PREFIX):].split(".", 1)[1]
+    j = expert_of(name)
+    if j is not None:
+        rest = _EXPERT.sub(f".experts.local_experts.{j % experts_per_rank}.", "." + rest, count=1)[1:]
     return f"{_LAYER_PREFIX}{layer % per_chunk}.{rest}"
 
 
@@ -152,9 +191,9 @@ def _parameter(value: torch.Tensor, spec: TPSpec) -> torch.nn.Parameter:
 class _Groups:
     """What the executors read of the rollout groups, in an in-process world: a group is its ranks."""
 
-    def __init__(self, transport: Any, micro_dp: list[int]) -> None:
+    def __init__(self, transport: Any, micro_dp: list[int], micro_ep: Sequence[int] = ()) -> None:
         self.transport = transport
-        self.groups = {"micro_dp": tuple(micro_dp)}
+        self.groups = {"micro_dp": tuple(micro_dp), "micro_ep": tuple(micro_ep)}
         self.world = tuple(range(transport.world_size))
 
     def group_of(self, ranks: list[int]) -> tuple[int, ...]:
@@ -175,7 +214,13 @@ class RankResult:
     """Every rollout tensor of the rank's rollout stage and TP rank, materialised from its blocks."""
     bytes_received: list[int]
     """Per switch."""
-    placement: Placement
+    placement: Any
+    """The dense tensors' placement (an MoE model's experts have theirs in ``expert_placement``)."""
+    expert_coord: Optional[tuple[int, int, int, int]] = None
+    """An MoE model: the rank's (expert TP, EP, expert DP, stage) coordinate."""
+    rollout_expert_coord: Optional[tuple[int, int]] = None
+    """An MoE model: the rank's rollout (expert TP, EP) ranks."""
+    expert_placement: Any = None
 
 
 @dataclass
@@ -191,14 +236,46 @@ class SimulatedSwitch:
     full: dict[str, torch.Tensor]
     ranks: list[RankResult]
 
+    experts: Optional[ExpertLayout] = None
+    """An MoE model's expert layout (training and rollout expert sizes)."""
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        return self.arch.num_experts
+
+    def training_names(self, rank: RankResult) -> list[str]:
+        """What the rank holds in training: its stage's (chunks') tensors, its EP rank's routed experts."""
+        lay = self.layout
+        names = stage_names(list(self.specs), stage=rank.coord[1], stages=lay.p, num_layers=self.arch.num_layers,
+                            tied=self.tied, chunks=self.chunks)
+        if self.experts is None:
+            return names
+        return ep_names(names, ep_rank=rank.expert_coord[1], ep_size=self.experts.e, num_experts=self.num_experts)
+
+    def rollout_names(self, rank: RankResult) -> list[str]:
+        """What the rank holds rolling out: its rollout stage's tensors, its rollout EP rank's routed experts."""
+        lay = self.layout
+        # In place with virtual chunks (an MoE model, p_g = p): the rollout model keeps the training chunks.
+        names = stage_names(list(self.specs), stage=rank.rollout_coord[1], stages=lay.p_g,
+                            num_layers=self.arch.num_layers, tied=self.tied,
+                            chunks=1 if lay.exchange else self.chunks)
+        if self.experts is None:
+            return names
+        return ep_names(names, ep_rank=rank.rollout_expert_coord[1], ep_size=self.experts.e_g,
+                        num_experts=self.num_experts)
+
+    def cut(self, name: str, rank: RankResult, *, rollout: bool) -> tuple[int, int]:
+        """(shard index, shards) of ``name`` on ``rank``: TP for dense tensors, expert TP for routed experts."""
+        if expert_of(name) is not None:
+            return (rank.rollout_expert_coord[0], self.experts.et_g) if rollout else \
+                (rank.expert_coord[0], self.experts.et)
+        return (rank.rollout_coord[0], self.layout.t_g) if rollout else (rank.coord[0], self.layout.t)
+
     def expected(self, rank: RankResult) -> dict[str, torch.Tensor]:
-        """The unsharded model's rollout shard for ``rank``: its rollout stage's tensors cut for its rollout TP
-        rank with the project's sharding function."""
-        lay, specs = self.layout, self.specs
-        tp_g, pp_g, _ = rank.rollout_coord
-        names = stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers,
-                            tied=self.tied)
-        return {n: shard(self.full[n], specs[n][1], tp_g, lay.t_g) for n in names}
+        """The unsharded model's rollout shard for ``rank``: its rollout stage's tensors (and rollout EP rank's
+        experts) cut for its rollout (expert) TP rank with the project's sharding function."""
+        return {n: shard(self.full[n], self.specs[n][1], *self.cut(n, rank, rollout=True))
+                for n in self.rollout_names(rank)}
 
     @property
     def tied(self) -> bool:
@@ -211,18 +288,14 @@ class SimulatedSwitch:
     def missing_bytes(self, rank: RankResult) -> int:
         """Bytes of the rank's rollout shard that its training shard does not hold: element index sets, cut by
         the sharding function from an index tensor of each full shape (independent of the plan)."""
-        lay, specs = self.layout, self.specs
-        i, s, _ = rank.coord
-        tp_g, pp_g, _ = rank.rollout_coord
-        held = {self.key(n) for n in stage_names(list(specs), stage=s, stages=lay.p, num_layers=self.arch.num_layers,
-                                                 tied=self.tied, chunks=self.chunks)}
+        held = {self.key(n) for n in self.training_names(rank)}
         total = 0
-        for name in stage_names(list(specs), stage=pp_g, stages=lay.p_g, num_layers=self.arch.num_layers,
-                                tied=self.tied):
-            shape, spec = specs[name]
+        for name in self.rollout_names(rank):
+            shape, spec = self.specs[name]
             index = torch.arange(torch.Size(shape).numel()).view(shape)
-            need = set(shard(index, spec, tp_g, lay.t_g).reshape(-1).tolist())
-            have = set(shard(index, spec, i, lay.t).reshape(-1).tolist()) if self.key(name) in held else set()
+            need = set(shard(index, spec, *self.cut(name, rank, rollout=True)).reshape(-1).tolist())
+            have = set(shard(index, spec, *self.cut(name, rank, rollout=False)).reshape(-1).tolist()) \
+                if self.key(name) in held else set()
             total += len(need - have) * self.full[name].element_size()
         return total
 
@@ -237,38 +310,79 @@ class _ModelStandIn(torch.nn.Module):
         self.config, self.vocab_size = config, vocab_size
 
 
+class _GroupSize:
+    """A training process group as :func:`~megatron_hybrid.validation.check_experts` reads it: its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
 def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
-             weight_mode: str = "aliased", chunks: int = 1) -> ParallelLayout:
+             weight_mode: str = "aliased", chunks: int = 1, expert_parallel: Optional[tuple[int, int]] = None
+             ) -> ParallelLayout:
     """The layout pair through the engine's own validation, as :class:`~megatron_hybrid.engine.HybridEngine`
     runs it on a built model, and through what megatron-core needs to build the training model (Megatron-LM's
-    argument checks: TP divides the heads, the query groups and the MLP, PP the layers). ``ValueError`` when
-    refused; else the layout (an exchange one with virtual ``chunks``, as the engine makes it for a dense model)."""
-    from .validation import check_layout, check_model  # megatron-core's config types
+    argument checks: TP divides the heads, the query groups and the MLP, PP the layers; for an MoE model EP divides
+    the experts, expert TP their MLP, and expert TP × EP × expert DP covers TP × DP). ``expert_parallel``: an MoE
+    model's training (EP, expert TP) sizes (default (1, t)). ``ValueError`` when refused; else the layout (an
+    exchange one with virtual ``chunks``, as the engine makes it for a dense model)."""
+    from .validation import check_experts, check_layout, check_model, check_moe_chunks  # megatron-core's types
 
     if not isinstance(training, tuple) or len(training) != 3:
         raise ValueError(f"training ({training!r}) must be a (t, p, d) tuple")
     t, p, d = training
     lay = ParallelLayout.create(training=training, rollout=rollout)
-    arch.validate(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+    e, et = expert_sizes(training, expert_parallel, moe=arch.num_experts is not None)
+    arch.validate(tensor_model_parallel_size=t, pipeline_model_parallel_size=p, expert_model_parallel_size=e,
+                  expert_tensor_parallel_size=et)
     groups = arch.num_query_groups or arch.num_attention_heads
     if groups % t:
         raise ValueError(f"tensor_model_parallel_size ({t}) must divide num_query_groups ({groups})")
+    if (t * d) % (e * et):
+        raise ValueError(f"expert_model_parallel_size ({e}) × expert_tensor_parallel_size ({et}) must divide "
+                         f"tensor × data parallel sizes ({t} × {d})")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks ({chunks!r}) must be a positive integer")
     if chunks > 1 and (p < 2 or arch.num_layers % (p * chunks)):
         raise ValueError(f"virtual pipeline chunks ({chunks}) need pipeline_model_parallel_size ({p}) ≥ 2 and "
                          f"num_layers ({arch.num_layers}) divisible by pipeline size × chunks")
-    if chunks > 1:
+    moe = arch.num_experts is not None
+    if chunks > 1 and not moe:
         lay = dataclasses.replace(lay, exchange=True)
+    check_moe_chunks(lay, num_chunks=chunks, moe=moe)
     check_layout(lay, world_size=t * p * d, num_chunks=chunks)
-    config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
-    check_model([_ModelStandIn(config, arch.padded_vocab_size(t))], lay, weight_mode=weight_mode)
+    config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                     expert_model_parallel_size=e, expert_tensor_parallel_size=et)
+    stand_in = _ModelStandIn(config, arch.padded_vocab_size(t))
+    check_model([stand_in], lay, weight_mode=weight_mode)
+    expert_groups = (_GroupSize(et), _GroupSize(e), _GroupSize(t * d // (e * et))) if moe else None
+    check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d)
     return lay
+
+
+def expert_sizes(training: tuple[int, int, int], expert_parallel: Optional[tuple[int, int]], *,
+                 moe: bool) -> tuple[int, int]:
+    """(EP, expert TP) of the training layout: ``expert_parallel`` or (1, t); ``ValueError`` for sizes without
+    experts to split."""
+    t = training[0]
+    if expert_parallel is None:
+        return 1, t
+    if not isinstance(expert_parallel, tuple) or len(expert_parallel) != 2 or \
+            any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in expert_parallel):
+        raise ValueError(f"expert_parallel ({expert_parallel!r}) must be an (EP, expert TP) tuple of positive "
+                         "integers")
+    if not moe and expert_parallel != (1, t):
+        raise ValueError(f"expert_parallel ({expert_parallel}) needs a model with experts")
+    return expert_parallel
 
 
 def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
                     weight_mode: str = "aliased", switches: int = 1, seed: int = 0, chunks: int = 1,
-                    update: Optional[Any] = None, bucket_size_mb: float = 0.001) -> SimulatedSwitch:
+                    update: Optional[Any] = None, bucket_size_mb: float = 0.001,
+                    expert_parallel: Optional[tuple[int, int]] = None) -> SimulatedSwitch:
     """Run the switch of layout pair ``training`` (t, p, d) -> ``rollout`` for every rank in one process.
 
     ``switches``: how many switches to rollout, each after the previous one's return to training (which gives the
@@ -276,15 +390,21 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     to every rank's training shards and to the unsharded model before the last switch (its name -> tensor, as
     ``update(name, tensor)``), an optimizer step's stand-in: it must act element-wise and identically on a shard
     and on the full tensor. A small ``bucket_size_mb`` gives many buckets (more regions to get wrong).
+    ``expert_parallel``: an MoE model's training (EP, expert TP) sizes; its routed experts then form a second plane
+    over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them.
     """
     if weight_mode not in ("aliased", "canonical"):
         raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased' or 'canonical' (FP8 is not simulated "
                          "yet)")
-    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks)
+    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel)
     t, p, d = training
+    moe = arch.num_experts is not None
+    e, et = expert_sizes(training, expert_parallel, moe=moe)
+    experts = ExpertLayout.create(training=(et, e, t * d // (e * et), p), rollout=rollout) if moe else None
     specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training model's padding
     for name, (shape, spec) in specs.items():
-        for size in (t, lay.t_g):
+        sizes = (et, experts.et_g) if expert_of(name) is not None else (t, lay.t_g)
+        for size in sizes:
             if spec.sharded and shape[spec.dim] % (spec.stride * size):
                 raise ValueError(f"{name} {shape}: dimension {spec.dim} does not split into {spec.stride} x {size} "
                                  "pieces")
@@ -303,80 +423,113 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     else:
         rollout_coord = {r: lay.rollout_coords(c) for r, c in coords.items()}
         micro = {r: g for g in lay.micro_dp_groups(grid) for r in g}
+    expert_coord: dict[int, Any] = {}
+    micro_ep: dict[int, list[int]] = {}
+    if experts is not None:  # the expert grid in megatron-core's order, its micro-EP groups (the engine's)
+        egrid = ExpertGrid.megatron_default(experts.et, experts.e, experts.edp, p)
+        expert_coord = dict(egrid.items())
+        micro_ep = {r: g for g in experts.micro_ep_groups(egrid) for r in g}
     names = list(specs)
+    probe = SimulatedSwitch(lay, arch, chunks, specs, full, [], experts)
+
+    def stand_in(rank: int) -> RankResult:  # the rank's coordinates, as the names and cuts read them
+        c = expert_coord.get(rank)
+        return RankResult(rank, coords[rank], rollout_coord[rank], {}, [], None, c,
+                          None if c is None else experts.rollout_coords(c)[:2])
 
     def shards_of(rank: int) -> dict[str, torch.Tensor]:
-        i, s, _ = coords[rank]
-        return {n: shard(full[n], specs[n][1], i, t) for n in stage_names(names, stage=s, stages=p,
-                                                                           num_layers=arch.num_layers, tied=tied,
-                                                                           chunks=chunks)}
+        who = stand_in(rank)
+        return {n: shard(full[n], specs[n][1], *probe.cut(n, who, rollout=False)) for n in probe.training_names(who)}
 
-    def member_info(rank: int, own: dict[str, Any]) -> MemberInfo:
-        i, s, _ = coords[rank]
-        params = tuple(ParamInfo(n, local_name(n, per_chunk=per_chunk), tuple(v.shape),
+    def member_info(rank: int, own: dict[str, Any], plane: PlaneSpec) -> MemberInfo:
+        per_rank = 1 if experts is None else arch.num_experts // experts.e
+        params = tuple(ParamInfo(n, local_name(n, per_chunk=per_chunk, experts_per_rank=per_rank), tuple(v.shape),
                                  DTYPE_NAMES[v.dtype], specs[n][1].sharded, specs[n][1].dim, specs[n][1].stride)
-                       for n, v in own.items())
-        return MemberInfo(rank, i, s, params, arch.num_layers // p)
+                       for n, v in own.items() if plane.holds(n))
+        return MemberInfo(rank, plane.tp_rank, plane.pp_rank, params, arch.num_layers // p, ep=plane.ep_rank)
 
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
                     for name, dt in DTYPES.items()}
 
+    def planes(rank: int) -> list[PlaneSpec]:
+        """As HybridEngine._plane_specs: the dense plane over micro-DP, the routed experts over micro-EP."""
+        i, s, _ = coords[rank]
+        out = [PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s, gathers=not lay.widens)]
+        if experts is not None:
+            ei, ej, _, es = expert_coord[rank]
+            out.append(PlaneSpec("experts", "micro_ep", experts.et, experts.et_g, experts.ke, experts.q, experts.ue,
+                                 ei, es, ej))
+        return out
+
     def place(transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str], groups: _Groups,
-              tp_g: int) -> tuple[Placement, Any]:
-        """The placement and executor of this rank, built as the engine builds them for the layout."""
+              tp_g: int) -> list[tuple[Any, Any, PlaneSpec]]:
+        """The placement and executor of this rank for each plane, built as the engine builds them."""
         rank, cpu = transport.rank, torch.device("cpu")
         i, s, _ = coords[rank]
         if lay.exchange:  # as make_exchange_plan and HybridEngine._place_exchange (tied: the output layer is the
             # embedding)
             keys = keys_of([*params, *needed], tied=tied)
             held: dict[str, ParamInfo] = {}
-            for info in member_info(rank, params).params:
+            dense = planes(rank)[0]
+            for info in member_info(rank, params, dense).params:
                 held.setdefault(keys[info.name], dataclasses.replace(info, name=keys[info.name]))
             mine = RankTensors(rank, i, tp_g, tuple(held.values()), tuple(keys[n] for n in needed))
             xplan = build_exchange_plan(transport.all_gather_object(mine, groups.world), t=t, t_g=lay.t_g)
-            return (ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
-                    ExchangeExecutor(xplan, rank, groups, training_params=params,
-                                     keys={n: keys[n] for n in params}, device=cpu))
-        plane = PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s, gathers=not lay.widens)
-        plan, index = None, 0
-        if plane.gathers:  # as make_group_plan: the members' descriptions gathered, the same plan on each
-            members = transport.all_gather_object(member_info(rank, params), groups.groups["micro_dp"])
-            members.sort(key=lambda m: m.rank)
-            index = [m.rank for m in members].index(rank)
-            plan = build_group_plan(members, needed, k=lay.k, q=lay.q, u=1, bucket_numel=bucket_numel,
-                                    tied=plan_tied, strided=weight_mode == "canonical")
-        placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
-        return placement, (None if plan is None else PlanExecutor(plan, index, groups, training_params=params,
-                                                                   device=cpu))
+            return [(ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
+                     ExchangeExecutor(xplan, rank, groups, training_params=params,
+                                      keys={n: keys[n] for n in params}, device=cpu), dense)]
+        out = []
+        for plane in planes(rank):
+            plan, index = None, 0
+            if plane.gathers:  # as make_group_plan: the members' descriptions gathered, the same plan on each
+                members = transport.all_gather_object(member_info(rank, params, plane), groups.groups[plane.group])
+                members.sort(key=lambda m: m.rank)
+                index = [m.rank for m in members].index(rank)
+                plan = build_group_plan(members, [n for n in needed if plane.holds(n)], k=plane.k, q=plane.q,
+                                        u=plane.u, bucket_numel=bucket_numel,
+                                        tied=plan_tied if plane.name == "dense" else None,
+                                        strided=weight_mode == "canonical", bucket_per_layer=plane.name == "experts")
+            placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
+            out.append((placement, None if plan is None else PlanExecutor(plan, index, groups, plane=plane.name,
+                                                                          training_params=params, device=cpu), plane))
+        return out
 
     def body(transport: Any) -> RankResult:
         rank = transport.rank
-        i, s, dp = coords[rank]
-        tp_g, pp_g, replica = rollout_coord[rank]
+        who = stand_in(rank)
+        tp_g = who.rollout_coord[0]
         params = {n: _parameter(v, specs[n][1]) for n, v in shards_of(rank).items()}
-        needed = stage_names(names, stage=pp_g, stages=lay.p_g, num_layers=arch.num_layers, tied=tied)
-        placement, executor = place(transport, params, needed, _Groups(transport, micro.get(rank, [rank])), tp_g)
+        needed = probe.rollout_names(who)
+        placed = place(transport, params, needed, _Groups(transport, micro.get(rank, [rank]),
+                                                          micro_ep.get(rank, ())), tp_g)
         received = []
         for n in range(switches):
             if n:
-                placement.unmap_rollout()  # back to training, as switch_to_training does: the peers' slots go
+                for placement, _, _ in placed:  # back to training, as switch_to_training does: the peers' slots go
+                    placement.unmap_rollout()
             if update is not None and n == switches - 1:
                 with torch.no_grad():
                     for name, prm in params.items():
                         update(name, prm.data)
-            placement.map_rollout()
-            records = [] if executor is None else executor.run(
-                {dtype: buf.tensor for dtype, buf in placement.buffers.items()})
-            received.append(sum(r.bytes_received for r in records))
-        rollout_tensors = {n: placement.blocks(n).materialize() for n in needed}
-        return RankResult(rank, (i, s, dp), (tp_g, pp_g, replica), rollout_tensors, received, placement)
+            total = 0
+            for placement, executor, _ in placed:
+                placement.map_rollout()
+                records = [] if executor is None else executor.run(
+                    {dtype: buf.tensor for dtype, buf in placement.buffers.items()})
+                total += sum(r.bytes_received for r in records)
+            received.append(total)
+        by_plane = {plane.name: placement for placement, _, plane in placed}
+        rollout_tensors = {n: by_plane["experts" if expert_of(n) is not None and "experts" in by_plane else "dense"]
+                           .blocks(n).materialize() for n in needed}
+        return dataclasses.replace(who, rollout=rollout_tensors, bytes_received=received,
+                                   placement=by_plane["dense"], expert_placement=by_plane.get("experts"))
 
     ranks = InProcessWorld(t * p * d).run(body)
     if update is not None:  # after the ranks cut their shards from it: the model the last switch must deliver
         with torch.no_grad():
             for name, tensor in full.items():
                 update(name, tensor)
-    return SimulatedSwitch(lay, arch, chunks, specs, full, ranks)
+    return SimulatedSwitch(lay, arch, chunks, specs, full, ranks, experts)
 
 
 def check_switch(result: SimulatedSwitch) -> list[str]:
@@ -411,27 +564,36 @@ class Example:
     """0 or 1: whether an (element-wise) update lands between the two switches."""
     chunks: int = 1
     """Virtual pipeline chunks a training stage."""
+    expert_parallel: Optional[tuple[int, int]] = None
+    """An MoE model's training (EP, expert TP) sizes; its ``rollout`` is then (t_g, p_g, e_g, et_g)."""
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able record (the architecture's fields that differ from its defaults)."""
         defaults = GPTArchitecture(num_layers=1, hidden_size=1, num_attention_heads=1, vocab_size=1).to_dict()
         arch = {k: v for k, v in self.arch.to_dict().items()
                 if k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or v != defaults.get(k)}
-        return {"arch": arch, "training": list(self.training), "rollout": list(self.rollout),
-                "weight_mode": self.weight_mode, "steps": self.steps, "chunks": self.chunks}
+        out = {"arch": arch, "training": list(self.training), "rollout": list(self.rollout),
+               "weight_mode": self.weight_mode, "steps": self.steps, "chunks": self.chunks}
+        if self.expert_parallel is not None:
+            out["expert_parallel"] = list(self.expert_parallel)
+        return out
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def draw_example(choose: Callable[[str, Sequence[Any]], Any]) -> Example:
+def draw_example(choose: Callable[[str, Sequence[Any]], Any], *, moe: bool = False) -> Example:
     """An example, each field picked by ``choose(label, options)`` (a seeded ``random.Random``'s choice in
     ``bench/layout_sweep.py``, a Hypothesis draw in the tests): a world of 2-16 ranks, t in {1, 2, 4, 8}, p and
     d up to 4, and any (t_g, p_g) whose product divides the world; SwiGLU or GELU, RMSNorm or LayerNorm, QKV and
     linear biases, QK norm, RoPE or learned positions, MHA / GQA / MQA, tied or untied embeddings, a vocabulary
-    that is no multiple of 128, 2-6 layers, 1 or 2 virtual chunks; aliased or canonical; 0 or 1 optimizer steps. Much of it is refused
-    by the engine's validation (:func:`validate`), as it should be."""
+    that is no multiple of 128, 2-6 layers, 1 or 2 virtual chunks; aliased or canonical; 0 or 1 optimizer steps.
+    ``moe``: then (after the same draws, so a dense example's draws stay what they were) the model gets routed
+    experts (2, 4 or 8, top-1 or top-2, softmax or sigmoid scores, a shared expert with or without its gate, all
+    layers MoE or mixed with dense ones) and the layouts expert sizes: EP and expert TP whose product divides
+    t · d, rollout EP and expert TP. Much of it is refused by the engine's validation (:func:`validate`), as it
+    should be."""
     t = choose("t", [1, 2, 4, 8])  # TP sizes models are built with; PP and DP any size up to 16 ranks in all
     p = choose("p", [k for k in (1, 2, 3, 4) if t * k <= 16])
     d = choose("d", [k for k in (1, 2, 3, 4) if 2 <= t * p * k <= 16])
@@ -457,8 +619,36 @@ def draw_example(choose: Callable[[str, Sequence[Any]], Any]) -> Example:
         untie_embeddings_and_output_weights=choose("untie_embeddings_and_output_weights", [True, False]),
         max_position_embeddings=32)
     chunks = choose("virtual_chunks", [1, 2] if p > 1 and arch.num_layers % (2 * p) == 0 else [1])
-    return Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", ["aliased", "canonical"]),
-                   choose("steps", [0, 1]), chunks)
+    example = Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", ["aliased", "canonical"]),
+                      choose("steps", [0, 1]), chunks)
+    return _with_experts(choose, example) if moe else example
+
+
+def _with_experts(choose: Callable[[str, Sequence[Any]], Any], example: Example) -> Example:
+    """``example`` with routed experts and expert layouts drawn (:func:`draw_example`'s ``moe``)."""
+    (t, p, d), arch = example.training, example.arch
+    experts = choose("num_experts", [2, 4, 8])
+    topk = choose("moe_router_topk", [1, 2])
+    score = choose("moe_router_score_function", ["softmax", "sigmoid"])
+    shared = None if arch.add_bias_linear else choose("moe_shared_expert_intermediate_size", [None, 32, 48])
+    pattern = choose("moe_layer_freq", ["all", "every other", "odd layers"])
+    freq = {"all": 1, "every other": 2, "odd layers": [i % 2 for i in range(arch.num_layers)]}[pattern]
+    arch = dataclasses.replace(
+        arch, num_experts=experts, moe_router_topk=topk, moe_router_score_function=score,
+        moe_router_pre_softmax=topk == 1 and score == "softmax", moe_ffn_hidden_size=choose("moe_ffn_hidden_size",
+                                                                                             [16, 32, 48]),
+        moe_shared_expert_intermediate_size=shared, moe_layer_freq=freq,
+        moe_shared_expert_gate=shared is not None and choose("moe_shared_expert_gate", [False, True]))
+    e = choose("e", [k for k in _divisors(t * d) if experts % k == 0])
+    et = 1 if arch.add_bias_linear else choose("et", _divisors(t * d // e))  # megatron-core: biases need et = 1
+    e_g = choose("e_g", 3 * _divisors(e) + [2 * e])  # now and then one the engine must refuse
+    et_g = choose("et_g", _divisors(et))
+    # The engine reshards MoE models in place only (t_g | t, p_g | p): half the draws keep the free rollout sizes
+    # (mostly refused), half draw in-place ones.
+    t_g, p_g = example.rollout
+    if choose("moe_rollout", ["free", "in place"]) == "in place":
+        t_g, p_g = choose("moe_t_g", _divisors(t)), choose("moe_p_g", _divisors(p))
+    return dataclasses.replace(example, arch=arch, rollout=(t_g, p_g, e_g, et_g), expert_parallel=(e, et))
 
 
 def elementwise_step(name: str, tensor: torch.Tensor) -> None:
@@ -472,11 +662,13 @@ def run_example(example: Example) -> dict[str, Any]:
     ``{"status": "ok"}`` or ``{"status": "fault", "faults": [...]}``, with the bytes moved per rank."""
     rollout = RolloutLayout(*example.rollout)
     try:
-        validate(example.arch, example.training, rollout, weight_mode=example.weight_mode, chunks=example.chunks)
+        validate(example.arch, example.training, rollout, weight_mode=example.weight_mode, chunks=example.chunks,
+                 expert_parallel=example.expert_parallel)
     except ValueError as exc:
         return {"status": "refused", "reason": str(exc)}
     result = simulate_switch(example.arch, example.training, rollout, weight_mode=example.weight_mode, switches=2,
-                             update=elementwise_step if example.steps else None, chunks=example.chunks)
+                             update=elementwise_step if example.steps else None, chunks=example.chunks,
+                             expert_parallel=example.expert_parallel)
     faults = check_switch(result)
     out: dict[str, Any] = {"status": "fault" if faults else "ok", "exchange": result.layout.exchange,
                            "bytes_received": [r.bytes_received[-1] for r in result.ranks]}

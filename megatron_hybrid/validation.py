@@ -178,6 +178,30 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
                                      "RowParallelLinear have FP8 twins; use rollout_weights='model'")
 
 
+def moe_pattern(config: Any) -> list[int]:
+    """1 for each MoE layer, 0 for a dense one, from megatron-core's ``moe_layer_freq`` (an int: every n-th layer
+    from the first; a list: one entry a layer)."""
+    freq, n = config.moe_layer_freq, config.num_layers
+    return [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) else [int(v) for v in freq]
+
+
+def check_stage_patterns(config: Any, layout: ParallelLayout) -> None:
+    """``ValueError`` for dense and MoE layers mixed (``moe_layer_freq``) so that the training stages one rollout
+    stage gathers (p_g < p, in place) differ: their layers are gathered as counterparts, one for one."""
+    if layout.exchange or layout.q == 1:
+        return
+    pattern, per = moe_pattern(config), config.num_layers // layout.p
+    stages = [tuple(pattern[s * per:(s + 1) * per]) for s in range(layout.p)]
+    for first in range(0, layout.p, layout.q):
+        if len(set(stages[first:first + layout.q])) > 1:
+            raise ValueError(f"moe_layer_freq ({config.moe_layer_freq}) gives the pipeline stages "
+                             f"{first}-{first + layout.q - 1} different layers (MoE = 1: "
+                             f"{[list(p) for p in stages[first:first + layout.q]]}); rollout "
+                             f"pipeline_model_parallel_size ({layout.p_g}) gathers them into one rollout stage, "
+                             "which needs the same layers on each: use a rollout PP size whose stages repeat the "
+                             "pattern, or the training PP size")
+
+
 def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
                   rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]],
                   world_size: int) -> Optional[ExpertLayout]:
@@ -204,6 +228,7 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
         raise ValueError(f"the layout pair (TP, PP) ({layout.t}, {layout.p}) → ({layout.t_g}, {layout.p_g}) is not "
                          "supported for MoE models: their switch gathers over micro-DP and micro-EP groups, which "
                          "needs rollout_tp | tp and rollout_pp | pp (and no virtual pipeline chunks)")
+    check_stage_patterns(config, layout)
     lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
     if config.num_moe_experts % lay.e_g:
         raise ValueError(f"rollout expert_model_parallel_size ({lay.e_g}) must divide num_moe_experts "

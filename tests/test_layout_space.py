@@ -36,6 +36,35 @@ def test_every_accepted_layout_pair_reshards_exactly(data):
     assert outcome["status"] == "ok", (example.describe(), outcome.get("faults"))
 
 
+#: MoE examples a CI run draws (the same space with routed experts and expert layouts; more ranks per accepted
+#: example move experts): about 20 s on 2 cores.
+MOE_EXAMPLES = 80
+
+
+@settings(max_examples=MOE_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_accepted_moe_layout_pair_reshards_exactly(data):
+    example = draw_example(lambda label, options: data.draw(st.sampled_from(list(options)), label=label), moe=True)
+    outcome = run_example(example)
+    if outcome["status"] == "refused":
+        event("refused: " + re.sub(r"\(\d+\)", "(n)", outcome["reason"]))
+        return
+    e, et = example.expert_parallel
+    _, p_g, e_g, et_g = example.rollout
+    event(f"micro-EP {et // et_g} x {e // e_g} x {example.training[1] // p_g}")
+    assert outcome["status"] == "ok", (example.describe(), outcome.get("faults"))
+
+
+def test_the_moe_space_is_not_all_refused():
+    import random
+
+    rng = random.Random(0)
+    statuses = [run_example(draw_example(lambda label, options: rng.choice(list(options)), moe=True))["status"]
+                for _ in range(60)]
+    assert statuses.count("ok") >= 8 and "fault" not in statuses, statuses
+
+
 def test_the_space_is_not_all_refused():
     """The sweep must test something: of the same draws, a fair share passes the validation (not a test that
     cannot fail because every example is refused)."""
@@ -74,5 +103,20 @@ def test_the_simulation_agrees_with_the_engine_on_gloo_ranks(index):
     example = layout_sweep.example_at(1, index)
     outcome = run_example(example)
     assert outcome["status"] == "ok" and example.steps == 1
+    ranks = layout_sweep.on_ranks(example, outcome)
+    assert ranks["agree"], ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [95, 86], ids=["moe-DP4-EP4-to-EP2-canonical", "moe-PP3-to-PP1-tied-biases-step"])
+def test_the_moe_simulation_agrees_with_the_engine_on_gloo_ranks(index):
+    """MoE examples of seed 1 on 3-4 gloo ranks: experts gathered over EP (micro-EP 2), and over three stages with
+    tied embeddings, expert biases and mixed dense / MoE layers; every rank's rollout tensors bit for bit after
+    both switches (the second after an element-wise step), every rank's bytes as simulated."""
+    from bench import layout_sweep
+
+    example = layout_sweep.example_at(1, index, moe=True)
+    outcome = run_example(example)
+    assert outcome["status"] == "ok"
     ranks = layout_sweep.on_ranks(example, outcome)
     assert ranks["agree"], ranks

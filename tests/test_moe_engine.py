@@ -26,6 +26,8 @@ _LAYOUTS = {
     "t2p2e2et1-all": ((2, 2, 2, 1), (1, 1, 1, 1),
                       dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), False),
     "t4p1e2et2-t2e1et2": ((4, 1, 2, 2), (2, 1, 1, 2), {}, False),
+    # Expert biases (replicated over expert TP, each expert's own) gathered over EP: found by the simulated world.
+    "t1p1e4et1-bias-e1": ((1, 1, 4, 1), (1, 1, 1, 1), dict(add_bias_linear=True), False),
     "t1p2e4et1-p1e4": ((1, 2, 4, 1), (1, 1, 4, 1),
                        dict(num_layers=4, moe_layer_freq=[0, 1, 0, 1], moe_shared_expert_intermediate_size=32),
                        False),
@@ -89,7 +91,8 @@ def test_moe_switch_is_exact_and_moves_only_missing_bytes(name):
             assert res["generated"] == ref["greedy_stepped"][res["dp_rank"]], (r["rank"], mode)
             # Grouped GEMMs wherever a rollout layer's experts are one strided view: always in canonical mode (one
             # bucket per layer, or rebuilt back to back); in aliased mode unless the experts are expert-TP blocks.
-            grouped = mode == "canonical" or et == et_g
+            # (Expert biases: expert by expert, as ExpertStack.weights documents.)
+            grouped = (mode == "canonical" or et == et_g) and not arch_kw.get("add_bias_linear")
             assert set(res["paths"]) == {"grouped_experts" if grouped else "sequential_experts"}, (r["rank"], mode)
 
 
