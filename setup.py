@@ -216,7 +216,9 @@ setup(
                     # gguf + accelerate: tools/fetch_packaged_model.py (transformers reads GGUF files through them).
                     "real-model": ["gguf", "accelerate"],
                     # tools/plot_metrics.py: the accuracy curves of bench/results/.
-                    "plot": ["matplotlib"]},
+                    "plot": ["matplotlib"],
+                    # mkdocs.yml: the site in docs/ (python -m mkdocs build --strict; tests/test_docs.py builds it).
+                    "docs": ["mkdocs==1.6.1"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
