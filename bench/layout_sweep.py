@@ -197,7 +197,9 @@ def tallies(rows: list[dict[str, Any]]) -> dict[str, Any]:
     examples = [r for r in rows if r.get("kind", "example") == "example"]
     replays = [r for r in rows if r.get("kind") == "ranks"]
     status = collections.Counter(r["status"] for r in examples)
-    rules = collections.Counter(re.sub(r"\(\d+\)", "(n)", r["reason"]) for r in examples if r["status"] == "refused")
+    # One rule per message: its numbers and tuples of numbers (layout sizes) left out.
+    rules = collections.Counter(re.sub(r"\(\d+(, \d+)*\)", "(n)", r["reason"]) for r in examples
+                                if r["status"] == "refused")
     return {"examples": len(examples), "exact": status["ok"], "faults": status["fault"], "refused": status["refused"],
             "refused_share": round(status["refused"] / max(1, len(examples)), 4),
             "exact_exchange_layouts": sum(1 for r in examples if r["status"] == "ok" and r.get("exchange")),

@@ -22,13 +22,18 @@ order) is served here, in two steps:
 
 A tied output layer (``output_layer.weight`` of a model that shares it with the embedding) is the embedding under
 another name: Megatron keeps the two equal, so either serves the other (the caller names both by the embedding).
+
+An MoE model's routed experts are tensors of their own axis: split over expert TP (et training shards, et_g
+rollout shards: L_e = lcm(et, et_g) units) instead of TP, each expert held by the ranks of its training EP rank
+and needed by those of its rollout EP rank (the names say which: global expert indices). A rank brings its expert
+TP ranks beside its TP ranks; everything else is the same plan.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from .layout import Grid, ParallelLayout, _group_ranks
 from .plan import ParamInfo
@@ -90,6 +95,16 @@ class Arrangement:
     def stage_groups(self) -> list[list[int]]:
         return _group_ranks(self.coords.items(), lambda c: c[1])
 
+    def expert_coords(self, et_g: int, e_g: int) -> dict[int, tuple[int, int, int, int]]:
+        """Every rank's rollout expert coordinate (expert TP, EP, expert DP, stage): the ranks of a rollout stage
+        in Megatron's order (rollout TP fastest, then the replicas), cut expert TP fastest, then EP, as
+        megatron-core cuts a stage's tensor × data-parallel ranks (et_g · e_g divides them)."""
+        out = {}
+        for rank, (j, stage, replica) in self.coords.items():
+            idx = j + self.t_g * replica
+            out[rank] = (idx % et_g, (idx // et_g) % e_g, idx // (et_g * e_g), stage)
+        return out
+
     def in_order(self) -> bool:
         """Whether every rollout TP and PP group lists its ranks in global order (as a sorting ``new_group`` would)."""
         return all(g == sorted(g) for g in self.tp_groups() + self.pp_groups())
@@ -146,6 +161,10 @@ class RankTensors:
     """Its training tensors, named by key (global name; a tied output layer by the embedding's name)."""
     needs: tuple[str, ...]
     """The keys of its rollout tensors, in rollout-model order."""
+    expert_tp: int = 0
+    """Training expert-TP rank (which expert-TP shard its routed experts are; MoE models)."""
+    rollout_expert_tp: int = 0
+    """Rollout expert-TP rank."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +213,24 @@ class ExchangePlan:
     tp_of: dict[int, int]
     """Rank -> training TP rank."""
     world: int = 0
+    et: int = 1
+    et_g: int = 1
+    """Training and rollout expert-TP sizes (routed experts: :attr:`expert_keys`)."""
+    expert_tp_of: dict[int, int] = field(default_factory=dict)
+    """Rank -> training expert-TP rank."""
+    expert_keys: frozenset = frozenset()
+    """The keys of routed experts' tensors (split over expert TP)."""
     _index: dict = field(default_factory=dict, repr=False)
+
+    def axis(self, key: str) -> tuple[int, int]:
+        """(training TP size, units a part) of ``key``'s axis: expert TP for a routed expert's tensor."""
+        if key in self.expert_keys:
+            return self.et, math.lcm(self.et, self.et_g)
+        return self.t, self.units
+
+    def source_tp(self, rank: int, key: str) -> int:
+        """``rank``'s training TP rank on ``key``'s axis (the shard its tensor ``key`` is)."""
+        return (self.expert_tp_of if key in self.expert_keys else self.tp_of)[rank]
 
     # -- per rank -----------------------------------------------------------------------------------------
     def dtypes(self) -> list[str]:
@@ -245,14 +281,16 @@ class ExchangePlan:
     # -- geometry -------------------------------------------------------------------------------------------
     def unit_len(self, key: str) -> int:
         """Rows (along the partition dim) of one unit of a sharded tensor."""
-        return _unit_len(self.tensors[key], self.t, self.units)
+        return _unit_len(self.tensors[key], *self.axis(key))
 
     def local_range(self, key: str, tp: int, part: int, lo: int, hi: int) -> tuple[int, int]:
-        """(start, length) along the partition dim of units [lo, hi) of ``part`` in training TP rank ``tp``'s shard."""
+        """(start, length) along the partition dim of units [lo, hi) of ``part`` in training TP rank ``tp``'s shard
+        (expert-TP rank for a routed expert's tensor)."""
         info = self.tensors[key]
+        t, units = self.axis(key)
         per_part = info.shape[info.dim] // info.stride
-        first = tp * self.units // self.t
-        assert first <= lo <= hi <= first + self.units // self.t, (key, tp, lo, hi)
+        first = tp * units // t
+        assert first <= lo <= hi <= first + units // t, (key, tp, lo, hi)
         step = self.unit_len(key)
         return part * per_part + (lo - first) * step, (hi - lo) * step
 
@@ -280,10 +318,11 @@ def _cut(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
     return out
 
 
-def build_exchange_plan(ranks: Sequence[RankTensors], *, t: int, t_g: int) -> ExchangePlan:
-    """Plan the exchange (see the module docstring). ``ranks``: every rank's :class:`RankTensors`."""
+def build_exchange_plan(ranks: Sequence[RankTensors], *, t: int, t_g: int, et: int = 1, et_g: int = 1,
+                        is_expert: Callable[[str], bool] = lambda key: False) -> ExchangePlan:
+    """Plan the exchange (see the module docstring). ``ranks``: every rank's :class:`RankTensors`; ``et``,
+    ``et_g`` and ``is_expert``: an MoE model's expert-TP sizes and which keys are routed experts' tensors."""
     units = math.lcm(t, t_g)
-    per_train, per_roll = units // t, units // t_g
     ranks = sorted(ranks, key=lambda r: r.rank)
     tensors: dict[str, ParamInfo] = {}
     holders: dict[str, list[RankTensors]] = {}
@@ -297,6 +336,18 @@ def build_exchange_plan(ranks: Sequence[RankTensors], *, t: int, t_g: int) -> Ex
     load = {rt.rank: 0 for rt in ranks}
     pieces: list[Piece] = []
     runs: dict[int, dict[str, list[Run]]] = {}
+    experts = frozenset(key for key in tensors if is_expert(key))
+
+    def axis(key: str) -> tuple[int, int, int]:  # (training TP size, units, per training shard, per rollout shard)
+        kt, kt_g = (et, et_g) if key in experts else (t, t_g)
+        n = math.lcm(kt, kt_g)
+        return kt, n, n // kt, n // kt_g
+
+    def tp(rt: RankTensors, key: str, rollout: bool = False) -> int:
+        if key in experts:
+            return rt.rollout_expert_tp if rollout else rt.expert_tp
+        return rt.rollout_tp if rollout else rt.tp
+
     for rt in ranks:
         mine = {info.name for info in rt.held}
         runs[rt.rank] = {}
@@ -305,12 +356,13 @@ def build_exchange_plan(ranks: Sequence[RankTensors], *, t: int, t_g: int) -> Ex
             if info is None:
                 raise ValueError(f"no training rank holds {key}: the rollout model does not correspond to the "
                                  "training model")
+            kt, kunits, per_train, per_roll = axis(key)
             if not info.sharded:
                 need, parts, own = (0, 1), 1, (0, 1) if key in mine else (0, 0)
             else:
-                need = (rt.rollout_tp * per_roll, (rt.rollout_tp + 1) * per_roll)
+                need = (tp(rt, key, True) * per_roll, (tp(rt, key, True) + 1) * per_roll)
                 parts = info.stride
-                own = (rt.tp * per_train, (rt.tp + 1) * per_train) if key in mine else (0, 0)
+                own = (tp(rt, key) * per_train, (tp(rt, key) + 1) * per_train) if key in mine else (0, 0)
             # needed − held, in canonical order: before the own range, the own range, after it.
             lo, hi = need
             a, b = max(lo, own[0]), min(hi, own[1])
@@ -325,17 +377,18 @@ def build_exchange_plan(ranks: Sequence[RankTensors], *, t: int, t_g: int) -> Ex
                         continue
                     for u, v in (_cut(x, y, per_train) if info.sharded else [(x, y)]):
                         cands = [h.rank for h in holders[key] if h.rank != rt.rank
-                                 and (not info.sharded or h.tp == u // per_train)]
+                                 and (not info.sharded or tp(h, key) == u // per_train)]
                         src = min(cands, key=lambda c: (load[c], abs(c - rt.rank), c))
                         shape = list(info.shape)
                         if info.sharded:
-                            shape[info.dim] = (v - u) * _unit_len(info, t, units)
+                            shape[info.dim] = (v - u) * _unit_len(info, kt, kunits)
                         pc = Piece(src, rt.rank, key, part, u, v, info.dtype, tuple(shape))
                         load[src] += pc.numel
                         out.append(Run(part, u, v, len(pieces)))
                         pieces.append(pc)
             runs[rt.rank][key] = out
-    return ExchangePlan(t, t_g, units, tensors, pieces, runs, {rt.rank: rt.tp for rt in ranks}, world=len(ranks))
+    return ExchangePlan(t, t_g, units, tensors, pieces, runs, {rt.rank: rt.tp for rt in ranks}, world=len(ranks),
+                        et=et, et_g=et_g, expert_tp_of={rt.rank: rt.expert_tp for rt in ranks}, expert_keys=experts)
 
 
 def keys_of(names: Iterable[str], *, tied: bool) -> dict[str, str]:

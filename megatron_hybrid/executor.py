@@ -304,8 +304,8 @@ class ExchangeExecutor:
 
     def source_view(self, key: str, part: int, lo: int, hi: int) -> torch.Tensor:
         """Units [lo, hi) of ``part`` of this rank's training tensor ``key`` (a view, strided for dim 1)."""
-        return self.plan.view_of(self.training_params[self._own[key]].data, key, self.plan.tp_of[self.rank], part,
-                                 lo, hi)
+        return self.plan.view_of(self.training_params[self._own[key]].data, key, self.plan.source_tp(self.rank, key),
+                                 part, lo, hi)
 
     def run(self, buffers: Mapping[str, torch.Tensor], *, profile: bool = False) -> list[CollectiveRecord]:
         """One ``all_to_all_single`` per dtype that moves anything; ``buffers``: this rank's receive buffers."""

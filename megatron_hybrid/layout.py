@@ -309,6 +309,9 @@ class ExpertLayout:
     et_g: int
     e_g: int
     p_g: int
+    exchange: bool = False
+    """The experts move in an exchange layout's all-to-all (no micro-EP gather: the divisibility below, which the
+    gather needs, does not apply)."""
 
     def __post_init__(self) -> None:
         for name, v in (("expert_tensor_parallel_size", self.et), ("expert_model_parallel_size", self.e),
@@ -318,6 +321,8 @@ class ExpertLayout:
                         ("rollout pipeline_model_parallel_size", self.p_g)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
+        if self.exchange:
+            return
         if self.e % self.e_g:
             raise ValueError(f"rollout expert_model_parallel_size ({self.e_g}) must divide expert_model_parallel_size "
                              f"({self.e}): a rollout rank's experts are the union of its micro-EP group's")

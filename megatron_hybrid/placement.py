@@ -337,7 +337,7 @@ class ExchangePlacement(Placement):
                 views.append(self._piece_view(run.piece))
                 continue
             views.append(self.exchange.view_of(self.train_params[self._own[key]].data, key,
-                                               self.exchange.tp_of[self.rank], run.part, run.lo, run.hi))
+                                               self.exchange.source_tp(self.rank, key), run.part, run.lo, run.hi))
         if len(views) > 1:
             merged = self._stacked(views, info.dim, 1)
             if merged is not None:

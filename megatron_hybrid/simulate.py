@@ -321,14 +321,16 @@ class _GroupSize:
 
 
 def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
-             weight_mode: str = "aliased", chunks: int = 1, expert_parallel: Optional[tuple[int, int]] = None
-             ) -> ParallelLayout:
+             weight_mode: str = "aliased", chunks: int = 1, expert_parallel: Optional[tuple[int, int]] = None,
+             moe_exchange: bool = False) -> ParallelLayout:
     """The layout pair through the engine's own validation, as :class:`~megatron_hybrid.engine.HybridEngine`
     runs it on a built model, and through what megatron-core needs to build the training model (Megatron-LM's
     argument checks: TP divides the heads, the query groups and the MLP, PP the layers; for an MoE model EP divides
     the experts, expert TP their MLP, and expert TP × EP × expert DP covers TP × DP). ``expert_parallel``: an MoE
     model's training (EP, expert TP) sizes (default (1, t)). ``ValueError`` when refused; else the layout (an
-    exchange one with virtual ``chunks``, as the engine makes it for a dense model)."""
+    exchange one with virtual ``chunks``, as the engine makes it for a dense model). ``moe_exchange``: accept MoE
+    models on exchange layouts (virtual chunks included), which the engine refuses today: a preview of the exchange
+    plan's expert axis."""
     from .validation import check_experts, check_layout, check_model, check_moe_chunks  # megatron-core's types
 
     if not isinstance(training, tuple) or len(training) != 3:
@@ -350,16 +352,16 @@ def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: Rol
         raise ValueError(f"virtual pipeline chunks ({chunks}) need pipeline_model_parallel_size ({p}) ≥ 2 and "
                          f"num_layers ({arch.num_layers}) divisible by pipeline size × chunks")
     moe = arch.num_experts is not None
-    if chunks > 1 and not moe:
+    if chunks > 1 and (not moe or moe_exchange):
         lay = dataclasses.replace(lay, exchange=True)
-    check_moe_chunks(lay, num_chunks=chunks, moe=moe)
+    check_moe_chunks(lay, num_chunks=chunks, moe=moe and not moe_exchange)
     check_layout(lay, world_size=t * p * d, num_chunks=chunks)
     config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                      expert_model_parallel_size=e, expert_tensor_parallel_size=et)
     stand_in = _ModelStandIn(config, arch.padded_vocab_size(t))
     check_model([stand_in], lay, weight_mode=weight_mode)
     expert_groups = (_GroupSize(et), _GroupSize(e), _GroupSize(t * d // (e * et))) if moe else None
-    check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d)
+    check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d, exchange=moe_exchange)
     return lay
 
 
@@ -382,7 +384,8 @@ def expert_sizes(training: tuple[int, int, int], expert_parallel: Optional[tuple
 def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
                     weight_mode: str = "aliased", switches: int = 1, seed: int = 0, chunks: int = 1,
                     update: Optional[Any] = None, bucket_size_mb: float = 0.001,
-                    expert_parallel: Optional[tuple[int, int]] = None) -> SimulatedSwitch:
+                    expert_parallel: Optional[tuple[int, int]] = None, moe_exchange: bool = False
+                    ) -> SimulatedSwitch:
     """Run the switch of layout pair ``training`` (t, p, d) -> ``rollout`` for every rank in one process.
 
     ``switches``: how many switches to rollout, each after the previous one's return to training (which gives the
@@ -391,16 +394,21 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     ``update(name, tensor)``), an optimizer step's stand-in: it must act element-wise and identically on a shard
     and on the full tensor. A small ``bucket_size_mb`` gives many buckets (more regions to get wrong).
     ``expert_parallel``: an MoE model's training (EP, expert TP) sizes; its routed experts then form a second plane
-    over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them.
+    over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them; with
+    ``moe_exchange`` (see :func:`validate`) an MoE exchange layout moves them in the all-to-all on their own axis.
     """
     if weight_mode not in ("aliased", "canonical"):
         raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased' or 'canonical' (FP8 is not simulated "
                          "yet)")
-    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel)
+    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel,
+                   moe_exchange=moe_exchange)
     t, p, d = training
     moe = arch.num_experts is not None
     e, et = expert_sizes(training, expert_parallel, moe=moe)
-    experts = ExpertLayout.create(training=(et, e, t * d // (e * et), p), rollout=rollout) if moe else None
+    experts = None
+    if moe:
+        experts = ExpertLayout(et=et, e=e, edp=t * d // (e * et), p=p, et_g=rollout.expert_tp,
+                               e_g=rollout.expert_model_parallel_size, p_g=lay.p_g, exchange=lay.exchange)
     specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training model's padding
     for name, (shape, spec) in specs.items():
         sizes = (et, experts.et_g) if expert_of(name) is not None else (t, lay.t_g)
@@ -417,35 +425,43 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     grid = Grid.megatron_default(t, p, d)
     coords = dict(grid.coords())
     per_chunk = arch.num_layers // (p * chunks)
+    arrangement = None
     if lay.exchange:  # every rank's rollout coordinate, as create_rollout_groups takes it from the arrangement
-        rollout_coord = arrange(lay, grid, num_layers=arch.num_layers, chunks=chunks).coords
+        arrangement = arrange(lay, grid, num_layers=arch.num_layers, chunks=chunks)
+        rollout_coord = arrangement.coords
         micro: dict[int, list[int]] = {}
     else:
         rollout_coord = {r: lay.rollout_coords(c) for r, c in coords.items()}
         micro = {r: g for g in lay.micro_dp_groups(grid) for r in g}
     expert_coord: dict[int, Any] = {}
+    rollout_expert: dict[int, tuple[int, int]] = {}
     micro_ep: dict[int, list[int]] = {}
     if experts is not None:  # the expert grid in megatron-core's order, its micro-EP groups (the engine's)
         egrid = ExpertGrid.megatron_default(experts.et, experts.e, experts.edp, p)
         expert_coord = dict(egrid.items())
-        micro_ep = {r: g for g in experts.micro_ep_groups(egrid) for r in g}
+        if arrangement is not None:
+            rollout_expert = {r: c[:2] for r, c in arrangement.expert_coords(experts.et_g, experts.e_g).items()}
+        else:
+            rollout_expert = {r: experts.rollout_coords(c)[:2] for r, c in expert_coord.items()}
+            micro_ep = {r: g for g in experts.micro_ep_groups(egrid) for r in g}
     names = list(specs)
     probe = SimulatedSwitch(lay, arch, chunks, specs, full, [], experts)
 
     def stand_in(rank: int) -> RankResult:  # the rank's coordinates, as the names and cuts read them
-        c = expert_coord.get(rank)
-        return RankResult(rank, coords[rank], rollout_coord[rank], {}, [], None, c,
-                          None if c is None else experts.rollout_coords(c)[:2])
+        return RankResult(rank, coords[rank], rollout_coord[rank], {}, [], None, expert_coord.get(rank),
+                          rollout_expert.get(rank))
 
     def shards_of(rank: int) -> dict[str, torch.Tensor]:
         who = stand_in(rank)
         return {n: shard(full[n], specs[n][1], *probe.cut(n, who, rollout=False)) for n in probe.training_names(who)}
 
-    def member_info(rank: int, own: dict[str, Any], plane: PlaneSpec) -> MemberInfo:
+    def member_info(rank: int, own: dict[str, Any], plane: Optional[PlaneSpec]) -> MemberInfo:
         per_rank = 1 if experts is None else arch.num_experts // experts.e
         params = tuple(ParamInfo(n, local_name(n, per_chunk=per_chunk, experts_per_rank=per_rank), tuple(v.shape),
                                  DTYPE_NAMES[v.dtype], specs[n][1].sharded, specs[n][1].dim, specs[n][1].stride)
-                       for n, v in own.items() if plane.holds(n))
+                       for n, v in own.items() if plane is None or plane.holds(n))
+        if plane is None:  # every tensor (an exchange layout's description)
+            return MemberInfo(rank, coords[rank][0], coords[rank][1], params, arch.num_layers // p)
         return MemberInfo(rank, plane.tp_rank, plane.pp_rank, params, arch.num_layers // p, ep=plane.ep_rank)
 
     bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
@@ -455,7 +471,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
         """As HybridEngine._plane_specs: the dense plane over micro-DP, the routed experts over micro-EP."""
         i, s, _ = coords[rank]
         out = [PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s, gathers=not lay.widens)]
-        if experts is not None:
+        if experts is not None and not lay.exchange:
             ei, ej, _, es = expert_coord[rank]
             out.append(PlaneSpec("experts", "micro_ep", experts.et, experts.et_g, experts.ke, experts.q, experts.ue,
                                  ei, es, ej))
@@ -471,10 +487,13 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
             keys = keys_of([*params, *needed], tied=tied)
             held: dict[str, ParamInfo] = {}
             dense = planes(rank)[0]
-            for info in member_info(rank, params, dense).params:
+            for info in member_info(rank, params, None).params:
                 held.setdefault(keys[info.name], dataclasses.replace(info, name=keys[info.name]))
-            mine = RankTensors(rank, i, tp_g, tuple(held.values()), tuple(keys[n] for n in needed))
-            xplan = build_exchange_plan(transport.all_gather_object(mine, groups.world), t=t, t_g=lay.t_g)
+            ei, ei_g = (expert_coord[rank][0], rollout_expert[rank][0]) if experts is not None else (0, 0)
+            mine = RankTensors(rank, i, tp_g, tuple(held.values()), tuple(keys[n] for n in needed), ei, ei_g)
+            xplan = build_exchange_plan(transport.all_gather_object(mine, groups.world), t=t, t_g=lay.t_g,
+                                        et=experts.et if experts else 1, et_g=experts.et_g if experts else 1,
+                                        is_expert=lambda key: expert_of(key) is not None)
             return [(ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
                      ExchangeExecutor(xplan, rank, groups, training_params=params,
                                       keys={n: keys[n] for n in params}, device=cpu), dense)]

@@ -178,6 +178,26 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
                                      "RowParallelLinear have FP8 twins; use rollout_weights='model'")
 
 
+def _check_exchanged_experts(config: Any, layout: ParallelLayout, rollout: RolloutLayout,
+                             training: tuple[int, int, int]) -> ExpertLayout:
+    """The rollout expert sizes of an MoE exchange layout: each rollout stage's t_g · d_g ranks cut into et_g ·
+    e_g · edp_g (:meth:`~megatron_hybrid.exchange.Arrangement.expert_coords`); e_g divides the experts, et_g their
+    MLP. No micro-EP groups: the experts move in the exchange's all-to-all."""
+    et_g, e_g = rollout.expert_tp, rollout.expert_model_parallel_size
+    stage_ranks = layout.world_size // layout.p_g
+    if stage_ranks % (et_g * e_g):
+        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) × expert_model_parallel_size ({e_g}) must "
+                         f"divide a rollout stage's ranks ({stage_ranks})")
+    if config.num_moe_experts % e_g:
+        raise ValueError(f"rollout expert_model_parallel_size ({e_g}) must divide num_moe_experts "
+                         f"({config.num_moe_experts})")
+    if config.moe_ffn_hidden_size % et_g:
+        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) must divide moe_ffn_hidden_size "
+                         f"({config.moe_ffn_hidden_size})")
+    et, e, edp = training
+    return ExpertLayout(et=et, e=e, edp=edp, p=layout.p, et_g=et_g, e_g=e_g, p_g=layout.p_g, exchange=True)
+
+
 def moe_pattern(config: Any) -> list[int]:
     """1 for each MoE layer, 0 for a dense one, from megatron-core's ``moe_layer_freq`` (an int: every n-th layer
     from the first; a list: one entry a layer)."""
@@ -204,9 +224,10 @@ def check_stage_patterns(config: Any, layout: ParallelLayout) -> None:
 
 def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
                   rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]],
-                  world_size: int) -> Optional[ExpertLayout]:
+                  world_size: int, exchange: bool = False) -> Optional[ExpertLayout]:
     """An MoE model's expert layout (``None`` for a dense model) against the rollout layout, the world and the
-    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model."""
+    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model. ``exchange``:
+    whether the caller serves MoE exchange layouts (the simulated world's preview; the engine does not yet)."""
     config = modules[0].config
     if config.num_moe_experts is None:
         if rollout.expert_model_parallel_size != 1:
@@ -224,6 +245,8 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     if layout.t_g > layout.t:
         raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
                          f"({layout.t}) is not supported for MoE models")
+    if layout.exchange and exchange:
+        return _check_exchanged_experts(config, layout, rollout, (et, e, edp))
     if layout.exchange:
         raise ValueError(f"the layout pair (TP, PP) ({layout.t}, {layout.p}) → ({layout.t_g}, {layout.p_g}) is not "
                          "supported for MoE models: their switch gathers over micro-DP and micro-EP groups, which "

@@ -108,6 +108,34 @@ def test_moe_ranks_get_their_rollout_shard_and_experts_bit_for_bit(training, exp
     assert check_switch(result) == []
 
 
+#: MoE exchange layouts (the exchange plan's expert axis; the engine refuses them today): more rollout stages than
+#: training ones (PP exchange), TP 4 -> 3 (TP exchange), TP and PP moving the other way round, two virtual chunks.
+MOE_EXCHANGES = [((2, 2, 2), (2, 2), (2, 4, 2, 1), 1, "moe-shared-gate-mixed"),
+                 ((4, 1, 1), (2, 2), (2, 2, 2, 1), 1, "moe-shared-gate-mixed"),
+                 ((2, 2, 2), (4, 1), (1, 4, 1, 1), 1, "moe-biases-gelu-layernorm"),
+                 ((4, 1, 3), (3, 1), (3, 1, 6, 1), 1, "moe-12-heads"),
+                 ((2, 2, 1), (1, 2), (1, 1, 2, 1), 2, "moe-shared-gate-mixed"),
+                 ((1, 2, 4), (2, 1), (1, 1, 4, 1), 2, "moe-tied-8-experts")]
+
+
+@pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.parametrize("training,experts,rollout,chunks,arch", MOE_EXCHANGES,
+                         ids=[f"{t}{e}-{r}-chunks{c}-{a}" for t, e, r, c, a in MOE_EXCHANGES])
+def test_moe_exchange_layouts_move_experts_on_their_own_axis(training, experts, rollout, chunks, arch, mode):
+    """The exchange plan with routed experts (expert TP as their axis, the rollout EP rank's experts by name):
+    every rank's rollout tensors bit for bit, the bytes each receives exact, after an element-wise step too."""
+    archs = {**{name: tiny_llama(**{**kw, "num_layers": 4}) for name, kw in MOE_KWARGS.items()},
+             "moe-12-heads": tiny_llama(hidden_size=96, num_attention_heads=12, num_query_groups=12,
+                                                     ffn_hidden_size=96, num_experts=6, moe_ffn_hidden_size=24,
+                                                     make_vocab_size_divisible_by=12)}
+    result = simulate_switch(archs[arch], training, RolloutLayout(*rollout), weight_mode=mode, switches=2,
+                             update=_update, expert_parallel=experts, moe_exchange=True, chunks=chunks)
+    assert result.layout.exchange and result.experts.exchange
+    assert check_switch(result) == []
+    with pytest.raises(ValueError, match="not supported for MoE models|MoE model with virtual pipeline chunks"):
+        validate(archs[arch], training, RolloutLayout(*rollout), expert_parallel=experts, chunks=chunks)
+
+
 def test_expert_biases_gathered_over_expert_parallel_ranks():
     """A routed expert's fc2 bias is replicated over expert TP but each expert's own: with e_g < e the micro-EP
     group must gather it from the other EP ranks (the plan once left it out, a KeyError at the first switch)."""
