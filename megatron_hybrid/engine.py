@@ -46,8 +46,7 @@ from .memory import HostOffload, ReservedBuffer, optimizer_tensors
 from .placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
 from .rollout_model import ModelProvider, build_rollout_chunks
 from .sharding import is_expert
-from .validation import (WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model,
-                         check_moe_chunks)
+from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
 
 __all__ = ["HybridEngine", "CollectiveRecord", "WEIGHT_MODES"]
 DEFAULT_BUCKET_MB_GPU = 1024.0
@@ -165,11 +164,10 @@ class HybridEngine:
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.layout = lay = ParallelLayout.create(training=(tp_group.size(), pp_group.size(), dp_group.size()),
                                                   rollout=rollout)
-        if len(self.chunks) > 1 and not lay.exchange and self.modules[0].config.num_moe_experts is None:
+        if len(self.chunks) > 1 and not lay.exchange:
             # Virtual pipeline chunks: the rollout model is one chunk per rank (a rollout stage's layers in one model,
             # which the generator runs), so its tensors come from several training chunks: an exchange layout.
             self.layout = lay = dataclasses.replace(lay, exchange=True)
-        check_moe_chunks(lay, num_chunks=len(self.chunks), moe=self.modules[0].config.num_moe_experts is not None)
         check_layout(lay, world_size=dist.get_world_size(), num_chunks=len(self.chunks))
         self.config = self.modules[0].config
         check_model(self.modules, lay, weight_mode=weight_mode, rollout_weights=rollout_weights)
@@ -210,7 +208,7 @@ class HybridEngine:
         self.plans: dict[str, tuple[Optional[Any], int]] = {}
         self._executors: list[Any] = []  # the switch's collectives, plane by plane
         if lay.exchange:
-            self.placement = self._place_exchange(tied)
+            self.placement = self._place_exchange(tied, expert_groups)
         else:
             self.placement = self._place_planes(expert_groups)
         self.plan, self.member_index = self.plans["dense"]
@@ -252,12 +250,14 @@ class HybridEngine:
                                                     training_params=self._train_params, device=self.device))
         return Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
 
-    def _place_exchange(self, tied: bool) -> Placements:
+    def _place_exchange(self, tied: bool, expert_groups: Optional[tuple[Any, Any, Any]]) -> Placements:
         """The exchange plan of any other layout pair (:mod:`megatron_hybrid.exchange`), its placement (the
-        training tensors stay where they are; a receive buffer per dtype) and executor."""
+        training tensors stay where they are; a receive buffer per dtype) and executor. An MoE model's routed
+        experts move in the same all-to-all, on their own axis (expert TP)."""
         rank = dist.get_rank()
+        experts = None if expert_groups is None else (self.expert_layout, dist.get_rank(expert_groups[0]))
         plan = make_exchange_plan(self.modules, self.rollout_chunks, self.rollout_groups, tp_rank=self.tp_rank,
-                                  tied=tied)
+                                  tied=tied, experts=experts)
         names = list(self._train_params) + [n for n, _ in named_parameters(self.rollout_chunks)]
         keys = keys_of(names, tied=tied)
         self.exchange_plan = plan

@@ -254,10 +254,13 @@ class PlanExecutor:
 
 # ---- any layout pair: the exchange ------------------------------------------------------------------------
 def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence[torch.nn.Module],
-                       groups: RolloutGroups, *, tp_rank: int, tied: bool) -> ExchangePlan:
+                       groups: RolloutGroups, *, tp_rank: int, tied: bool,
+                       experts: Optional[tuple[Any, int]] = None) -> ExchangePlan:
     """Gather every rank's training tensors and rollout needs (one ``all_gather_object`` over the world) and plan
     the exchange (the same plan on every rank). The rollout parameters get their tensor-parallel attributes here and
-    are checked against the training shapes, as in :func:`make_group_plan`."""
+    are checked against the training shapes, as in :func:`make_group_plan`. ``experts``: an MoE model's
+    :class:`~megatron_hybrid.layout.ExpertLayout` and this rank's training expert-TP rank (its routed experts move
+    on their own axis, expert TP; the rollout expert-TP rank is the rollout groups')."""
     lay = groups.layout
     held: dict[str, ParamInfo] = {}
     for info in param_infos(modules, held_at={}):
@@ -265,13 +268,20 @@ def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Seque
         held.setdefault(key, dataclasses.replace(info, name=key))
     rollout_params = dict(named_parameters(list(rollout_chunks)))
     needs = keys_of(list(rollout_params), tied=tied)
-    mine = RankTensors(groups.transport.rank, tp_rank, groups.tp_rank, tuple(held.values()), tuple(needs.values()))
+    ex, expert_tp = experts if experts is not None else (None, 0)
+    rollout_expert_tp = groups.ranks["expt_tp"].index(groups.transport.rank) if ex is not None else 0
+    mine = RankTensors(groups.transport.rank, tp_rank, groups.tp_rank, tuple(held.values()), tuple(needs.values()),
+                       expert_tp, rollout_expert_tp)
     with groups.errors("HybridEngine()", "the world's gather of the parameter descriptions"):
         everyone = groups.transport.all_gather_object(mine, groups.world)
     infos = {info.name: info for rt in everyone for info in rt.held}
-    adopt_training_attributes(rollout_params, {n: infos[k] for n, k in needs.items() if k in infos}, tp=lay.t,
-                              rollout_tp=lay.t_g, holders="training rank")
-    return build_exchange_plan(everyone, t=lay.t, t_g=lay.t_g)
+    for axis_is_expert, (tp, rollout_tp) in ((False, (lay.t, lay.t_g)),
+                                             (True, (ex.et, ex.et_g) if ex is not None else (1, 1))):
+        adopt_training_attributes({n: p for n, p in rollout_params.items() if is_expert(n) == axis_is_expert},
+                                  {n: infos[k] for n, k in needs.items() if k in infos}, tp=tp, rollout_tp=rollout_tp,
+                                  holders="training rank")
+    return build_exchange_plan(everyone, t=lay.t, t_g=lay.t_g, et=ex.et if ex is not None else 1,
+                               et_g=ex.et_g if ex is not None else 1, is_expert=is_expert)
 
 
 class ExchangeExecutor:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import compat
 from .exchange import Arrangement, arrange
-from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout
+from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, _group_ranks
 from .transport import TORCH, Transport
 
 #: Group kinds, in creation order (every rank creates every group in the same order). The expert kinds (an MoE
@@ -141,6 +141,19 @@ def _exchange_lists(arrangement: Arrangement) -> dict[str, list[list[int]]]:
             "micro_dp": singles, "cross_stage": singles, "tied_embedding": []}
 
 
+def _exchange_expert_lists(arrangement: Arrangement, ex: ExpertLayout) -> dict[str, list[list[int]]]:
+    """An MoE model's rollout expert groups on an exchange layout: each rollout stage's ranks cut into expert TP ×
+    EP × expert DP (:meth:`~megatron_hybrid.exchange.Arrangement.expert_coords`); no micro-EP groups (the experts
+    move in the exchange's all-to-all)."""
+    coords = arrangement.expert_coords(ex.et_g, ex.e_g).items()
+    return {"stage": arrangement.stage_groups(),
+            "ep": _group_ranks(coords, lambda c: (c[0], c[2], c[3]), order=lambda c: c[1]),
+            "expt_tp": _group_ranks(coords, lambda c: (c[1], c[2], c[3]), order=lambda c: c[0]),
+            "tp_ep": _group_ranks(coords, lambda c: (c[2], c[3]), order=lambda c: c[0] + ex.et_g * c[1]),
+            "expt_dp": _group_ranks(coords, lambda c: (c[0], c[1], c[3]), order=lambda c: c[2]),
+            "micro_ep": [[r] for r in sorted(arrangement.coords)]}
+
+
 def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, *, timeout: datetime.timedelta,
                           cp_group: Optional[Any] = None, tied_embedding: bool = False,
                           experts: Optional[tuple[ExpertLayout, tuple[Any, Any, Any]]] = None,
@@ -167,7 +180,9 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
         lists = _exchange_lists(arrangement)
     # The rollout model's context-parallel group when Megatron has none: one rank each.
     lists["single"] = [[r] for r in range(dist.get_world_size())] if cp_group is None else []
-    if experts is not None:
+    if experts is not None and arrangement is not None:
+        lists.update(_exchange_expert_lists(arrangement, experts[0]))
+    elif experts is not None:
         ex = experts[0]
         lists.update(stage=layout.rollout_stage_groups(grid), ep=ex.rollout_ep_groups(expert_grid),
                      expt_tp=ex.rollout_expt_tp_groups(expert_grid), tp_ep=ex.rollout_tp_ep_groups(expert_grid),

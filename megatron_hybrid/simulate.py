@@ -17,10 +17,11 @@ Covered now: dense GPT models with every architecture option of ``GPTArchitectur
 layout pair, in place (micro-DP gathers: t_g | t, or t_g = m·t with m | d and p_g = p; p_g | p) or exchanged
 (:mod:`megatron_hybrid.exchange`: one all-to-all); virtual pipeline chunks (an exchange layout, as the engine
 serves a dense model with them); aliased and canonical weights. MoE models (routed experts, shared experts and
-their gate, dense and MoE layers mixed, expert biases) on the layouts the engine serves them on (in place): the
-routed experts as a second plane over the micro-EP groups of megatron-core's expert grid (expert TP, EP, expert
-DP, PP), as :class:`~megatron_hybrid.engine.HybridEngine` places them. Refused with a ``ValueError`` naming what
-(not simulated yet): FP8 rollout weights.
+their gate, dense and MoE layers mixed, expert biases): in place, the routed experts as a second plane over the
+micro-EP groups of megatron-core's expert grid (expert TP, EP, expert DP, PP); exchanged, the routed experts in the
+all-to-all on their own axis (expert TP), each rollout stage's ranks cut into rollout expert TP × EP × expert DP;
+both as :class:`~megatron_hybrid.engine.HybridEngine` places them. Refused with a ``ValueError`` naming what (not
+simulated yet): FP8 rollout weights.
 """
 
 from __future__ import annotations
@@ -254,8 +255,7 @@ class SimulatedSwitch:
 
     def rollout_names(self, rank: RankResult) -> list[str]:
         """What the rank holds rolling out: its rollout stage's tensors, its rollout EP rank's routed experts."""
-        lay = self.layout
-        # In place with virtual chunks (an MoE model, p_g = p): the rollout model keeps the training chunks.
+        lay = self.layout  # (virtual chunks make an exchange layout: one rollout chunk a rank)
         names = stage_names(list(self.specs), stage=rank.rollout_coord[1], stages=lay.p_g,
                             num_layers=self.arch.num_layers, tied=self.tied,
                             chunks=1 if lay.exchange else self.chunks)
@@ -321,17 +321,15 @@ class _GroupSize:
 
 
 def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
-             weight_mode: str = "aliased", chunks: int = 1, expert_parallel: Optional[tuple[int, int]] = None,
-             moe_exchange: bool = False) -> ParallelLayout:
+             weight_mode: str = "aliased", chunks: int = 1, expert_parallel: Optional[tuple[int, int]] = None
+             ) -> ParallelLayout:
     """The layout pair through the engine's own validation, as :class:`~megatron_hybrid.engine.HybridEngine`
     runs it on a built model, and through what megatron-core needs to build the training model (Megatron-LM's
     argument checks: TP divides the heads, the query groups and the MLP, PP the layers; for an MoE model EP divides
     the experts, expert TP their MLP, and expert TP × EP × expert DP covers TP × DP). ``expert_parallel``: an MoE
     model's training (EP, expert TP) sizes (default (1, t)). ``ValueError`` when refused; else the layout (an
-    exchange one with virtual ``chunks``, as the engine makes it for a dense model). ``moe_exchange``: accept MoE
-    models on exchange layouts (virtual chunks included), which the engine refuses today: a preview of the exchange
-    plan's expert axis."""
-    from .validation import check_experts, check_layout, check_model, check_moe_chunks  # megatron-core's types
+    exchange one with virtual ``chunks``, as the engine makes it)."""
+    from .validation import check_experts, check_layout, check_model  # megatron-core's config types
 
     if not isinstance(training, tuple) or len(training) != 3:
         raise ValueError(f"training ({training!r}) must be a (t, p, d) tuple")
@@ -352,16 +350,15 @@ def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: Rol
         raise ValueError(f"virtual pipeline chunks ({chunks}) need pipeline_model_parallel_size ({p}) ≥ 2 and "
                          f"num_layers ({arch.num_layers}) divisible by pipeline size × chunks")
     moe = arch.num_experts is not None
-    if chunks > 1 and (not moe or moe_exchange):
+    if chunks > 1:
         lay = dataclasses.replace(lay, exchange=True)
-    check_moe_chunks(lay, num_chunks=chunks, moe=moe and not moe_exchange)
     check_layout(lay, world_size=t * p * d, num_chunks=chunks)
     config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                      expert_model_parallel_size=e, expert_tensor_parallel_size=et)
     stand_in = _ModelStandIn(config, arch.padded_vocab_size(t))
     check_model([stand_in], lay, weight_mode=weight_mode)
     expert_groups = (_GroupSize(et), _GroupSize(e), _GroupSize(t * d // (e * et))) if moe else None
-    check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d, exchange=moe_exchange)
+    check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d)
     return lay
 
 
@@ -384,8 +381,7 @@ def expert_sizes(training: tuple[int, int, int], expert_parallel: Optional[tuple
 def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout, *,
                     weight_mode: str = "aliased", switches: int = 1, seed: int = 0, chunks: int = 1,
                     update: Optional[Any] = None, bucket_size_mb: float = 0.001,
-                    expert_parallel: Optional[tuple[int, int]] = None, moe_exchange: bool = False
-                    ) -> SimulatedSwitch:
+                    expert_parallel: Optional[tuple[int, int]] = None) -> SimulatedSwitch:
     """Run the switch of layout pair ``training`` (t, p, d) -> ``rollout`` for every rank in one process.
 
     ``switches``: how many switches to rollout, each after the previous one's return to training (which gives the
@@ -394,14 +390,13 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     ``update(name, tensor)``), an optimizer step's stand-in: it must act element-wise and identically on a shard
     and on the full tensor. A small ``bucket_size_mb`` gives many buckets (more regions to get wrong).
     ``expert_parallel``: an MoE model's training (EP, expert TP) sizes; its routed experts then form a second plane
-    over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them; with
-    ``moe_exchange`` (see :func:`validate`) an MoE exchange layout moves them in the all-to-all on their own axis.
+    over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them; an
+    exchange layout moves them in its all-to-all, on their own axis (expert TP).
     """
     if weight_mode not in ("aliased", "canonical"):
         raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased' or 'canonical' (FP8 is not simulated "
                          "yet)")
-    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel,
-                   moe_exchange=moe_exchange)
+    lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel)
     t, p, d = training
     moe = arch.num_experts is not None
     e, et = expert_sizes(training, expert_parallel, moe=moe)
@@ -662,8 +657,8 @@ def _with_experts(choose: Callable[[str, Sequence[Any]], Any], example: Example)
     et = 1 if arch.add_bias_linear else choose("et", _divisors(t * d // e))  # megatron-core: biases need et = 1
     e_g = choose("e_g", 3 * _divisors(e) + [2 * e])  # now and then one the engine must refuse
     et_g = choose("et_g", _divisors(et))
-    # The engine reshards MoE models in place only (t_g | t, p_g | p): half the draws keep the free rollout sizes
-    # (mostly refused), half draw in-place ones.
+    # Half the draws keep the free rollout sizes (exchange layouts mostly, or refused), half draw in-place ones
+    # (t_g | t, p_g | p: the micro-EP gather).
     t_g, p_g = example.rollout
     if choose("moe_rollout", ["free", "in place"]) == "in place":
         t_g, p_g = choose("moe_t_g", _divisors(t)), choose("moe_p_g", _divisors(p))

@@ -122,16 +122,6 @@ def check_even_stages(config: Any) -> None:
                          "build the model with an even split")
 
 
-def check_moe_chunks(layout: ParallelLayout, *, num_chunks: int, moe: bool) -> None:
-    """``ValueError`` for an MoE model with virtual pipeline chunks and ``p_g ≠ p``: its rollout stages would take
-    layers of several training chunks, an exchange layout, and the exchange plan does not place routed experts."""
-    if moe and num_chunks > 1 and layout.p_g != layout.p:
-        raise ValueError(f"an MoE model with virtual pipeline chunks ({num_chunks} a rank) reshards only to rollout "
-                         f"pipeline_model_parallel_size = pipeline_model_parallel_size ({layout.p}), not "
-                         f"{layout.p_g}: its rollout stages would take layers of several training chunks, and the "
-                         "exchange plan does not place routed experts yet")
-
-
 def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, weight_mode: str,
                 rollout_weights: str = "model") -> None:
     """The model (its unwrapped chunks; the first one's ``config``) against the layout, the weight mode and the
@@ -194,6 +184,9 @@ def _check_exchanged_experts(config: Any, layout: ParallelLayout, rollout: Rollo
     if config.moe_ffn_hidden_size % et_g:
         raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) must divide moe_ffn_hidden_size "
                          f"({config.moe_ffn_hidden_size})")
+    if config.add_bias_linear and et_g > 1:  # megatron-core asserts it when the rollout model is built
+        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) must be 1 for a model with biases "
+                         "(add_bias_linear): megatron-core supports expert biases only without expert TP")
     et, e, edp = training
     return ExpertLayout(et=et, e=e, edp=edp, p=layout.p, et_g=et_g, e_g=e_g, p_g=layout.p_g, exchange=True)
 
@@ -224,10 +217,10 @@ def check_stage_patterns(config: Any, layout: ParallelLayout) -> None:
 
 def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
                   rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]],
-                  world_size: int, exchange: bool = False) -> Optional[ExpertLayout]:
+                  world_size: int) -> Optional[ExpertLayout]:
     """An MoE model's expert layout (``None`` for a dense model) against the rollout layout, the world and the
-    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model. ``exchange``:
-    whether the caller serves MoE exchange layouts (the simulated world's preview; the engine does not yet)."""
+    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model. In place the
+    experts gather over micro-EP groups (e_g | e, et_g | et); on an exchange layout they move in its all-to-all."""
     config = modules[0].config
     if config.num_moe_experts is None:
         if rollout.expert_model_parallel_size != 1:
@@ -245,12 +238,9 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     if layout.t_g > layout.t:
         raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
                          f"({layout.t}) is not supported for MoE models")
-    if layout.exchange and exchange:
-        return _check_exchanged_experts(config, layout, rollout, (et, e, edp))
+    check_sequential_experts(modules)
     if layout.exchange:
-        raise ValueError(f"the layout pair (TP, PP) ({layout.t}, {layout.p}) → ({layout.t_g}, {layout.p_g}) is not "
-                         "supported for MoE models: their switch gathers over micro-DP and micro-EP groups, which "
-                         "needs rollout_tp | tp and rollout_pp | pp (and no virtual pipeline chunks)")
+        return _check_exchanged_experts(config, layout, rollout, (et, e, edp))
     check_stage_patterns(config, layout)
     lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
     if config.num_moe_experts % lay.e_g:
@@ -259,9 +249,13 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     if config.moe_ffn_hidden_size % lay.et_g:
         raise ValueError(f"rollout expert_tensor_parallel_size ({lay.et_g}) must divide moe_ffn_hidden_size "
                          f"({config.moe_ffn_hidden_size})")
+    return lay
+
+
+def check_sequential_experts(modules: Sequence[torch.nn.Module]) -> None:
+    """``ValueError`` for routed experts other than megatron-core's SequentialMLP (a tensor per expert)."""
     for module in modules:
         for name, sub in module.named_modules():
             if hasattr(sub, "local_expert_indices") and type(sub.experts).__name__ != "SequentialMLP":
                 raise ValueError(f"{name}.experts is a {type(sub.experts).__name__}; the HybridEngine moves "
                                  "SequentialMLP experts (megatron-core's local spec, moe_grouped_gemm=False)")
-    return lay

@@ -155,19 +155,3 @@ def test_plan_alignment_pads_every_slot():
                             bucket_numel=100, alignment={"float32": 48})
     for reg in plan.regions["float32"]:
         assert reg.slot_numel % 48 == 0 and reg.offset % 48 == 0
-
-
-def test_moe_with_virtual_chunks_keeps_the_pipeline_size():
-    """Issue 50, step 1: an MoE model with virtual pipeline chunks and p_g ≠ p is refused, naming both sizes (its
-    rollout stages would mix training chunks: an exchange layout, which does not place routed experts); p_g = p, a
-    dense model, or one chunk pass."""
-    from megatron_hybrid.validation import check_moe_chunks
-
-    lay = ParallelLayout.create(training=(1, 2, 1), rollout=RolloutLayout(1, 1))
-    with pytest.raises(ValueError, match=r"an MoE model with virtual pipeline chunks \(2 a rank\) reshards only to "
-                                         r"rollout pipeline_model_parallel_size = pipeline_model_parallel_size \(2\), "
-                                         r"not 1"):
-        check_moe_chunks(lay, num_chunks=2, moe=True)
-    check_moe_chunks(lay, num_chunks=2, moe=False)
-    check_moe_chunks(lay, num_chunks=1, moe=True)
-    check_moe_chunks(ParallelLayout.create(training=(1, 2, 1), rollout=RolloutLayout(1, 2)), num_chunks=2, moe=True)

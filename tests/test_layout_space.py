@@ -120,3 +120,34 @@ def test_the_moe_simulation_agrees_with_the_engine_on_gloo_ranks(index):
     assert outcome["status"] == "ok"
     ranks = layout_sweep.on_ranks(example, outcome)
     assert ranks["agree"], ranks
+
+
+def _moe_exchange_examples() -> dict:
+    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.simulate import Example
+
+    mixed = tiny_llama(num_layers=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                       moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True, moe_layer_freq=[1, 0, 1, 0])
+    wide = tiny_llama(hidden_size=96, num_attention_heads=12, num_query_groups=12, ffn_hidden_size=96, num_experts=6,
+                      moe_ffn_hidden_size=24, make_vocab_size_divisible_by=12)
+    return {"pp-exchange-PP1-to-PP2-EP2-to-EP1": Example(mixed, (2, 1, 2), (2, 2, 1, 1), "canonical", 1, 1, (2, 1)),
+            "tp-exchange-TP4-to-TP3-12-ranks": Example(wide, (4, 1, 3), (3, 1, 6, 1), "canonical", 1, 1, (3, 1)),
+            "TP-down-PP-up-TP2PP2-to-PP4": Example(mixed, (2, 2, 1), (1, 4, 1, 1), "aliased", 1, 1, (2, 1)),
+            "virtual-chunks-PP2-to-PP1-EP2": Example(mixed, (1, 2, 2), (1, 1, 2, 1), "aliased", 1, 2, (2, 1))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp-exchange-PP1-to-PP2-EP2-to-EP1", "tp-exchange-TP4-to-TP3-12-ranks",
+                                  "TP-down-PP-up-TP2PP2-to-PP4", "virtual-chunks-PP2-to-PP1-EP2"])
+def test_moe_exchange_layouts_agree_with_the_simulation_on_gloo_ranks(name):
+    """Issue 48's MoE acceptance: the three exchange kinds (p_g ∤ p, t_g ∤ t, virtual chunks; and TP and PP moving
+    the other way round) with routed experts on real gloo ranks: every rank's rollout tensors bit for bit after
+    both switches (the second after an element-wise step) and every rank's bytes the simulation's needed − held."""
+    from bench import layout_sweep
+
+    example = _moe_exchange_examples()[name]
+    outcome = run_example(example)
+    assert outcome["status"] == "ok" and outcome["exchange"], outcome
+    assert max(outcome["bytes_received"]) > 0
+    ranks = layout_sweep.on_ranks(example, outcome)
+    assert ranks["agree"], ranks

@@ -96,15 +96,53 @@ def test_moe_switch_is_exact_and_moves_only_missing_bytes(name):
             assert set(res["paths"]) == {"grouped_experts" if grouped else "sequential_experts"}, (r["rank"], mode)
 
 
+#: MoE exchange layouts (the experts move in the exchange's all-to-all, on the expert-TP axis): more rollout stages
+#: than training ones, dense and MoE layers mixed differently on the stages, on 8 ranks.
+_EXCHANGES = {
+    "t2p1e2et1-p2e1": ((2, 1, 2, 1), (2, 2, 1, 1), {}),
+    "t1p2e4et1-p4e2-mixed": ((1, 2, 4, 1), (1, 4, 2, 1),
+                             dict(num_layers=4, moe_layer_freq=[1, 0, 0, 1], moe_shared_expert_intermediate_size=32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EXCHANGES))
+@pytest.mark.slow
+def test_moe_exchange_layouts_are_exact_and_generate(name):
+    """The engine on MoE exchange layouts (real ranks, megatron-core's rollout model on the arrangement's expert
+    groups): every rollout tensor bit for bit before and after an SGD step, the bytes moved are what each rank
+    misses, the rollout model's logits are the unsharded model's, greedy generation is the reference's."""
+    (t, p, e, et), (t_g, p_g, e_g, et_g), arch_kw = _EXCHANGES[name]
+    ref = _reference(arch_kw)
+    rollout = dict(tensor_model_parallel_size=t_g, pipeline_model_parallel_size=p_g,
+                   expert_model_parallel_size=e_g, expert_tensor_parallel_size=et_g)
+    results = run_distributed(cases.moe_engine_case, 8, arch_kw, rollout, ref, tensor_model_parallel_size=t,
+                              pipeline_model_parallel_size=p, expert_model_parallel_size=e,
+                              expert_tensor_parallel_size=et)
+    for r in results:
+        for mode in ("aliased", "canonical"):
+            res = r[mode]
+            assert res["expert_layout"].exchange, res["expert_layout"]
+            total, _ = res["missing"]  # t_g = t, et_g = et: a rollout tensor is held whole or not at all
+            for when, logits in (("first", ref["logits"]), ("second", ref["logits_stepped"])):
+                got, ctx = res[when], (r["rank"], mode, when)
+                assert got["mismatches"] == [], ctx
+                if got["rollout_logits"] is not None:
+                    assert _close(got["rollout_logits"], logits[res["seed_rollout"]]), ctx
+                assert got["report"]["total_bytes"] == total, (ctx, got["report"], total)
+            assert res["generated"] == ref["greedy_stepped"][res["dp_rank"]], (r["rank"], mode)
+
+
 _BAD = [
     (dict(expert_model_parallel_size=4), "rollout expert_model_parallel_size (4) must divide "
                                          "expert_model_parallel_size (2)"),
     (dict(expert_model_parallel_size=3), "rollout expert_model_parallel_size (3) must divide"),
     (dict(expert_tensor_parallel_size=2), "rollout expert_tensor_parallel_size (2) must divide "
                                           "expert_tensor_parallel_size (1)"),
-    # More rollout stages than training ones: an exchange layout, whose plan does not place routed experts.
-    (dict(pipeline_model_parallel_size=2), "the layout pair (TP, PP) (1, 1) → (1, 2) is not supported for MoE "
-                                           "models"),
+    # More rollout stages than training ones: an exchange layout, whose rollout stages (one rank each here) cannot
+    # hold two EP ranks.
+    (dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+     "rollout expert_tensor_parallel_size (1) × expert_model_parallel_size (2) must divide a rollout stage's ranks "
+     "(1)"),
     (dict(expert_model_parallel_size=0), "rollout expert_model_parallel_size (0) must be a positive integer"),
 ]
 

@@ -108,8 +108,8 @@ def test_moe_ranks_get_their_rollout_shard_and_experts_bit_for_bit(training, exp
     assert check_switch(result) == []
 
 
-#: MoE exchange layouts (the exchange plan's expert axis; the engine refuses them today): more rollout stages than
-#: training ones (PP exchange), TP 4 -> 3 (TP exchange), TP and PP moving the other way round, two virtual chunks.
+#: MoE exchange layouts (the exchange plan's expert axis): more rollout stages than training ones (PP exchange),
+#: TP 4 -> 3 (TP exchange), TP and PP moving the other way round, two virtual chunks.
 MOE_EXCHANGES = [((2, 2, 2), (2, 2), (2, 4, 2, 1), 1, "moe-shared-gate-mixed"),
                  ((4, 1, 1), (2, 2), (2, 2, 2, 1), 1, "moe-shared-gate-mixed"),
                  ((2, 2, 2), (4, 1), (1, 4, 1, 1), 1, "moe-biases-gelu-layernorm"),
@@ -129,11 +129,9 @@ def test_moe_exchange_layouts_move_experts_on_their_own_axis(training, experts, 
                                                      ffn_hidden_size=96, num_experts=6, moe_ffn_hidden_size=24,
                                                      make_vocab_size_divisible_by=12)}
     result = simulate_switch(archs[arch], training, RolloutLayout(*rollout), weight_mode=mode, switches=2,
-                             update=_update, expert_parallel=experts, moe_exchange=True, chunks=chunks)
+                             update=_update, expert_parallel=experts, chunks=chunks)
     assert result.layout.exchange and result.experts.exchange
     assert check_switch(result) == []
-    with pytest.raises(ValueError, match="not supported for MoE models|MoE model with virtual pipeline chunks"):
-        validate(archs[arch], training, RolloutLayout(*rollout), expert_parallel=experts, chunks=chunks)
 
 
 def test_expert_biases_gathered_over_expert_parallel_ranks():
@@ -241,15 +239,19 @@ def test_a_misplaced_block_is_found(monkeypatch):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(weight_mode="fp8"), r"weight_mode \('fp8'\)"),
-    # MoE: what the engine refuses (check_experts, check_moe_chunks) and what megatron-core cannot build.
-    (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), rollout=RolloutLayout(1, 4)),
-     r"the layout pair \(TP, PP\) \(2, 2\) → \(1, 4\) is not supported for MoE models"),
+    # MoE: what the engine refuses (check_experts) and what megatron-core cannot build.
+    (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), rollout=RolloutLayout(1, 4, 1, 2)),
+     r"rollout expert_tensor_parallel_size \(2\) × expert_model_parallel_size \(1\) must divide a rollout stage's "
+     r"ranks \(1\)"),
+    (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, add_bias_linear=True), training=(1, 2, 2),
+          expert_parallel=(2, 1), rollout=RolloutLayout(2, 1, 1, 2)),
+     r"rollout tensor_model_parallel_size \(2\) > tensor_model_parallel_size \(1\)"),
+    (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, add_bias_linear=True), training=(2, 1, 2),
+          expert_parallel=(2, 1), rollout=RolloutLayout(2, 2, 1, 2)),
+     r"rollout expert_tensor_parallel_size \(2\) must be 1 for a model with biases"),
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), training=(1, 2, 2), rollout=RolloutLayout(2, 2),
           expert_parallel=(2, 1)), r"rollout tensor_model_parallel_size \(2\) > tensor_model_parallel_size \(1\) "
                                    r"is not supported for MoE models"),
-    (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, num_layers=4), chunks=2),
-     r"an MoE model with virtual pipeline chunks \(2 a rank\) reshards only to rollout pipeline_model_parallel_size "
-     r"= pipeline_model_parallel_size \(2\), not 1"),
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, num_layers=2, moe_layer_freq=[1, 0])),
      r"moe_layer_freq \(\[1, 0\]\) gives the pipeline stages 0-1 different layers"),
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, add_bias_linear=True), expert_parallel=(2, 1),
