@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .exchange import RankTensors, arrange, build_exchange_plan, keys_of
+from .fp8 import FP8_DTYPE, is_target, quantize_rows
 from .executor import ExchangeExecutor, PlanExecutor, PlaneSpec
 from .groups import collective_errors
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
@@ -222,6 +223,9 @@ class RankResult:
     rollout_expert_coord: Optional[tuple[int, int]] = None
     """An MoE model: the rank's rollout (expert TP, EP) ranks."""
     expert_placement: Any = None
+    fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """FP8 rollout weights: each quantized weight (``float8_e4m3fn``) and its fp32 row scales, as the engine's
+    quantizer writes them from the rank's blocks."""
 
 
 @dataclass
@@ -356,7 +360,9 @@ def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: Rol
     config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                      expert_model_parallel_size=e, expert_tensor_parallel_size=et)
     stand_in = _ModelStandIn(config, arch.padded_vocab_size(t))
-    check_model([stand_in], lay, weight_mode=weight_mode)
+    fp8 = weight_mode == "fp8"  # FP8 rollout weights: canonical mode, the weights quantized after each switch
+    check_model([stand_in], lay, weight_mode="canonical" if fp8 else weight_mode,
+                rollout_weights="fp8" if fp8 else "model")
     expert_groups = (_GroupSize(et), _GroupSize(e), _GroupSize(t * d // (e * et))) if moe else None
     check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d)
     return lay
@@ -393,9 +399,9 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them; an
     exchange layout moves them in its all-to-all, on their own axis (expert TP).
     """
-    if weight_mode not in ("aliased", "canonical"):
-        raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased' or 'canonical' (FP8 is not simulated "
-                         "yet)")
+    if weight_mode not in ("aliased", "canonical", "fp8"):
+        raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased', 'canonical' or 'fp8' (canonical with FP8 "
+                         "rollout weights)")
     lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel)
     t, p, d = training
     moe = arch.num_experts is not None
@@ -502,7 +508,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                 plan = build_group_plan(members, [n for n in needed if plane.holds(n)], k=plane.k, q=plane.q,
                                         u=plane.u, bucket_numel=bucket_numel,
                                         tied=plan_tied if plane.name == "dense" else None,
-                                        strided=weight_mode == "canonical", bucket_per_layer=plane.name == "experts")
+                                        strided=weight_mode != "aliased", bucket_per_layer=plane.name == "experts")
             placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
             out.append((placement, None if plan is None else PlanExecutor(plan, index, groups, plane=plane.name,
                                                                           training_params=params, device=cpu), plane))
@@ -533,9 +539,21 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                 total += sum(r.bytes_received for r in records)
             received.append(total)
         by_plane = {plane.name: placement for placement, _, plane in placed}
-        rollout_tensors = {n: by_plane["experts" if expert_of(n) is not None and "experts" in by_plane else "dense"]
-                           .blocks(n).materialize() for n in needed}
-        return dataclasses.replace(who, rollout=rollout_tensors, bytes_received=received,
+
+        def blocks(n: str) -> Any:
+            return by_plane["experts" if expert_of(n) is not None and "experts" in by_plane else "dense"].blocks(n)
+
+        rollout_tensors = {n: blocks(n).materialize() for n in needed}
+        quantized = {}
+        if weight_mode == "fp8":  # as the binding's WeightQuantizer: straight from the blocks, not materialised
+            for n in needed:
+                if is_target(n):
+                    shape = rollout_tensors[n].shape
+                    out = torch.empty(shape, dtype=FP8_DTYPE)
+                    scale = torch.empty(shape[0], dtype=torch.float32)
+                    quantize_rows(blocks(n), out, scale)
+                    quantized[n] = (out, scale)
+        return dataclasses.replace(who, rollout=rollout_tensors, bytes_received=received, fp8=quantized,
                                    placement=by_plane["dense"], expert_placement=by_plane.get("experts"))
 
     ranks = InProcessWorld(t * p * d).run(body)
@@ -546,9 +564,21 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     return SimulatedSwitch(lay, arch, chunks, specs, full, ranks, experts)
 
 
+def _quantized(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 with an fp32 scale per row, amax / 448 (1 for a zero row), written here from the format (not the
+    engine's): the values w / scale rounded to the nearest e4m3 (torch's cast saturates nothing here: |w / scale|
+    ≤ 448)."""
+    w = w_NK.float()
+    amax = w.abs().max(dim=1).values
+    scale = amax / torch.tensor(448.0)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
 def check_switch(result: SimulatedSwitch) -> list[str]:
     """Every way the simulated switch differs from the unsharded model (empty: none): a rollout tensor not bit
-    for bit its shard, a rank receiving other than the bytes it misses."""
+    for bit its shard, an FP8 rollout weight not the shard's quantization bit for bit, a rank receiving other than
+    the bytes it misses."""
     faults = []
     for rank in result.ranks:
         want = result.expected(rank)
@@ -558,6 +588,11 @@ def check_switch(result: SimulatedSwitch) -> list[str]:
             got = rank.rollout.get(name)
             if got is not None and (got.shape != value.shape or not torch.equal(got, value)):
                 faults.append(f"rank {rank.rank} {rank.coord} -> {rank.rollout_coord}: {name} differs")
+        for name, (got_q, got_scale) in rank.fp8.items():  # against an independent write-up of the format
+            want_q, want_scale = _quantized(want[name])
+            if not (torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+                    and torch.equal(got_scale, want_scale)):
+                faults.append(f"rank {rank.rank} {rank.coord} -> {rank.rollout_coord}: FP8 {name} differs")
         missing = result.missing_bytes(rank)
         for n, got_bytes in enumerate(rank.bytes_received):
             if got_bytes != missing:
@@ -597,7 +632,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def draw_example(choose: Callable[[str, Sequence[Any]], Any], *, moe: bool = False) -> Example:
+def draw_example(choose: Callable[[str, Sequence[Any]], Any], *, moe: bool = False, fp8: bool = False) -> Example:
     """An example, each field picked by ``choose(label, options)`` (a seeded ``random.Random``'s choice in
     ``bench/layout_sweep.py``, a Hypothesis draw in the tests): a world of 2-16 ranks, t in {1, 2, 4, 8}, p and
     d up to 4, and any (t_g, p_g) whose product divides the world; SwiGLU or GELU, RMSNorm or LayerNorm, QKV and
@@ -606,8 +641,8 @@ def draw_example(choose: Callable[[str, Sequence[Any]], Any], *, moe: bool = Fal
     ``moe``: then (after the same draws, so a dense example's draws stay what they were) the model gets routed
     experts (2, 4 or 8, top-1 or top-2, softmax or sigmoid scores, a shared expert with or without its gate, all
     layers MoE or mixed with dense ones) and the layouts expert sizes: EP and expert TP whose product divides
-    t · d, rollout EP and expert TP. Much of it is refused by the engine's validation (:func:`validate`), as it
-    should be."""
+    t · d, rollout EP and expert TP. ``fp8``: the weight mode is ``"fp8"`` (canonical, FP8 rollout weights)
+    whatever was drawn. Much of it is refused by the engine's validation (:func:`validate`), as it should be."""
     t = choose("t", [1, 2, 4, 8])  # TP sizes models are built with; PP and DP any size up to 16 ranks in all
     p = choose("p", [k for k in (1, 2, 3, 4) if t * k <= 16])
     d = choose("d", [k for k in (1, 2, 3, 4) if 2 <= t * p * k <= 16])
@@ -635,6 +670,8 @@ def draw_example(choose: Callable[[str, Sequence[Any]], Any], *, moe: bool = Fal
     chunks = choose("virtual_chunks", [1, 2] if p > 1 and arch.num_layers % (2 * p) == 0 else [1])
     example = Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", ["aliased", "canonical"]),
                       choose("steps", [0, 1]), chunks)
+    if fp8:
+        example = dataclasses.replace(example, weight_mode="fp8")
     return _with_experts(choose, example) if moe else example
 
 

@@ -56,6 +56,20 @@ def test_every_accepted_moe_layout_pair_reshards_exactly(data):
     assert outcome["status"] == "ok", (example.describe(), outcome.get("faults"))
 
 
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_accepted_layout_pair_with_fp8_rollout_weights_is_exact(data):
+    """The same space with FP8 rollout weights (canonical mode): the rollout tensors, and every quantized weight
+    against the format's quantization of the unsharded shard."""
+    example = draw_example(lambda label, options: data.draw(st.sampled_from(list(options)), label=label), fp8=True)
+    outcome = run_example(example)
+    if outcome["status"] == "refused":
+        event("refused: " + re.sub(r"\(\d+\)", "(n)", outcome["reason"]))
+        return
+    assert outcome["status"] == "ok", (example.describe(), outcome.get("faults"))
+
+
 def test_the_moe_space_is_not_all_refused():
     import random
 

@@ -40,7 +40,7 @@ def _update(name: str, tensor: torch.Tensor) -> None:
     tensor.mul_(0.5).add_(0.25)
 
 
-@pytest.mark.parametrize("mode", ["aliased", "canonical"])
+@pytest.mark.parametrize("mode", ["aliased", "canonical", "fp8"])
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
 @pytest.mark.parametrize("training,rollout", PAIRS, ids=[f"{t}-{r}" for t, r in PAIRS])
 def test_every_rank_gets_its_rollout_shard_bit_for_bit(training, rollout, arch, mode):
@@ -214,6 +214,34 @@ def test_a_gated_fc1_shard_is_its_gate_and_up_rows():
     assert torch.equal(unshard(shards, spec), fc1)
 
 
+def test_fp8_rollout_weights_are_the_shards_quantization():
+    """FP8 rollout weights (canonical mode): every dense linear weight of every rank quantized from its blocks as
+    the engine does, bit for bit the format's quantization of the unsharded model's shard (written independently in
+    the simulation); TP-sharded along dim 0 and dim 1 (row amaxes combined across blocks), SwiGLU's interleave."""
+    result = simulate_switch(ARCHS["swiglu-rms-gqa"], (2, 2, 1), RolloutLayout(1, 1), weight_mode="fp8",
+                             switches=2, update=_update)
+    assert check_switch(result) == []
+    quantized = result.ranks[0].fp8
+    assert {n.rsplit(".", 2)[-2] for n in quantized} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    assert all(q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 for q, s in quantized.values())
+
+
+def test_a_wrong_fp8_scale_is_found(monkeypatch):
+    """The FP8 check can fail: a quantizer whose scales are off by one ulp is caught, by name."""
+    import megatron_hybrid.simulate as simulate
+
+    real = simulate.quantize_rows
+
+    def off_by_one_ulp(blocks, out, scale):
+        real(blocks, out, scale)
+        scale.copy_(torch.nextafter(scale, torch.full_like(scale, float("inf"))))
+
+    monkeypatch.setattr(simulate, "quantize_rows", off_by_one_ulp)
+    result = simulate_switch(ARCHS["swiglu-rms-gqa"], (2, 1, 1), RolloutLayout(1, 1), weight_mode="fp8")
+    faults = check_switch(result)
+    assert faults and all("FP8" in f for f in faults)
+
+
 def test_a_misplaced_block_is_found(monkeypatch):
     """The check can fail: a plan that loses fc1's interleave (its stride taken as 1) is caught, by name."""
     import megatron_hybrid.simulate as simulate
@@ -238,7 +266,7 @@ def test_a_misplaced_block_is_found(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(weight_mode="fp8"), r"weight_mode \('fp8'\)"),
+    (dict(weight_mode="fp4"), r"weight_mode \('fp4'\) must be 'aliased', 'canonical' or 'fp8'"),
     # MoE: what the engine refuses (check_experts) and what megatron-core cannot build.
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), rollout=RolloutLayout(1, 4, 1, 2)),
      r"rollout expert_tensor_parallel_size \(2\) × expert_model_parallel_size \(1\) must divide a rollout stage's "
