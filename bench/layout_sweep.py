@@ -45,6 +45,18 @@ def example_at(seed: int, index: int, moe: bool = False):
     return draw_example(lambda label, options: rng.choice(list(options)), moe=moe)
 
 
+def build_stage(arch: Any, config: Any, chunks: int) -> list:
+    """This rank's model chunks of ``arch`` (megatron-core's parallel state set): chunk v of this stage with
+    virtual pipeline chunks, as Megatron-LM builds them, else the stage."""
+    from megatron.core import parallel_state as ps
+
+    if chunks > 1:
+        return [arch.build(config, pre_process=ps.is_pipeline_first_stage(ignore_virtual=True) and v == 0,
+                           post_process=ps.is_pipeline_last_stage(ignore_virtual=True) and v == chunks - 1,
+                           vp_stage=v) for v in range(chunks)]
+    return [arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
+
+
 def moe_rank_switches(arch: dict, rollout: list[int], mode: str, state: dict, steps: int, chunks: int = 1) -> dict:
     """:func:`rank_switches` for an MoE model (run_distributed with its expert sizes): this rank's shards of
     ``state`` loaded (routed experts by global index over expert TP), a HybridEngine, two switches with the
@@ -66,12 +78,7 @@ def moe_rank_switches(arch: dict, rollout: list[int], mode: str, state: dict, st
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
-    if chunks > 1:
-        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(ignore_virtual=True) and v == 0,
-                         post_process=ps.is_pipeline_last_stage(ignore_virtual=True) and v == chunks - 1, vp_stage=v)
-                 for v in range(chunks)]
-    else:
-        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
+    model = build_stage(a, config, chunks)
     for chunk in model:
         _load(chunk, state)
     engine = HybridEngine(model if chunks > 1 else model[0], RolloutLayout(*rollout), weight_mode=mode,
@@ -109,12 +116,7 @@ def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state
     a = GPTArchitecture.from_dict(arch)
     config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
-    if chunks > 1:  # model chunk v of this stage, as Megatron-LM builds them
-        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(ignore_virtual=True) and v == 0,
-                         post_process=ps.is_pipeline_last_stage(ignore_virtual=True) and v == chunks - 1, vp_stage=v)
-                 for v in range(chunks)]
-    else:
-        model = [a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
+    model = build_stage(a, config, chunks)
     load_full_state_dict(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     engine = HybridEngine(model if chunks > 1 else model[0], RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode,
                           bucket_size_mb=0.001)

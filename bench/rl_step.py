@@ -92,8 +92,8 @@ def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
             "--target-token", "5", "--lr", str(args.lr)]
     if not args.smoke:
         argv.append("--bf16")
-    if args.rollout_fp8:
-        argv.append("--rollout-fp8")
+    if args.rollout_fp8:  # FP8 rollout weights are rebuilt at every switch: canonical mode
+        argv += ["--rollout-fp8", "--hybrid-weight-mode", "canonical"]
     return argv + args.recipe_args
 
 

@@ -8,8 +8,8 @@
 #   fp8        the same with --rollout-fp8, same seeds             -> rl_step_<gpu>.json
 #   7b         the 7B shape: distributed optimizer, its CPU offload, full recompute -> rl_step_<gpu>.json
 #   learn      the 1.5B shape, 1,024-token vocabulary, 16 prompts of 32-128 tokens, 256 new, LEARN_STEPS (20) steps
-#              at each of LEARN_LR (say "3e-5 1e-4"; default 1e-5; the bench's own 1e-6 keeps the policy still):
-#              the reward's rise, last 5 steps minus first 5  -> rl_step_learn_<gpu>.json
+#              at each of LEARN_LR (default 1e-3: +0.54 on an H100, where 1e-4 gave -0.005; the bench's own 1e-6
+#              keeps the policy still): the reward's rise, last 5 steps minus first 5  -> rl_step_learn_<gpu>.json
 # bf16 also compares generation in the loop with bench/generate.py's way of calling the generator (--compare-generation
 # COMPARE, default 2 calls each).
 #   packed     tests/gpu_packed_attention.py first (60 s): the varlen pack and the cuDNN backward  -> packed_attention_<gpu>.json
@@ -37,7 +37,7 @@ step fp8 300 python3 bench/rl_step.py "${steps[@]}" --rollout-fp8 --out "$OUT/rl
 step 7b 400 python3 bench/rl_step.py --shape qwen2.5-7b "${steps[@]}" --out "$OUT/rl_step_$gpu.json" -- \
   --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1
-for lr in ${LEARN_LR:-1e-5}; do  # the reward's rise: short samples, one run per learning rate
+for lr in ${LEARN_LR:-1e-3}; do  # the reward's rise: short samples, one run per learning rate
   step learn "${LIMIT_LEARN_EACH:-200}" python3 bench/rl_step.py --warmup 0 --steps "${LEARN_STEPS:-20}" --prompts 16 \
     --prompt-range 32 128 --max-new-tokens 256 --lr "$lr" --out "$OUT/rl_step_learn_$gpu.json"
 done
