@@ -23,7 +23,7 @@ import dataclasses
 import datetime
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -229,3 +229,21 @@ def create_rollout_groups(layout: ParallelLayout, tp_group, pp_group, dp_group, 
     assert ranks["tp"].index(me) == tp_rank and ranks["pp"].index(me) == pp_rank, (ranks, coord)
     return RolloutGroups(grid, groups, ranks, by_ranks, pgc, tp_rank, pp_rank, replica, timeout, world,
                          expert_grid, layout, arrangement)
+
+
+class InProcessGroups:
+    """What the executors read of :class:`RolloutGroups`, for a rank of an
+    :class:`~megatron_hybrid.transport.InProcessWorld`: its transport, its micro-DP and micro-EP groups, the world;
+    a group is the tuple of its global ranks. ``errors`` names a failed or timed-out collective as the real groups
+    do (60 s)."""
+
+    def __init__(self, transport: Transport, micro_dp: Sequence[int], micro_ep: Sequence[int] = ()) -> None:
+        self.transport = transport
+        self.groups = {"micro_dp": tuple(micro_dp), "micro_ep": tuple(micro_ep)}
+        self.world = tuple(range(transport.world_size))
+
+    def group_of(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        return tuple(ranks)
+
+    def errors(self, phase: str, what: str) -> Any:
+        return collective_errors(phase, what, timeout=datetime.timedelta(seconds=60))

@@ -27,7 +27,6 @@ simulated yet): FP8 rollout weights.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -37,12 +36,12 @@ import torch
 from .exchange import RankTensors, arrange, build_exchange_plan, keys_of
 from .fp8 import FP8_DTYPE, is_target, quantize_rows
 from .executor import ExchangeExecutor, PlanExecutor, PlaneSpec
-from .groups import collective_errors
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .models import GPTArchitecture
 from .placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement
 from .plan import MemberInfo, ParamInfo, build_group_plan
 from .sharding import TPSpec, shard
+from .groups import InProcessGroups
 from .transport import InProcessWorld
 
 _LAYER_PREFIX = "decoder.layers."
@@ -188,21 +187,6 @@ def _parameter(value: torch.Tensor, spec: TPSpec) -> torch.nn.Parameter:
     if spec.sharded:
         prm.tensor_model_parallel, prm.partition_dim, prm.partition_stride = True, spec.dim, spec.stride
     return prm
-
-
-class _Groups:
-    """What the executors read of the rollout groups, in an in-process world: a group is its ranks."""
-
-    def __init__(self, transport: Any, micro_dp: list[int], micro_ep: Sequence[int] = ()) -> None:
-        self.transport = transport
-        self.groups = {"micro_dp": tuple(micro_dp), "micro_ep": tuple(micro_ep)}
-        self.world = tuple(range(transport.world_size))
-
-    def group_of(self, ranks: list[int]) -> tuple[int, ...]:
-        return tuple(ranks)
-
-    def errors(self, phase: str, what: str) -> Any:
-        return collective_errors(phase, what, timeout=datetime.timedelta(seconds=60))
 
 
 @dataclass
@@ -478,7 +462,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                                  ei, es, ej))
         return out
 
-    def place(transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str], groups: _Groups,
+    def place(transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str], groups: InProcessGroups,
               tp_g: int) -> list[tuple[Any, Any, PlaneSpec]]:
         """The placement and executor of this rank for each plane, built as the engine builds them."""
         rank, cpu = transport.rank, torch.device("cpu")
@@ -520,7 +504,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
         tp_g = who.rollout_coord[0]
         params = {n: _parameter(v, specs[n][1]) for n, v in shards_of(rank).items()}
         needed = probe.rollout_names(who)
-        placed = place(transport, params, needed, _Groups(transport, micro.get(rank, [rank]),
+        placed = place(transport, params, needed, InProcessGroups(transport, micro.get(rank, [rank]),
                                                           micro_ep.get(rank, ())), tp_g)
         received = []
         for n in range(switches):

@@ -267,7 +267,7 @@ class Trainer:
             return self.env.run(examples, generate, step=step + 1, release=call.release)
         return {"driver": turn}
 
-    def partial_rollout(self, timer: rl.StepTimer) -> tuple[list[rl.Example], rl.Rollout, dict[str, Any]]:
+    def partial_rollout(self, timer: rl.StepTimer) -> tuple[list[rl.Example], rl.Rollout, rl.partial.Counts]:
         """--partial-rollout's rollout (rl.partial): drop the stale units, admit prompts, generate on under the
         budget of the units still needed; the step's finished units as examples and a Rollout of their samples
         (``weight_versions``: the update count that made each token), and the step's counts."""
@@ -282,8 +282,8 @@ class Trainer:
         units = buffer.take()
         samples = [s for u in units for s in u.samples]
         waiting, parked = buffer.held()
-        counts.extra = {"generated_tokens": generated, "waiting": waiting, "parked": parked,
-                        "staleness": rl.staleness_histogram(units, step, a.max_staleness)}
+        counts.generated_tokens, counts.waiting, counts.parked = generated, waiting, parked
+        counts.staleness = rl.staleness_histogram(units, step, a.max_staleness)
         trained = dataclasses.replace(rollout, responses=[s.generated_tokens for s in samples],
                                       log_probs=[s.generated_tempered_log_probs for s in samples], results=samples)
         return [self.prompts.example(u.index) for u in units for _ in u.samples], trained, counts
@@ -332,7 +332,7 @@ class Trainer:
             generated, episodes = rollout.num_tokens, rollout.episodes
         else:  # finished samples of this step and earlier ones
             examples, rollout, partial = self.partial_rollout(timer)
-            generated = partial.extra["generated_tokens"]
+            generated = partial.generated_tokens
         prompts, responses = [e.tokens for e in examples], rollout.responses
         if episodes is not None:  # --env: the environments' first prompts; observations are no model tokens
             prompts, generated = episodes.prompts, episodes.model_tokens
@@ -448,13 +448,13 @@ class Trainer:
     def partial_metrics(self, counts: Any) -> dict[str, Any]:
         """--partial-rollout's counts, summed over the DP replicas (a collective of the DP group), and the share
         of the trained tokens at each staleness (0 ... --max-staleness versions)."""
-        buffer, extra = self.partial, counts.extra
+        buffer = self.partial
         keys = ("admitted", "resumed", "dropped", "waiting", "parked")
-        mine = [counts.admitted, counts.resumed, counts.dropped, extra["waiting"], extra["parked"], buffer.dropped,
+        mine = [counts.admitted, counts.resumed, counts.dropped, counts.waiting, counts.parked, buffer.dropped,
                 buffer.admitted]
         total = sum_over(mine, self.dp_group)
         return {**{f"partial/{k}": v for k, v in zip(keys, total)}, "partial/dropped_total": total[5],
-                "partial/admitted_total": total[6], "partial/staleness": extra["staleness"]}
+                "partial/admitted_total": total[6], "partial/staleness": counts.staleness}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:  # checkpointed by name: parameters, optimizers, schedulers

@@ -62,7 +62,14 @@ class Counts:
     """Samples that went on from tokens of an earlier step."""
     generated: int = 0
     """Samples handed to the generator."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    generated_tokens: int = 0
+    """Tokens the step's generate call produced (:meth:`PartialRollout.absorb`)."""
+    waiting: int = 0
+    """Finished units left for a later step, after this step's are taken (:meth:`PartialRollout.held`)."""
+    parked: int = 0
+    """Unfinished units, to go on at a later step."""
+    staleness: list[float] = field(default_factory=list)
+    """Share of the trained tokens at each staleness, 0 ... max_staleness versions (``staleness_histogram``)."""
 
 
 class PartialRollout:
