@@ -37,8 +37,8 @@ def test_every_accepted_layout_pair_reshards_exactly(data):
 
 
 #: MoE examples a CI run draws (the same space with routed experts and expert layouts; more ranks per accepted
-#: example move experts): about 20 s on 2 cores.
-MOE_EXAMPLES = 80
+#: example move experts): about 15 s on 2 cores.
+MOE_EXAMPLES = 60
 
 
 @settings(max_examples=MOE_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -74,9 +74,9 @@ def test_the_moe_space_is_not_all_refused():
     import random
 
     rng = random.Random(0)
-    statuses = [run_example(draw_example(lambda label, options: rng.choice(list(options)), moe=True))["status"]
+    accepted = [_accepted(draw_example(lambda label, options: rng.choice(list(options)), moe=True))
                 for _ in range(60)]
-    assert statuses.count("ok") >= 8 and "fault" not in statuses, statuses
+    assert sum(accepted) >= 8, accepted
 
 
 def test_the_space_is_not_all_refused():
@@ -85,9 +85,21 @@ def test_the_space_is_not_all_refused():
     import random
 
     rng = random.Random(0)
-    statuses = [run_example(draw_example(lambda label, options: rng.choice(list(options))))["status"]
-                for _ in range(40)]
-    assert statuses.count("ok") >= 8 and "fault" not in statuses, statuses
+    accepted = [_accepted(draw_example(lambda label, options: rng.choice(list(options)))) for _ in range(40)]
+    assert sum(accepted) >= 8, accepted
+
+
+def _accepted(example) -> bool:
+    """Whether the engine's validation accepts the example (the property tests simulate what it accepts)."""
+    from megatron_hybrid.layout import RolloutLayout
+    from megatron_hybrid.simulate import validate
+
+    try:
+        validate(example.arch, example.training, RolloutLayout(*example.rollout), weight_mode=example.weight_mode,
+                 chunks=example.chunks, expert_parallel=example.expert_parallel)
+    except ValueError:
+        return False
+    return True
 
 
 def test_the_sweep_resumes_and_tallies(tmp_path, capsys):
@@ -142,16 +154,16 @@ def _moe_exchange_examples() -> dict:
 
     mixed = tiny_llama(num_layers=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                        moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True, moe_layer_freq=[1, 0, 1, 0])
-    wide = tiny_llama(hidden_size=96, num_attention_heads=12, num_query_groups=12, ffn_hidden_size=96, num_experts=6,
-                      moe_ffn_hidden_size=24, make_vocab_size_divisible_by=12)
+    wide = tiny_llama(hidden_size=48, num_attention_heads=6, num_query_groups=6, ffn_hidden_size=96, num_experts=6,
+                      moe_ffn_hidden_size=24, make_vocab_size_divisible_by=6)
     return {"pp-exchange-PP1-to-PP2-EP2-to-EP1": Example(mixed, (2, 1, 2), (2, 2, 1, 1), "canonical", 1, 1, (2, 1)),
-            "tp-exchange-TP4-to-TP3-12-ranks": Example(wide, (4, 1, 3), (3, 1, 6, 1), "canonical", 1, 1, (3, 1)),
+            "tp-exchange-TP3-to-TP2-EP3-to-EP2": Example(wide, (3, 1, 2), (2, 1, 2, 1), "canonical", 1, 1, (3, 1)),
             "TP-down-PP-up-TP2PP2-to-PP4": Example(mixed, (2, 2, 1), (1, 4, 1, 1), "aliased", 1, 1, (2, 1)),
             "virtual-chunks-PP2-to-PP1-EP2": Example(mixed, (1, 2, 2), (1, 1, 2, 1), "aliased", 1, 2, (2, 1))}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pp-exchange-PP1-to-PP2-EP2-to-EP1", "tp-exchange-TP4-to-TP3-12-ranks",
+@pytest.mark.parametrize("name", ["pp-exchange-PP1-to-PP2-EP2-to-EP1", "tp-exchange-TP3-to-TP2-EP3-to-EP2",
                                   "TP-down-PP-up-TP2PP2-to-PP4", "virtual-chunks-PP2-to-PP1-EP2"])
 def test_moe_exchange_layouts_agree_with_the_simulation_on_gloo_ranks(name):
     """Issue 48's MoE acceptance: the three exchange kinds (p_g ∤ p, t_g ∤ t, virtual chunks; and TP and PP moving
