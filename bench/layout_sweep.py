@@ -31,7 +31,7 @@ import random
 import re
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -57,17 +57,37 @@ def build_stage(arch: Any, config: Any, chunks: int) -> list:
     return [arch.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
 
 
+def two_switches(engine: Any, model: list, steps: int, observe: Callable[[], dict],
+                 also_step: Optional[dict] = None) -> list[dict]:
+    """Two switches of ``engine`` to rollout and back, the training weights of ``model`` (and the tensors of
+    ``also_step``) updated element-wise between them when ``steps``; after each switch its bytes and ``observe()``."""
+    import torch
+
+    from megatron_hybrid.simulate import elementwise_step
+
+    out = []
+    for n in range(2):
+        if n and steps:
+            with torch.no_grad():
+                for prm in (q for chunk in model for q in chunk.parameters()):
+                    elementwise_step("", prm.data)
+                for tensor in (also_step or {}).values():
+                    elementwise_step("", tensor)
+        engine.switch_to_rollout()
+        out.append({"bytes": engine.communication_report()["total_bytes"], **observe()})
+        engine.switch_to_training()
+    return out
+
+
 def moe_rank_switches(arch: dict, rollout: list[int], mode: str, state: dict, steps: int, chunks: int = 1) -> dict:
     """:func:`rank_switches` for an MoE model (run_distributed with its expert sizes): this rank's shards of
     ``state`` loaded (routed experts by global index over expert TP), a HybridEngine, two switches with the
     element-wise update between them when ``steps``; after each, the rollout tensors of this rank that differ in
     any bit from its rollout shard of the state (dense over rollout TP, experts over rollout expert TP)."""
-    import torch
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.models import GPTArchitecture
-    from megatron_hybrid.simulate import elementwise_step
     from tests.moe_engine_cases import _load, _rollout_mismatches
 
     state = {name: tensor.clone() for name, tensor in state.items()}  # the ranks' copies share memory: stepped here
@@ -83,19 +103,8 @@ def moe_rank_switches(arch: dict, rollout: list[int], mode: str, state: dict, st
         _load(chunk, state)
     engine = HybridEngine(model if chunks > 1 else model[0], RolloutLayout(*rollout), weight_mode=mode,
                           bucket_size_mb=0.001)
-    out = []
-    for n in range(2):
-        if n and steps:
-            with torch.no_grad():
-                for prm in (q for chunk in model for q in chunk.parameters()):
-                    elementwise_step("", prm.data)
-                for tensor in state.values():
-                    elementwise_step("", tensor)
-        engine.switch_to_rollout()
-        out.append({"bytes": engine.communication_report()["total_bytes"],
-                    "mismatches": _rollout_mismatches(engine, state)})
-        engine.switch_to_training()
-    return {"switches": out}
+    return {"switches": two_switches(engine, model, steps, lambda: {"mismatches": _rollout_mismatches(engine, state)},
+                                     also_step=state)}
 
 
 def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state: dict, steps: int,
@@ -103,13 +112,11 @@ def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state
     """On one gloo rank (run_distributed): the model megatron-core builds for ``arch`` loaded with this rank's
     shards of ``state``, a HybridEngine, a switch, the training weights updated element-wise (when ``steps``), a
     second switch; the rollout model made whole after each, and the bytes each switch moved."""
-    import torch
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.models import GPTArchitecture
     from megatron_hybrid.sharding import load_full_state_dict
-    from megatron_hybrid.simulate import elementwise_step
     from tests.engine_cases import rollout_full_weights
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -120,16 +127,7 @@ def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state
     load_full_state_dict(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     engine = HybridEngine(model if chunks > 1 else model[0], RolloutLayout(rollout_tp, rollout_pp), weight_mode=mode,
                           bucket_size_mb=0.001)
-    out = []
-    for n in range(2):
-        if n and steps:
-            with torch.no_grad():
-                for prm in (q for chunk in model for q in chunk.parameters()):
-                    elementwise_step("", prm.data)
-        engine.switch_to_rollout()
-        out.append({"bytes": engine.communication_report()["total_bytes"], "weights": rollout_full_weights(engine)})
-        engine.switch_to_training()
-    return {"switches": out}
+    return {"switches": two_switches(engine, model, steps, lambda: {"weights": rollout_full_weights(engine)})}
 
 
 def on_ranks(example, outcome: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,14 @@ _DISPATCHERS = ("allgather", "alltoall")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
 
+def moe_layer_pattern(moe_layer_freq: Union[int, list], num_layers: int) -> list[int]:
+    """1 for each MoE layer, 0 for a dense one, as Megatron-LM reads ``moe_layer_freq``: an int n makes every n-th
+    layer from the first MoE, a list gives one entry a layer."""
+    if isinstance(moe_layer_freq, int):
+        return [int(i % moe_layer_freq == 0) for i in range(num_layers)]
+    return [int(v) for v in moe_layer_freq]
+
+
 @dataclass
 class GPTArchitecture:
     """A decoder-only transformer, in Megatron-LM's terms."""
@@ -115,9 +123,7 @@ class GPTArchitecture:
         ``moe_layer_freq`` as Megatron-LM reads it."""
         if self.num_experts is None:
             return [0] * self.num_layers
-        if isinstance(self.moe_layer_freq, int):
-            return [int(i % self.moe_layer_freq == 0) for i in range(self.num_layers)]
-        return list(self.moe_layer_freq)
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
 
     def validate(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                  expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None) -> None:

@@ -20,6 +20,7 @@ from .aliased import supports_blocks
 from .binding import BINDINGS
 from .fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
 from .layout import ExpertLayout, ParallelLayout, RolloutLayout
+from .models import moe_layer_pattern
 from .sharding import TPSpec
 
 WEIGHT_MODES = tuple(BINDINGS)
@@ -191,19 +192,12 @@ def _check_exchanged_experts(config: Any, layout: ParallelLayout, rollout: Rollo
     return ExpertLayout(et=et, e=e, edp=edp, p=layout.p, et_g=et_g, e_g=e_g, p_g=layout.p_g, exchange=True)
 
 
-def moe_pattern(config: Any) -> list[int]:
-    """1 for each MoE layer, 0 for a dense one, from megatron-core's ``moe_layer_freq`` (an int: every n-th layer
-    from the first; a list: one entry a layer)."""
-    freq, n = config.moe_layer_freq, config.num_layers
-    return [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) else [int(v) for v in freq]
-
-
 def check_stage_patterns(config: Any, layout: ParallelLayout) -> None:
     """``ValueError`` for dense and MoE layers mixed (``moe_layer_freq``) so that the training stages one rollout
     stage gathers (p_g < p, in place) differ: their layers are gathered as counterparts, one for one."""
     if layout.exchange or layout.q == 1:
         return
-    pattern, per = moe_pattern(config), config.num_layers // layout.p
+    pattern, per = moe_layer_pattern(config.moe_layer_freq, config.num_layers), config.num_layers // layout.p
     stages = [tuple(pattern[s * per:(s + 1) * per]) for s in range(layout.p)]
     for first in range(0, layout.p, layout.q):
         if len(set(stages[first:first + layout.q])) > 1:
