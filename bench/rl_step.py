@@ -4,8 +4,8 @@
     python bench/rl_step.py --shape qwen2.5-1.5b --rollout-fp8 --out rows.json  # FP8 rollout weights, same seeds
     python bench/rl_step.py --smoke                                             # a tiny model on the CPU, seconds
     python bench/rl_step.py --shape qwen2.5-7b --out rows.json -- --use-distributed-optimizer \
-        --optimizer-cpu-offload --recompute-granularity full --recompute-method uniform \
-        --recompute-num-layers 1
+        --optimizer-cpu-offload --use-precision-aware-optimizer --optimizer-offload-fraction 0.9 \
+        --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 
 The recipe's own Trainer (examples/ppo/train_ppo.py) at world size 1, random weights, the built-in task (reward:
 the target token's share of the response) on variable prompts: ``--prompts`` prompts of 128-1,024 random tokens
@@ -55,8 +55,9 @@ SHAPES = {
                      "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                      "--untie-embeddings-and-output-weights"],
     # Qwen2.5-7B's layers (28, hidden 3,584, 28 heads / 4 KV groups, SwiGLU 18,944), no QKV bias: issue 45's 7B rows
-    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --recompute-granularity full
-    # --recompute-method uniform --recompute-num-layers 1).
+    # (add e.g. -- --use-distributed-optimizer --optimizer-cpu-offload --use-precision-aware-optimizer
+    # --optimizer-offload-fraction 0.9 --recompute-granularity full --recompute-method uniform
+    # --recompute-num-layers 1: the host holds 16 bytes per offloaded parameter, fp32 copy, gradient and moments).
     "qwen2.5-7b": ["--num-layers", "28", "--hidden-size", "3584", "--num-attention-heads", "28",
                    "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "18944", "--swiglu",
                    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
@@ -123,15 +124,53 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
         history = []
         with rl.initialize(parsed):
             trainer = recipe["Trainer"](parsed, task)
+            print(f"built: {_memory_line()}", flush=True)
             for step in range(args.warmup + args.steps):
                 metrics = trainer.train_step()
                 history.append(metrics)
                 print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics['reward_mean']:.3f}, "
-                      f"response length {metrics['response_length']:.0f}", flush=True)
+                      f"response length {metrics['response_length']:.0f}; {_memory_line()}", flush=True)
                 if on_step is not None and step >= args.warmup:
                     on_step(_rows(args, argv, history))
             compared = [compare_generation(trainer, args, argv)] if args.compare_generation else []
     return _rows(args, argv, history) + compared
+
+
+def _ballast(card_gib: Optional[float]) -> Any:
+    """``--card-gib``: map all of the card but ``card_gib`` GiB (CUDA virtual memory, which PyTorch's counters do not
+    see), so that everything this run allocates, PyTorch's or not, fits in ``card_gib`` or fails as it would there."""
+    if card_gib is None:
+        return None
+    from megatron_hybrid.memory import ReservedBuffer, allocation_granularity
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--card-gib ({card_gib}) needs a GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    free, total = torch.cuda.mem_get_info(device)
+    granule = allocation_granularity(device)
+    extra = (total - int(card_gib * 2**30)) // granule * granule
+    if card_gib <= 0:
+        raise ValueError(f"--card-gib ({card_gib}) must be positive")
+    if extra <= 0:  # this card is no larger: run as it is
+        print(f"--card-gib {card_gib}: the card has {total / 2**30:.1f} GiB, nothing set aside", flush=True)
+        return None
+    buf = ReservedBuffer(extra, torch.uint8, device=device, backend="cuda_vmm")
+    buf.map(0, extra)
+    print(f"--card-gib {card_gib}: {extra / 2**30:.1f} GiB of the card's {total / 2**30:.1f} GiB mapped aside",
+          flush=True)
+    return buf
+
+
+def _memory_line() -> str:
+    """The device's memory now (allocated by PyTorch, held by the process) and the host's resident set, in GiB."""
+    import resource
+
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    if not torch.cuda.is_available():
+        return f"host peak RSS {host:.1f} GiB"
+    free, total = torch.cuda.mem_get_info()
+    return (f"GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, {(total - free) / 2**30:.1f} of "
+            f"{total / 2**30:.1f} GiB used; host peak RSS {host:.1f} GiB")
 
 
 def compare_generation(trainer: Any, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -265,6 +304,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--compare-generation", type=int, default=0, metavar="RUNS",
                         help="after the measured steps: RUNS generate calls through the loop against RUNS as "
                              "bench/generate.py makes them, same weights and prompts (a 'generation' row)")
+    parser.add_argument("--card-gib", type=float, default=None, metavar="GIB",
+                        help="run as on a card of GIB GiB: the rest of a larger card is mapped first, outside "
+                             "PyTorch (79.2 = an H100 80 GB's memory, on an H200)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and batch on whatever device there is")
     parser.add_argument("--out", default=None, help="JSON list the rows are appended to")
     parser.add_argument("--table", default=None, metavar="JSON", help="print a results file's table and exit")
@@ -278,7 +320,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 64, 1, 2
         args.inference_max_requests = 8
     write = rows_writer(args.out)  # the file's earlier rows, then this run's so far
+    ballast = _ballast(args.card_gib)  # held until the process ends
     rows = run(args, on_step=write)
+    del ballast
     write(rows)
     print(table(rows))
 

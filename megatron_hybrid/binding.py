@@ -139,7 +139,7 @@ class Binding:
             new.data = flat[off: off + new.numel()].view(new.shape)
             dsts.append(new.data)
         plan = placement.plan
-        if plan is None:  # t_g > t: pieces of the own shard, no gather buffer involved
+        if plan is None:  # a micro group of one rank: pieces of the own shard, no gather buffer involved
             pairs = [(blocks, dst) for (_, _, blocks), dst in zip(items, dsts)]
 
             def refill() -> None:

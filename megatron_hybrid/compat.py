@@ -6,6 +6,7 @@ Supported: megatron-core 0.16.1 (the newest for Python 3.11) up to 0.19.x.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import warnings
 from typing import Iterator, Optional
 
@@ -398,3 +399,13 @@ def override_linear_forward_impl(cls, fn) -> None:
         raise ImportError(f"megatron-core {MCORE_VERSION}: {base.__name__}.forward no longer calls "
                           f"{LINEAR_FORWARD_IMPL}; megatron-hybrid's aliased weight mode supports 0.16.1 - 0.19.x")
     setattr(cls, LINEAR_FORWARD_IMPL, fn)
+
+
+def te_version_known() -> None:
+    """megatron-core 0.16's ``get_te_version()`` is None without Transformer Engine, and ``OptimizerConfig`` compares
+    it with a version for ``use_precision_aware_optimizer`` (a ``TypeError``); 0.19 reads a missing Transformer
+    Engine as version 0.0.0. Do as 0.19 does (nothing when Transformer Engine is there or the version is set)."""
+    import megatron.core.utils as mcore_utils
+
+    if getattr(mcore_utils, "_te_version", "absent") is None and importlib.util.find_spec("transformer_engine") is None:
+        mcore_utils._te_version = Version("0.0.0")

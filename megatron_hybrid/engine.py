@@ -245,7 +245,7 @@ class HybridEngine:
             self.plans[spec.name] = (plan, index)
             planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
                                           device=self.device, held=held if plan is not None else ())
-            if plan is not None:  # none when the rollout layout widens TP: every rank holds its rollout shard
+            if plan is not None:  # none when the micro group is one rank: every rank holds its rollout shard
                 self._executors.append(PlanExecutor(plan, index, self.rollout_groups, plane=spec.name,
                                                     training_params=self._train_params, device=self.device))
         return Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
@@ -271,8 +271,7 @@ class HybridEngine:
     def _plane_specs(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> list[PlaneSpec]:
         """The dense plane over the micro-DP groups, and an MoE model's routed experts over the micro-EP groups."""
         lay = self.layout
-        specs = [PlaneSpec("dense", "micro_dp", lay.t, lay.t_g, lay.k, lay.q, 1, self.tp_rank, self.pp_rank,
-                           gathers=not lay.widens)]
+        specs = [PlaneSpec("dense", "micro_dp", lay.t, lay.t_g, lay.k, lay.q, 1, self.tp_rank, self.pp_rank)]
         ex = self.expert_layout
         if ex is not None:
             et_rank, ep_rank, _ = (dist.get_rank(g) for g in expert_groups)

@@ -97,8 +97,14 @@ class PlaneSpec:
     tp_rank: int
     pp_rank: int
     ep_rank: int = 0
-    gathers: bool = True
-    """False when every rollout shard is a sub-block of the own shard (a rollout TP wider than training's)."""
+
+    @property
+    def gathers(self) -> bool:
+        """Whether a switch gathers this plane over its micro group: False when the group is one rank (a rollout
+        TP wider than training's: every rollout shard a sub-block of the own shard; or the training layout
+        itself, t_g = t and p_g = p, as on one GPU: every rollout shard is the own shard). Then no buffer is
+        made and the training tensors, DDP's buffer included, stay where they are."""
+        return self.k * self.q * self.u > 1
 
     def holds(self, name: str) -> bool:
         return is_expert(name) == (self.name == "experts")

@@ -659,15 +659,19 @@ def optimizer_tensors(optimizer: Any, *, keep: list[torch.Tensor]) -> list[torch
     ``optimizer`` is a torch optimizer or a megatron-core one (``ChainedOptimizer``, ``DistributedOptimizer``,
     ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``). Tensors whose storage is that of a tensor in
     ``keep`` (the model's parameters, which the rollout needs) are left out: an FP32 optimizer's parameters are
-    the model's own.
+    the model's own. Only tensors on the device of ``keep`` count: megatron-core's ``HybridDeviceOptimizer``
+    (``--optimizer-cpu-offload``) already holds its states on the host.
     """
     kept = {t.untyped_storage().data_ptr() for t in keep}
+    devices = {t.device for t in keep}
     seen: set[int] = set()
     out: list[torch.Tensor] = []
 
     def add(t: Optional[torch.Tensor]) -> None:
         if t is None or not torch.is_tensor(t) or t.dim() == 0 or t.numel() == 0:
             return  # 0-dim step counters stay
+        if devices and t.device not in devices:
+            return  # already elsewhere (a host optimizer's states)
         ptr = t.untyped_storage().data_ptr()
         if ptr in kept or ptr in seen:
             return

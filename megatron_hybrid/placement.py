@@ -60,8 +60,9 @@ class HeldBuffer:
 class Placement:
     """Where the training tensors, the peers' slots and the rollout-only memory of one rank live.
 
-    ``plan`` is the micro-DP group's reshard plan and ``member`` this rank's index in it; with t_g > t there is no
-    plan (``None``): every rollout tensor is a sub-block of the rank's own training shard. ``held``: the rank's
+    ``plan`` is the micro-DP group's reshard plan and ``member`` this rank's index in it; where the group is one
+    rank (t_g > t, or t_g = t and p_g = p) there is no plan (``None``): every rollout tensor is a sub-block of the
+    rank's own training shard, or that shard itself, and nothing moves. ``held``: the rank's
     held buffers, in the plan's order; each becomes its own slot of its region as it is.
     """
 
@@ -140,10 +141,10 @@ class Placement:
     def blocks(self, name: str) -> Blocks:
         """The rollout parameter ``name`` as views of training tensors (own, or in peers' slots)."""
         lay = self.layout
-        if self.plan is None:  # t_g > t: a sub-block of the own shard
+        if self.plan is None:  # t_g > t: a sub-block of the own shard; t_g = t, p_g = p: the own shard
             prm = self.train_params[name]
             spec = TPSpec.of(prm)
-            if not spec.sharded:
+            if not spec.sharded or lay.m == 1:
                 return Blocks([prm.data], 0, 1)
             j = self.rollout_tp_rank % lay.m
             pieces = prm.data.chunk(spec.stride * lay.m, dim=spec.dim)

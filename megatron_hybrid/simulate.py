@@ -455,7 +455,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     def planes(rank: int) -> list[PlaneSpec]:
         """As HybridEngine._plane_specs: the dense plane over micro-DP, the routed experts over micro-EP."""
         i, s, _ = coords[rank]
-        out = [PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s, gathers=not lay.widens)]
+        out = [PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s)]
         if experts is not None and not lay.exchange:
             ei, ej, _, es = expert_coord[rank]
             out.append(PlaneSpec("experts", "micro_ep", experts.et, experts.et_g, experts.ke, experts.q, experts.ue,

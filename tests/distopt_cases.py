@@ -148,10 +148,12 @@ def matrix_case(cfg: Config) -> dict:
 
     model, make_optimizer = build(cfg)
     optimizer = make_optimizer() if cfg.optimizer_first else None
+    before = [b.param_data.data_ptr() for b in compat.ddp_param_buffers(model)]
     engine = HybridEngine(model, RolloutLayout(*cfg.rollout), weight_mode=cfg.mode, bucket_size_mb=0.01,
                           optimizer=optimizer)
     optimizer = optimizer or make_optimizer()
     buffers = compat.ddp_param_buffers(model)
+    unmoved = [b.param_data.data_ptr() for b in buffers] == before
     spans = engine.placement.spans()
     inside = all(any(lo <= b.param_data.data_ptr() and b.param_data.data_ptr() + b.param_data.numel()
                      * b.param_data.element_size() <= hi for lo, hi in spans) for b in buffers)
@@ -174,7 +176,7 @@ def matrix_case(cfg: Config) -> dict:
     after_close = _same(params, _full(model))
     return {"losses_equal": losses == ref_losses, "losses": losses, "ref_losses": ref_losses,
             "params_differ": _same(params, ref_params), "rollout_mismatch": rollout_mismatch,
-            "inside": inside, "num_buffers": len(buffers), "device_bytes": device_bytes,
+            "inside": inside, "unmoved": unmoved, "num_buffers": len(buffers), "device_bytes": device_bytes,
             "offloaded": len(offloaded), "bytes": bytes_moved, "after_close": after_close,
             "seconds": time.perf_counter() - t0}
 

@@ -114,7 +114,10 @@ def test_no_offload_optimizer_is_never():
 @pytest.mark.parametrize("argv, message", [
     (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer (as in Megatron-LM)"),
     (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --use-distributed-optimizer"),
-    (["--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload moves the optimizer's "
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload"],
+     "--optimizer-cpu-offload needs --use-precision-aware-optimizer (as in Megatron-LM"),
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer"],
+     "--optimizer-cpu-offload moves the optimizer's "
      "states from the GPU to the host and steps them there: it needs a GPU (this run trains on the CPU)"),
     (["--use-distributed-optimizer", "--optimizer-offload-fraction", "1.5"],
      "--optimizer-offload-fraction (1.5) must be in [0, 1]"),
@@ -137,10 +140,11 @@ def test_optimizer_cpu_offload_flags_reach_the_optimizer_config(monkeypatch):
     assert not optimizer_config(recipe_args("--tensor-model-parallel-size", "1"), lr=1e-3).optimizer_cpu_offload
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)  # as on a GPU machine
     args = recipe_args("--tensor-model-parallel-size", "1", "--use-distributed-optimizer", "--optimizer-cpu-offload",
-                       "--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d")
+                       "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "0.5",
+                       "--overlap-cpu-optimizer-d2h-h2d")
     config = optimizer_config(args, lr=1e-3)
     assert (config.optimizer_cpu_offload, config.optimizer_offload_fraction, config.overlap_cpu_optimizer_d2h_h2d,
-            config.use_distributed_optimizer) == (True, 0.5, True, True)
+            config.use_distributed_optimizer, config.use_precision_aware_optimizer) == (True, 0.5, True, True, True)
 
 
 def test_phase_mfu_and_peak_memory_aggregate(monkeypatch):

@@ -1,4 +1,4 @@
-"""Continuous batching: which sequence decodes in which cache slot (pure Python, no tensors).
+r"""Continuous batching: which sequence decodes in which cache slot (pure Python, no tensors).
 
 Prompts wait in their order; a free slot takes the next waiting prompt before the next decode step, so no decode
 step runs with a free slot while a prompt waits (:attr:`SlotScheduler.idle_slot_steps` counts the violations and

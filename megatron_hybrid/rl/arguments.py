@@ -135,7 +135,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "--overlap-grad-reduce)")
     g.add_argument("--optimizer-cpu-offload", action="store_true", help="megatron-core's optimizer CPU offload "
                    "(HybridDeviceOptimizer): the fp32 main parameters and Adam states of --optimizer-offload-fraction "
-                   "of the parameters live and step on the host (needs --use-distributed-optimizer)")
+                   "of the parameters live and step on the host (needs --use-distributed-optimizer and "
+                   "--use-precision-aware-optimizer, as in Megatron-LM: without it the distributed optimizer keeps a "
+                   "second fp32 copy of the parameters on the GPU)")
     g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                    help="with --optimizer-cpu-offload: the share of the parameters whose optimizer steps on the host")
     g.add_argument("--use-precision-aware-optimizer", action="store_true", help="keep main parameters and states "
@@ -699,6 +701,11 @@ def _validate_optimizer_offload(args: argparse.Namespace) -> None:
                      ("--use-precision-aware-optimizer", args.use_precision_aware_optimizer)):
         if on and not args.use_distributed_optimizer:
             raise ValueError(f"{flag} needs --use-distributed-optimizer (as in Megatron-LM)")
+    if args.optimizer_cpu_offload and not args.use_precision_aware_optimizer:
+        # Megatron-LM refuses it too: HybridDeviceOptimizer steps the host's fp32 copies, while the distributed
+        # optimizer without the flag keeps fp32 main parameters of its own on the GPU (4 bytes a parameter).
+        raise ValueError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (as in Megatron-LM: the "
+                         "host optimizer reuses its code path; without it the fp32 main parameters stay on the GPU)")
     if args.optimizer_cpu_offload and (getattr(args, "device", None) == "cpu" or not _cuda_available()):
         raise ValueError("--optimizer-cpu-offload moves the optimizer's states from the GPU to the host and steps "
                          "them there: it needs a GPU (this run trains on the CPU)")

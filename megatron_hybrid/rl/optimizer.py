@@ -43,6 +43,9 @@ def optimizer_config(args: argparse.Namespace, *, lr: float):
     """
     from megatron.core.optimizer import OptimizerConfig
 
+    from megatron_hybrid import compat
+
+    compat.te_version_known()  # megatron-core 0.16 reads a missing Transformer Engine's version as None
     return OptimizerConfig(optimizer="adam", lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            clip_grad=args.clip_grad, bf16=args.bf16,
