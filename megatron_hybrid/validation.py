@@ -177,8 +177,8 @@ def _check_exchanged_experts(config: Any, layout: ParallelLayout, rollout: Rollo
     et_g, e_g = rollout.expert_tp, rollout.expert_model_parallel_size
     stage_ranks = layout.world_size // layout.p_g
     if stage_ranks % (et_g * e_g):
-        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) × expert_model_parallel_size ({e_g}) must "
-                         f"divide a rollout stage's ranks ({stage_ranks})")
+        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) × rollout expert_model_parallel_size ({e_g}) "
+                         f"must divide a rollout stage's ranks ({stage_ranks})")
     if config.num_moe_experts % e_g:
         raise ValueError(f"rollout expert_model_parallel_size ({e_g}) must divide num_moe_experts "
                          f"({config.num_moe_experts})")
@@ -213,8 +213,8 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
                   rollout: RolloutLayout, *, expert_groups: Optional[tuple[Any, Any, Any]],
                   world_size: int) -> Optional[ExpertLayout]:
     """An MoE model's expert layout (``None`` for a dense model) against the rollout layout, the world and the
-    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model. In place the
-    experts gather over micro-EP groups (e_g | e, et_g | et); on an exchange layout they move in its all-to-all."""
+    model: ``expert_groups`` are the training groups (expert tp, ep, expert dp) of an MoE model. The layout rules
+    are :func:`check_expert_layout`'s (which the recipe's argument checks call too)."""
     config = modules[0].config
     if config.num_moe_experts is None:
         if rollout.expert_model_parallel_size != 1:
@@ -226,15 +226,27 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     if built != (et, e):
         raise ValueError(f"the model was built for expert tensor/expert parallel sizes {built} but the groups are "
                          f"({et}, {e})")
+    lay = check_expert_layout(config, layout, rollout, training=(et, e, edp), world_size=world_size)
+    check_sequential_experts(modules)
+    return lay
+
+
+def check_expert_layout(config: Any, layout: ParallelLayout, rollout: RolloutLayout, *,
+                        training: tuple[int, int, int], world_size: int) -> ExpertLayout:
+    """The one home of the MoE layout rules (no model, no groups: the engine and the recipe's argument checks call
+    it). ``config``: the model's megatron-core ``TransformerConfig`` (``num_moe_experts``, ``moe_ffn_hidden_size``,
+    ``add_bias_linear``, ``moe_layer_freq``, ``num_layers``); ``training``: (expert tp, ep, expert dp). In place
+    the experts gather over micro-EP groups (e_g | e, et_g | et); on an exchange layout they move in its
+    all-to-all."""
+    et, e, edp = training
     if et * e * edp * layout.p != world_size:
         raise ValueError(f"expert tensor ({et}) × expert ({e}) × expert data ({edp}) × pipeline ({layout.p}) "
                          f"parallel sizes must cover the world ({world_size} ranks)")
     if layout.t_g > layout.t:
         raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
                          f"({layout.t}) is not supported for MoE models")
-    check_sequential_experts(modules)
     if layout.exchange:
-        return _check_exchanged_experts(config, layout, rollout, (et, e, edp))
+        return _check_exchanged_experts(config, layout, rollout, training)
     check_stage_patterns(config, layout)
     lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
     if config.num_moe_experts % lay.e_g:

@@ -141,8 +141,8 @@ _BAD = [
     # More rollout stages than training ones: an exchange layout, whose rollout stages (one rank each here) cannot
     # hold two EP ranks.
     (dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
-     "rollout expert_tensor_parallel_size (1) × expert_model_parallel_size (2) must divide a rollout stage's ranks "
-     "(1)"),
+     "rollout expert_tensor_parallel_size (1) × rollout expert_model_parallel_size (2) must divide a rollout "
+     "stage's ranks (1)"),
     (dict(expert_model_parallel_size=0), "rollout expert_model_parallel_size (0) must be a positive integer"),
 ]
 

@@ -282,8 +282,8 @@ def test_a_misplaced_block_is_found(monkeypatch):
     (dict(weight_mode="fp4"), r"weight_mode \('fp4'\) must be 'aliased', 'canonical' or 'fp8'"),
     # MoE: what the engine refuses (check_experts) and what megatron-core cannot build.
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), rollout=RolloutLayout(1, 4, 1, 2)),
-     r"rollout expert_tensor_parallel_size \(2\) × expert_model_parallel_size \(1\) must divide a rollout stage's "
-     r"ranks \(1\)"),
+     r"rollout expert_tensor_parallel_size \(2\) × rollout expert_model_parallel_size \(1\) must divide a rollout "
+     r"stage's ranks \(1\)"),
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, add_bias_linear=True), training=(1, 2, 2),
           expert_parallel=(2, 1), rollout=RolloutLayout(2, 1, 1, 2)),
      r"rollout tensor_model_parallel_size \(2\) > tensor_model_parallel_size \(1\)"),

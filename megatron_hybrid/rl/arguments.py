@@ -15,11 +15,14 @@ import ast
 import dataclasses
 import importlib.util
 import os
+import re
 import warnings
 
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
+from ..layout import ParallelLayout, RolloutLayout
 from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
 from ..models import GPTArchitecture
+from ..validation import check_expert_layout
 from .data import data_file_error
 from .initialize import select_device
 from .memory_policy import check_fraction
@@ -636,10 +639,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads % t_g:
         raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --num-attention-heads "
                          f"({args.num_attention_heads})")
-    if getattr(args, "num_experts", None) and (t_g > t or t % t_g or p % p_g):
-        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) and --rollout-pipeline-model-parallel-size "
-                         f"({p_g}) must divide --tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size "
-                         f"({p}) for a mixture of experts (--num-experts {args.num_experts})")
     _validate_experts(args, data_parallel_size=d)
     if args.moe_enable_routing_replay and not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-enable-routing-replay needs an MoE model (--num-experts: "
@@ -770,20 +769,32 @@ def _validate_experts(args: argparse.Namespace, *, data_parallel_size: int) -> N
                          f"{'' if args.expert_tensor_parallel_size else ', from --tensor-model-parallel-size'}) = "
                          f"{e * et} must divide --tensor-model-parallel-size ({t}) × data-parallel size ({d}) = "
                          f"{t * d}, the ranks of a pipeline stage")
-    if e % e_g:
-        raise ValueError(f"--rollout-expert-model-parallel-size ({e_g}) must divide --expert-model-parallel-size "
-                         f"({e}): a rollout rank's experts are those of whole training EP ranks")
-    if et % et_g:
-        default = "" if args.rollout_expert_tensor_parallel_size else ", from --rollout-tensor-model-parallel-size"
-        raise ValueError(f"--rollout-expert-tensor-parallel-size ({et_g}{default}) must divide "
-                         f"--expert-tensor-parallel-size ({et})")
-    if t_g > t:  # megatron_hybrid.validation.check_experts: the HybridEngine does not widen TP for experts
-        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) > --tensor-model-parallel-size ({t}) is not "
-                         "supported for a mixture of experts")
+    # The engine's rules for the rollout's expert layout (in place or exchanged), in their one home, told with the
+    # flags' names.
+    p, p_g = args.pipeline_model_parallel_size, args.rollout_pipeline_model_parallel_size
+    config = architecture_from_args(args, args.vocab_size).transformer_config(
+        tensor_model_parallel_size=t, pipeline_model_parallel_size=p, expert_model_parallel_size=e,
+        expert_tensor_parallel_size=et, sequence_parallel=args.sequence_parallel)
+    rollout = RolloutLayout(t_g, p_g, expert_model_parallel_size=e_g, expert_tensor_parallel_size=et_g)
+    try:
+        check_expert_layout(config, ParallelLayout.create(training=(t, p, d), rollout=rollout), rollout,
+                            training=(et, e, t * d // (e * et)), world_size=t * p * d)
+    except ValueError as error:
+        raise ValueError(engine_message_with_flags(str(error), args)) from None
     if t > 1 and not args.sequence_parallel:
         # megatron-core's MoELayer refuses to train at TP > 1 without it, and Megatron-LM asks for the flag.
         raise ValueError(f"a mixture of experts (--num-experts {args.num_experts}) at --tensor-model-parallel-size "
                          f"({t}) > 1 needs --sequence-parallel (as in Megatron-LM)")
+
+
+def engine_message_with_flags(message: str, args: argparse.Namespace) -> str:
+    """An engine's ``ValueError`` about its arguments told with the recipe's flags: ``rollout X`` is
+    ``--rollout-X``, ``num_moe_experts`` is ``--num-experts``, any other of the recipe's dests its flag."""
+    dests = vars(args)
+    message = re.sub(r"\brollout (\w+)", lambda m: flag_name(f"rollout_{m.group(1)}") if f"rollout_{m.group(1)}"
+                     in dests else m.group(0), message)
+    message = re.sub(r"(?<![\w-])num_moe_experts(?!\w)", "--num-experts", message)
+    return with_flag_names(message, dests)
 
 
 def _validate_data_and_rewards(args: argparse.Namespace) -> None:
