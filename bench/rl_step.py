@@ -125,8 +125,9 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
         with rl.initialize(parsed):
             trainer = recipe["Trainer"](parsed, task)
             print(f"built: {_memory_line()}", flush=True)
+            built = {f"{k}_after_build": v for k, v in _memory().items()}
             for step in range(args.warmup + args.steps):
-                metrics = trainer.train_step()
+                metrics = {**trainer.train_step(), **_memory(), **built}
                 history.append(metrics)
                 print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics['reward_mean']:.3f}, "
                       f"response length {metrics['response_length']:.0f}; {_memory_line()}", flush=True)
@@ -134,6 +135,9 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
                     on_step(_rows(args, argv, history))
             compared = [compare_generation(trainer, args, argv)] if args.compare_generation else []
     return _rows(args, argv, history) + compared
+
+
+_SET_ASIDE = [0]  # bytes --card-gib mapped aside
 
 
 def _ballast(card_gib: Optional[float]) -> Any:
@@ -156,21 +160,33 @@ def _ballast(card_gib: Optional[float]) -> Any:
         return None
     buf = ReservedBuffer(extra, torch.uint8, device=device, backend="cuda_vmm")
     buf.map(0, extra)
+    _SET_ASIDE[0] = extra
     print(f"--card-gib {card_gib}: {extra / 2**30:.1f} GiB of the card's {total / 2**30:.1f} GiB mapped aside",
           flush=True)
     return buf
 
 
-def _memory_line() -> str:
-    """The device's memory now (allocated by PyTorch, held by the process) and the host's resident set, in GiB."""
+def _memory() -> dict[str, float]:
+    """The device's memory now (``memory/device_used_gib``: held by every allocation of the process, PyTorch's or
+    not) and the host's peak resident set (``memory/host_peak_rss_gib``), in GiB."""
     import resource
 
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    if not torch.cuda.is_available():
-        return f"host peak RSS {host:.1f} GiB"
-    free, total = torch.cuda.mem_get_info()
-    return (f"GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, {(total - free) / 2**30:.1f} of "
-            f"{total / 2**30:.1f} GiB used; host peak RSS {host:.1f} GiB")
+    out = {"memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        out["memory/device_used_gib"] = (total - free - _SET_ASIDE[0]) / 2**30  # --card-gib's share not counted
+    return out
+
+
+def _memory_line() -> str:
+    """:func:`_memory` (and PyTorch's allocated memory) as a line of the log."""
+    mem = _memory()
+    host = f"host peak RSS {mem['memory/host_peak_rss_gib']:.1f} GiB"
+    if "memory/device_used_gib" not in mem:
+        return host
+    total = (torch.cuda.mem_get_info()[1] - _SET_ASIDE[0]) / 2**30
+    return (f"GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, {mem['memory/device_used_gib']:.1f} of "
+            f"{total:.1f} GiB used; {host}")
 
 
 def compare_generation(trainer: Any, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
