@@ -195,7 +195,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["megatron_hybrid", "megatron_hybrid.convert", "megatron_hybrid.inference", "megatron_hybrid.patches",
-              "megatron_hybrid.rl"],
+              "megatron_hybrid.reshard", "megatron_hybrid.rl"],
     package_dir={"megatron_hybrid": "megatron_hybrid", "megatron_hybrid.patches": "patches"},
     install_requires=[
         # torch: whatever megatron-core accepts; the README pins the CPU wheel for CPU machines.

@@ -60,7 +60,7 @@ SWITCH_FACTOR = 1.25
 def fp8_targets(engine) -> list[tuple[str, Any, torch.Tensor, torch.Tensor]]:
     """(name, blocks, FP8 tensor, scales) of every FP8 weight of ``engine``'s rollout model: what its switch
     quantizes, read from the placement and the binding as the binding itself reads them."""
-    from megatron_hybrid.binding import named_parameters
+    from megatron_hybrid.reshard.binding import named_parameters
 
     out = []
     for name, param in named_parameters(engine.rollout_chunks):

@@ -130,8 +130,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_hybrid.models import GPTArchitecture  # noqa: E402
-from megatron_hybrid.placement import DTYPES  # noqa: E402
 from megatron_hybrid.report import missing_bytes as expected_missing_bytes  # noqa: E402
+from megatron_hybrid.reshard.placement import DTYPES  # noqa: E402
 from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound", "bound-fresh")

@@ -17,7 +17,7 @@ every call, and so compute the same bits as ``_scaled_mm``: :func:`fp8_linear`, 
 
 Legend: N output features (rows of a weight), K input features, M tokens.
 
-- :func:`quantize_rows`: the rollout tensor, given as the binding's :class:`~megatron_hybrid.aliased.Blocks`
+- :func:`quantize_rows`: the rollout tensor, given as the binding's :class:`~megatron_hybrid.reshard.aliased.Blocks`
   (views of gathered training shards), straight into FP8 and its scales, without materialising the
   training-dtype tensor; :class:`WeightQuantizer`: the binding's weights, planned once and (on a GPU) quantized by
   one kernel per row length; :func:`quantize_reference`: the same format from a whole tensor, in plain torch, for
@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel import layers as tpl
 
 from . import compat
 from . import fp8_kernels
-from .aliased import Blocks
+from .reshard.aliased import Blocks
 
 FP8_DTYPE, FP8_MAX = fp8_kernels.FP8_DTYPE, fp8_kernels.FP8_MAX  # float8_e4m3fn, 448.0
 #: ``rollout_weights`` values: the training dtype, or FP8 for the :func:`is_target` weights.

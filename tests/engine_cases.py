@@ -152,7 +152,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
     """``own_region_min_numel``: the plan's size threshold for stacked and strided regions, lowered so that the
     tiny model's tensors get them."""
     if own_region_min_numel is not None:
-        from megatron_hybrid import plan
+        from megatron_hybrid.reshard import plan
 
         saved, plan.STACKED_MIN_NUMEL = plan.STACKED_MIN_NUMEL, own_region_min_numel
         try:

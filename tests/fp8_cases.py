@@ -100,8 +100,9 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
     (first, last), set in the model's config as Megatron's first_last_layers_bf16."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, plan
+    from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
+    from megatron_hybrid.reshard import plan
     from megatron_hybrid.sharding import load_full_state_dict
 
     saved = plan.STACKED_MIN_NUMEL

@@ -66,7 +66,7 @@ def _arch(smoke: bool):
 
 def _fp8_bytes(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every FP8 weight of the rollout model and its scales, copied to the host, by global name."""
-    from megatron_hybrid.binding import named_parameters
+    from megatron_hybrid.reshard.binding import named_parameters
 
     out = {}
     for name, param in named_parameters(engine.rollout_chunks):
@@ -80,8 +80,8 @@ def _fp8_bytes(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def check_quantization(engine) -> dict[str, Any]:
     """The rollout model's FP8 weights (engine rolling out) against ``quantize_reference`` of the training weights
     (rollout TP = 1: the whole tensors, under the same names) on their device and on the CPU."""
-    from megatron_hybrid.binding import named_parameters
     from megatron_hybrid.fp8 import is_target, quantize_reference
+    from megatron_hybrid.reshard.binding import named_parameters
 
     train = dict(named_parameters(engine.modules))
     on_gpu = engine.device.type == "cuda"

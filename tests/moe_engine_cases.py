@@ -41,7 +41,7 @@ def _seeded(name: str, shape, salt: int) -> torch.Tensor:
 
 
 def _weight_buffers(model: torch.nn.Module):
-    from megatron_hybrid.binding import WEIGHT_BUFFERS
+    from megatron_hybrid.reshard.binding import WEIGHT_BUFFERS
 
     return [(n, b) for n, b in model.named_buffers() if n.endswith(WEIGHT_BUFFERS)]
 
@@ -84,7 +84,7 @@ def _load(model: torch.nn.Module, state: dict) -> None:
     expert-TP group."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.binding import named_weights
+    from megatron_hybrid.reshard.binding import named_weights
     from megatron_hybrid.sharding import TPSpec, is_expert
 
     with torch.no_grad():
@@ -107,7 +107,7 @@ def _rollout_tensor(engine, p: torch.Tensor) -> torch.Tensor:
 def _rollout_mismatches(engine, state: dict) -> list[str]:
     """Rollout tensors that differ in any bit from this rank's rollout shard of ``state`` (TP shard t_g of a dense
     tensor, expert-TP shard et_g of a routed expert's, the expert by its global index)."""
-    from megatron_hybrid.binding import named_weights
+    from megatron_hybrid.reshard.binding import named_weights
     from megatron_hybrid.sharding import TPSpec, is_expert
 
     ex = engine.expert_layout
@@ -125,7 +125,7 @@ def _rollout_mismatches(engine, state: dict) -> list[str]:
 def _missing_bytes(engine) -> tuple[int, int]:
     """(all, expert) bytes of this rank's rollout shard that its own training tensors do not hold, counted by name:
     a rollout tensor of the same name as a training tensor of this rank holds that tensor as a block."""
-    from megatron_hybrid.binding import named_weights
+    from megatron_hybrid.reshard.binding import named_weights
     from megatron_hybrid.sharding import is_expert
 
     own = {name: t.numel() * t.element_size() for name, _, t in named_weights(engine.modules)}
@@ -152,7 +152,7 @@ def moe_engine_case(arch_kw: dict, rollout_kw: dict, ref: dict, *, sequence_para
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.binding import named_weights
+    from megatron_hybrid.reshard.binding import named_weights
     from megatron_hybrid.sharding import TPSpec, is_expert
 
     t, p = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -269,7 +269,7 @@ def _full_state(chunks) -> dict[str, torch.Tensor]:
     ranks' shards, gathered over the world as objects (tiny models only)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.binding import named_weights
+    from megatron_hybrid.reshard.binding import named_weights
     from megatron_hybrid.sharding import TPSpec, is_expert, unshard
 
     mine = {}

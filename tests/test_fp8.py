@@ -15,9 +15,9 @@ import types
 import pytest
 import torch
 
-from megatron_hybrid.aliased import Blocks
 from megatron_hybrid.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_reference, is_target, layers_in_bf16,
                                  quantize_reference, quantize_rows)
+from megatron_hybrid.reshard.aliased import Blocks
 from tests import fp8_cases, ppo_cases
 from tests.harness import run_distributed
 

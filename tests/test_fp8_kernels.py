@@ -104,8 +104,8 @@ def test_triton_row_quantizer_bit_for_bit(tile, rows, aligned):
 def test_triton_weight_quantizer_groups_whole_rows():
     """A binding's weights: pieces along dim 0 and single pieces (whichever their dim) go to the grouped kernel,
     pieces that split rows go weight by weight; every weight equals quantize_reference of its whole tensor."""
-    from megatron_hybrid.aliased import Blocks
     from megatron_hybrid.fp8 import WeightQuantizer
+    from megatron_hybrid.reshard.aliased import Blocks
 
     full = [_rows(12, 96, torch.bfloat16, s) for s in range(4)]
     blocks = [Blocks([full[0][:5], full[0][5:]], 0, 1), Blocks([full[1]], 1, 1),

@@ -195,7 +195,7 @@ def test_the_rollout_model_is_built_without_recompute():
     from megatron_hybrid import RolloutLayout
     from megatron_hybrid.layout import ParallelLayout
     from megatron_hybrid.models import GPTArchitecture
-    from megatron_hybrid.rollout_model import rollout_config
+    from megatron_hybrid.reshard.rollout_model import rollout_config
 
     fields = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
     config = GPTArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=16).transformer_config(

@@ -9,7 +9,7 @@ import torch
 
 from megatron_hybrid.layout import RolloutLayout
 from megatron_hybrid.models import tiny_llama
-from megatron_hybrid.plan import build_group_plan
+from megatron_hybrid.reshard.plan import build_group_plan
 from megatron_hybrid.sharding import shard, unshard
 from megatron_hybrid.simulate import check_switch, gpt_parameters, simulate_switch, stage_names, validate
 

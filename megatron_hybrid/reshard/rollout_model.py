@@ -1,6 +1,6 @@
 """The rollout model: one megatron-core model chunk per rollout stage on the rollout groups, built without weights.
 
-Its parameters are placeholders until :mod:`megatron_hybrid.binding` points them at the training tensors and the
+Its parameters are placeholders until :mod:`megatron_hybrid.reshard.binding` points them at the training tensors and the
 peers' slots. Everything that is not a parameter but decides the function (rotary frequencies, rope scaling) is
 taken from the training model itself, not rebuilt from arguments: GPTModel does not keep every constructor
 argument (``rope_scaling_factor``, ``seq_len_interpolation_factor`` live only inside its rotary module), so a
@@ -15,11 +15,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import compat
+from .. import compat
+from ..core_attention import with_local_core_attention
+from ..fp8 import is_target, make_fp8
+from ..layout import ExpertLayout, ParallelLayout
 from .aliased import make_aliased, placeholder, supports_blocks
-from .core_attention import with_local_core_attention
-from .fp8 import is_target, make_fp8
-from .layout import ExpertLayout, ParallelLayout
 
 ModelProvider = Callable[..., torch.nn.Module]
 

@@ -5,7 +5,7 @@ fills them. Three kinds of binding, one class per weight mode deciding between t
 
 - a view: the rollout tensor is one training tensor (own, or a peer's slot): zero copies (both modes);
 - blocks (:class:`AliasedBinding`, weights): a placeholder standing for the views, computed on by
-  :mod:`megatron_hybrid.aliased`;
+  :mod:`megatron_hybrid.reshard.aliased`;
 - a canonical tensor (:class:`CanonicalBinding`, and 1-D sharded tensors such as biases in either mode):
   storage in a per-dtype range backed only while rolling out, refilled at every switch by one fused
   ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces);
@@ -22,11 +22,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import ops
+from .. import ops
+from ..fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
+from ..sharding import expert_indices, global_name, layer_offset
 from .aliased import Blocks, BlockTable, placeholder
-from .fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
 from .placement import DTYPE_NAMES, Placement, Placements
-from .sharding import expert_indices, global_name, layer_offset
 
 #: Buffers that decide what the model computes and change during training, so they move like weights: the MoE
 #: router's expert bias (aux-loss-free balancing; Megatron updates it in place after every step).
@@ -69,8 +69,8 @@ class Binding:
     an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors (and the FP8 ones).
 
     ``rollout_weights``: ``"fp8"`` gives the :func:`~megatron_hybrid.fp8.is_target` weights FP8 tensors (the
-    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`) in the
-    decoder layers ``fp8_layers`` (numbered model-wide; all when None). The other layers' twins compute in the
+    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.reshard.rollout_model.build_rollout_chunks`) in
+    the decoder layers ``fp8_layers`` (numbered model-wide; all when None). The other layers' twins compute in the
     training dtype (:func:`~megatron_hybrid.fp8.layers_in_bf16`).
     """
 
