@@ -205,21 +205,27 @@ def load_baseline(commit: str, repo: Path) -> tuple[ModuleType, str]:
     The package is extracted (``git archive``) into a temporary folder of this process. Its modules import each other
     relatively, so they run as that commit's code, beside the current package. Two modules are shared with the
     current package instead: ``patches`` (a top-level folder installed as ``megatron_hybrid.patches``, not part of
-    ``megatron_hybrid/``) and ``ops``: the native extension registers its operators and their fake kernels once per
-    process (``megatron_hybrid::*``; a second registration fails), and the commit's ``ops.py`` imports
-    ``megatron_hybrid._C`` by its absolute name anyway. The built extension is therefore not copied. A commit whose
-    ``ops.py`` differs from the current one is refused.
+    ``megatron_hybrid/``) and ``kernels.ops``: the native extension registers its operators and their fake kernels
+    once per process (``megatron_hybrid::*``; a second registration fails), and the commit's ``kernels/ops.py``
+    imports ``megatron_hybrid.kernels._C`` by its absolute name anyway. The built extension is therefore not copied.
+    A commit whose ``kernels/ops.py`` differs from the current one is refused (so is one from before issue 49, whose
+    ``ops.py`` was at the package root).
     """
     def git(*argv: str) -> bytes:
         return subprocess.run(["git", "-C", str(repo), *argv], check=True, capture_output=True).stdout
 
     sha = git("rev-parse", "--verify", f"{commit}^{{commit}}").decode().strip()
     import megatron_hybrid
-    from megatron_hybrid import ops, patches
+    from megatron_hybrid import patches
+    from megatron_hybrid.kernels import ops
 
-    if git("show", f"{sha}:megatron_hybrid/ops.py").decode() != Path(ops.__file__).read_text():
-        raise ValueError(f"--baseline-commit {commit}: its megatron_hybrid/ops.py differs from this tree's, and the "
-                         "native operators can be registered only once per process")
+    try:
+        base_ops = git("show", f"{sha}:megatron_hybrid/kernels/ops.py").decode()
+    except subprocess.CalledProcessError:
+        base_ops = None
+    if base_ops != Path(ops.__file__).read_text():
+        raise ValueError(f"--baseline-commit {commit}: its megatron_hybrid/kernels/ops.py differs from this tree's "
+                         "(or it has none), and the native operators can be registered only once per process")
     folder = Path(tempfile.mkdtemp(prefix="reshard_base_"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(git("archive", "--format=tar", sha, "megatron_hybrid"))) as tar:
@@ -227,7 +233,7 @@ def load_baseline(commit: str, repo: Path) -> tuple[ModuleType, str]:
     (folder / "megatron_hybrid").rename(folder / BASE_PACKAGE)
     assert BASE_PACKAGE not in sys.modules and megatron_hybrid.__name__ == "megatron_hybrid"
     sys.modules[f"{BASE_PACKAGE}.patches"] = patches
-    sys.modules[f"{BASE_PACKAGE}.ops"] = ops
+    sys.modules[f"{BASE_PACKAGE}.kernels.ops"] = ops
     sys.path.insert(0, str(folder))
     try:
         base = importlib.import_module(BASE_PACKAGE)

@@ -15,7 +15,7 @@ _LAZY = {
     "HybridEngine": ".engine",
     "RolloutLayout": ".layout",
     "ParallelLayout": ".layout",
-    "native_ops_available": ".ops",
+    "native_ops_available": ".kernels.ops",
     "GPTArchitecture": ".models",
     "CollectiveError": ".groups",
 }

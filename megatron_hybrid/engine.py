@@ -10,7 +10,7 @@ A facade that sequences the pieces, each in a module of its own:
   per region at each switch);
 - where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.reshard.placement`;
 - binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.reshard.binding` (FP8 rollout
-  weights: :mod:`megatron_hybrid.fp8`);
+  weights: :mod:`megatron_hybrid.quant.fp8`);
 - host offload of optimizer states and gradients: :mod:`megatron_hybrid.memory`.
 
 Where the bytes move: :class:`megatron_hybrid.reshard.executor.PlanExecutor`, which
@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
-from .fp8 import layers_in_bf16
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
 from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
+from .quant.fp8 import layers_in_bf16
 from .reshard.binding import BINDINGS, named_parameters
 from .reshard.exchange import keys_of
 from .reshard.executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers,
@@ -135,7 +135,7 @@ class HybridEngine:
         rollout_weights: ``"model"`` (default: the rollout model computes in the training dtype) or ``"fp8"``: every
             switch writes the dense layers' linear weights (QKV, attention output, fc1, fc2) as float8 e4m3 with one
             fp32 scale per output row, straight from the gathered shards into memory backed only while rolling out,
-            and the rollout model multiplies in FP8 (activations quantized per token; :mod:`megatron_hybrid.fp8`).
+            and the rollout model multiplies in FP8 (activations quantized per token; :mod:`megatron_hybrid.quant.fp8`).
             The embedding, the output layer, norms, biases and MoE experts stay in the training dtype, and so do the
             first and last decoder layers that the model's ``TransformerConfig`` keeps in bf16 as Megatron's FP8
             training does (``first_last_layers_bf16``, ``num_layers_at_start_in_bf16``,
@@ -330,7 +330,7 @@ class HybridEngine:
     @property
     def fp8_layers(self) -> range:
         """The decoder layers (numbered model-wide) whose rollout weights are FP8 under ``rollout_weights="fp8"``:
-        all but the :func:`~megatron_hybrid.fp8.layers_in_bf16` ones at either end."""
+        all but the :func:`~megatron_hybrid.quant.fp8.layers_in_bf16` ones at either end."""
         first, last = self.fp8_layers_in_bf16
         return range(first, self.config.num_layers - last)
 

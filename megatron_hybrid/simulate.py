@@ -33,10 +33,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .fp8 import FP8_DTYPE, is_target, quantize_rows
 from .groups import InProcessGroups
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .models import GPTArchitecture
+from .quant.fp8 import FP8_DTYPE, is_target, quantize_rows
 from .reshard.exchange import RankTensors, arrange, build_exchange_plan, keys_of
 from .reshard.executor import ExchangeExecutor, PlanExecutor, PlaneSpec
 from .reshard.placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement

@@ -16,9 +16,9 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import compat
-from .fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
 from .layout import ExpertLayout, ParallelLayout, RolloutLayout
 from .models import moe_layer_pattern
+from .quant.fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
 from .reshard.aliased import supports_blocks
 from .reshard.binding import BINDINGS
 from .sharding import TPSpec

@@ -66,7 +66,7 @@ def _fp8_mismatches(engine, state: dict, bf16_layers: tuple) -> tuple[list[str],
     """The FP8 rollout weights that differ from an independent quantization (``torch.float8_e4m3fn`` cast of the
     fp32 weight over its row amax / 448) of this rank's rollout shard of the unsharded ``state``, bit for bit, scales
     included; and how many were compared."""
-    from megatron_hybrid.fp8 import is_target, quantize_reference
+    from megatron_hybrid.quant.fp8 import is_target, quantize_reference
     from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, shard
 
     bad, seen = [], 0

@@ -35,8 +35,8 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from ..groups import RolloutGroups
+from ..memory import RolloutBuffer, RolloutMemoryProvider
 from ..reshard.communication import agree_max
-from ..rollout_memory import RolloutBuffer, RolloutMemoryProvider
 from .config import GenerationConfig
 from .graphs import StepGraphs
 from .kv_cache import CacheGeometry, KVCache

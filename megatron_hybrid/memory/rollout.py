@@ -23,7 +23,7 @@ from typing import ContextManager, Iterable, Iterator, Protocol
 
 import torch
 
-from .memory import ReservedBuffer, merge_ranges, subtract_ranges
+from .buffers import ReservedBuffer, merge_ranges, subtract_ranges
 
 
 def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a process-wide memo on purpose
