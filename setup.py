@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 
@@ -194,10 +194,9 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["megatron_hybrid", "megatron_hybrid.convert", "megatron_hybrid.inference", "megatron_hybrid.kernels",
-              "megatron_hybrid.memory", "megatron_hybrid.patches", "megatron_hybrid.quant", "megatron_hybrid.reshard",
-              "megatron_hybrid.rl"],
-    package_dir={"megatron_hybrid": "megatron_hybrid", "megatron_hybrid.patches": "patches"},
+    # Every subpackage (reshard/, memory/, quant/, kernels/, megatron/ and megatron/patches/, inference/, rl/,
+    # convert/), so a new one needs no entry here.
+    packages=find_packages(include=["megatron_hybrid", "megatron_hybrid.*"]),
     install_requires=[
         # torch: whatever megatron-core accepts; the README pins the CPU wheel for CPU machines.
         "torch",

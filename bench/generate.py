@@ -96,7 +96,7 @@ from kernel_table import append_rows, profile_decode, read_rows  # noqa: E402
 from measure import copy_bandwidth, one_rank, timed  # noqa: E402
 from shapes import SHAPES as _BENCH_SHAPES  # noqa: E402
 
-from megatron_hybrid.models import GPTArchitecture  # noqa: E402
+from megatron_hybrid.megatron.models import GPTArchitecture  # noqa: E402
 
 SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16

@@ -6,7 +6,7 @@ set -u
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/h200_results  # the device tool returns at most 8 files: everything is packed into one at the end
 mkdir -p "$OUT" "$FINAL"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)" \
     >> "$OUT/gpus.txt" 2>/dev/null

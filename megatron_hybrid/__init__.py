@@ -16,7 +16,7 @@ _LAZY = {
     "RolloutLayout": ".layout",
     "ParallelLayout": ".layout",
     "native_ops_available": ".kernels.ops",
-    "GPTArchitecture": ".models",
+    "GPTArchitecture": ".megatron.models",
     "CollectiveError": ".groups",
 }
 

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import compat
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
 from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
+from .megatron import compat
+from .megatron.sharding import is_expert
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
 from .quant.fp8 import layers_in_bf16
 from .reshard.binding import BINDINGS, named_parameters
@@ -45,7 +46,6 @@ from .reshard.executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, Pl
                                make_exchange_plan, make_group_plan)
 from .reshard.placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
 from .reshard.rollout_model import ModelProvider, build_rollout_chunks
-from .sharding import is_expert
 from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
 
 __all__ = ["HybridEngine", "CollectiveRecord", "WEIGHT_MODES"]

@@ -27,8 +27,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import compat
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, _group_ranks
+from .megatron import compat
 from .reshard.exchange import Arrangement, arrange
 from .transport import TORCH, Transport
 

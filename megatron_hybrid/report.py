@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .sharding import global_name, layer_offset
+from .megatron.sharding import global_name, layer_offset
 
 TRACE_FIELDS = ("rank", "index", "op", "group_ranks", "bytes_received", "seconds", "start", "end", "gbps")
 

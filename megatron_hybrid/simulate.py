@@ -9,9 +9,10 @@ runs is the engine's code from the parameter descriptions on: :func:`~megatron_h
 tensor reads) and :class:`~megatron_hybrid.reshard.executor.PlanExecutor` (the collectives, here copies between the
 ranks' threads). What does not run: megatron-core's modules. The model is a table of its parameters
 (:func:`gpt_parameters`: the names, order, shapes and tensor-parallel attributes megatron-core gives a
-:class:`~megatron_hybrid.models.GPTArchitecture`, checked against the model it builds), every rank's training shards are
-cut from one unsharded model with :func:`~megatron_hybrid.sharding.shard`, and a rank's rollout tensor (its blocks,
-materialised as the canonical binding does) is compared with the unsharded tensor's rollout shard, cut the same way.
+:class:`~megatron_hybrid.megatron.models.GPTArchitecture`, checked against the model it builds), every rank's training
+shards are cut from one unsharded model with :func:`~megatron_hybrid.megatron.sharding.shard`, and a rank's rollout
+tensor (its blocks, materialised as the canonical binding does) is compared with the unsharded tensor's rollout shard,
+cut the same way.
 
 Covered now: dense GPT models with every architecture option of ``GPTArchitecture``, tied embeddings included; every
 layout pair, in place (micro-DP gathers: t_g | t, or t_g = m·t with m | d and p_g = p; p_g | p) or exchanged
@@ -35,13 +36,13 @@ import torch
 
 from .groups import InProcessGroups
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
-from .models import GPTArchitecture
+from .megatron.models import GPTArchitecture
+from .megatron.sharding import TPSpec, shard
 from .quant.fp8 import FP8_DTYPE, is_target, quantize_rows
 from .reshard.exchange import RankTensors, arrange, build_exchange_plan, keys_of
 from .reshard.executor import ExchangeExecutor, PlanExecutor, PlaneSpec
 from .reshard.placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement
 from .reshard.plan import MemberInfo, ParamInfo, build_group_plan
-from .sharding import TPSpec, shard
 from .transport import InProcessWorld
 
 _LAYER_PREFIX = "decoder.layers."

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from . import compat
+from .megatron import compat
 
 
 class Transport(Protocol):

@@ -15,13 +15,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from . import compat
 from .layout import ExpertLayout, ParallelLayout, RolloutLayout
-from .models import moe_layer_pattern
+from .megatron import compat
+from .megatron.models import moe_layer_pattern
+from .megatron.sharding import TPSpec
 from .quant.fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
 from .reshard.aliased import supports_blocks
 from .reshard.binding import BINDINGS
-from .sharding import TPSpec
 
 WEIGHT_MODES = tuple(BINDINGS)
 

@@ -53,7 +53,7 @@ NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 64, 32
 
 
 def _arch(smoke: bool):
-    from megatron_hybrid.models import GPTArchitecture, tiny_llama
+    from megatron_hybrid.megatron.models import GPTArchitecture, tiny_llama
 
     if smoke:
         return tiny_llama(params_dtype="bfloat16")
@@ -259,7 +259,7 @@ def run(smoke: bool) -> dict[str, Any]:
         torch.cuda.set_device(device)
         shim = nullcontext()
     else:
-        from megatron_hybrid.patches import cpu_gloo
+        from megatron_hybrid.megatron.patches import cpu_gloo
 
         shim = cpu_gloo()
     summary: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from megatron_hybrid.layout import Grid, ParallelLayout
+from megatron_hybrid.megatron.sharding import TPSpec, shard
 from megatron_hybrid.reshard.exchange import RankTensors, arrange, build_exchange_plan, megatron_order, stage_layers
 from megatron_hybrid.reshard.plan import ParamInfo
-from megatron_hybrid.sharding import TPSpec, shard
 
 H, F, V = 16, 32, 64
 # name -> (full shape, sharded, dim, stride)

@@ -1,8 +1,8 @@
 """The package's import graph: no circle, and the layers import only downwards.
 
 The graph is read from the source, not from an import: every ``import`` / ``from ... import`` statement of every
-module of ``megatron_hybrid/`` (and of ``patches/``, installed as ``megatron_hybrid.patches``), at the top of a
-module, inside a function or under ``if TYPE_CHECKING:`` alike, since a function-local import only hides a circle.
+module of ``megatron_hybrid/`` (``megatron/patches/`` included), at the top of a module, inside a function or under
+``if TYPE_CHECKING:`` alike, since a function-local import only hides a circle.
 Relative imports are resolved; ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
 ``pkg``. Importing ``pkg.sub.mod`` runs ``pkg/sub/__init__.py`` first, so it is an edge to the package ``pkg.sub``
 too, unless the importer is inside ``pkg.sub`` (its own package is already being imported: ``rl/__init__.py``
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_hybrid"
 #: Folders whose modules the library must never import.
 NOT_LIBRARY = ("tests", "examples", "bench", "tools")
-#: What ``patches/`` (behaviour changes of megatron-core, below everything of ours) must not import: the layers
-#: built on it. Today it imports nothing of the package beyond itself.
+#: What ``megatron/patches/`` (behaviour changes of megatron-core, below everything of ours) must not import: the
+#: layers built on it. Today it imports nothing of the package beyond itself.
+PATCHES = f"{PACKAGE}.megatron.patches"
 NOT_FOR_PATCHES = (f"{PACKAGE}.rl", f"{PACKAGE}.inference", f"{PACKAGE}.engine")
 #: Rooms at the bottom of the package: they import nothing of it outside themselves.
 SELF_CONTAINED = (f"{PACKAGE}.kernels", f"{PACKAGE}.memory")
@@ -36,6 +38,10 @@ SELF_CONTAINED = (f"{PACKAGE}.kernels", f"{PACKAGE}.memory")
 _ABOVE_RESHARD = (f"{PACKAGE}.inference", f"{PACKAGE}.rl", f"{PACKAGE}.engine", f"{PACKAGE}.simulate",
                   f"{PACKAGE}.convert")
 NOT_FOR = {
+    # The megatron-core glue: below every room but the root's core_attention, which its models build on.
+    f"{PACKAGE}.megatron": _ABOVE_RESHARD + (f"{PACKAGE}.reshard", f"{PACKAGE}.quant", f"{PACKAGE}.memory",
+                                             f"{PACKAGE}.kernels", f"{PACKAGE}.groups", f"{PACKAGE}.layout",
+                                             f"{PACKAGE}.validation", f"{PACKAGE}.transport", f"{PACKAGE}.report"),
     f"{PACKAGE}.reshard": _ABOVE_RESHARD,
     f"{PACKAGE}.quant": _ABOVE_RESHARD,
     f"{PACKAGE}.inference": (f"{PACKAGE}.rl", f"{PACKAGE}.engine"),
@@ -177,7 +183,7 @@ def circles_report(modules: dict[str, Path], edges: list[Import]) -> str:
 
 @pytest.fixture(scope="module")
 def modules() -> dict[str, Path]:
-    return module_files(ROOT, PACKAGE, {f"{PACKAGE}.patches": ROOT / "patches"})
+    return module_files(ROOT, PACKAGE)
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +194,11 @@ def edges(modules) -> list[Import]:
 def test_the_graph_is_read(modules, edges):
     """The walk finds the package's modules and their imports of every kind (not vacuously acyclic)."""
     edges = {(e.source, e.target) for e in edges}
-    assert {f"{PACKAGE}.rl.passes", f"{PACKAGE}.patches.cpu", f"{PACKAGE}.convert.virtual"} <= modules.keys()
+    assert {f"{PACKAGE}.rl.passes", f"{PATCHES}.cpu", f"{PACKAGE}.convert.virtual"} <= modules.keys()
     assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.rl.ppo") in edges  # from . import ppo: a module
-    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.compat") in edges  # from ..compat import name
-    assert (f"{PACKAGE}.sharding", f"{PACKAGE}.compat") in edges  # function-local
-    assert (f"{PACKAGE}.rl.checkpoint", f"{PACKAGE}.patches.distrib_optimizer") in edges  # into patches/
+    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.megatron.compat") in edges  # from ..megatron.compat import name
+    assert (f"{PACKAGE}.megatron.sharding", f"{PACKAGE}.megatron.compat") in edges  # function-local
+    assert (f"{PACKAGE}.rl.checkpoint", f"{PATCHES}.distrib_optimizer") in edges  # into megatron/patches/
     assert (f"{PACKAGE}.inference.fused", f"{PACKAGE}.quant.fp8_kernels") in edges  # from ..quant.fp8_kernels
     assert (f"{PACKAGE}.inference.fused", f"{PACKAGE}.quant") in edges  # ... runs quant/__init__.py first
     assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.rl") not in edges  # its own package: already being imported
@@ -227,7 +233,7 @@ def test_rooms_import_only_downwards(edges, room):
 
 
 def test_patches_stay_below_the_library(edges):
-    patches = f"{PACKAGE}.patches"
+    patches = PATCHES
     bad = [str(e) for e in edges if (e.source == patches or e.source.startswith(patches + "."))
            and any(e.target == p or e.target.startswith(p + ".") for p in NOT_FOR_PATCHES)]
     assert not bad, "patches/ imports a layer built on it:\n" + "\n".join(bad)
@@ -277,6 +283,7 @@ def test_a_circle_through_a_package_init_is_reported(tmp_path):
     assert "pkg/a.py:1: from .sub.k import thing" in circles_report(modules, edges)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # test_old_import_paths_warn checks the warning
 def test_old_import_paths_still_work():
     """The recipe's arguments and the PPO algebra moved into ``rl/``; their former paths re-export them."""
     for old, new, names in (("arguments", "rl.arguments", ("add_hybrid_args", "add_megatron_args", "validate_args",
@@ -289,6 +296,18 @@ def test_old_import_paths_still_work():
         new_module = importlib.import_module(f"{PACKAGE}.{new}")
         for name in names:
             assert getattr(old_module, name) is getattr(new_module, name), (old, name)
+
+
+def test_old_import_paths_warn(monkeypatch):
+    """The former paths are deprecated: importing one warns, at the importer's line, and names the new one."""
+    for old in ("arguments", "ppo"):
+        importlib.import_module(f"{PACKAGE}.{old}")
+        monkeypatch.delitem(sys.modules, f"{PACKAGE}.{old}")  # imported afresh below; the old one is put back
+    with pytest.warns(DeprecationWarning, match=r"megatron_hybrid\.rl\.arguments") as arguments_warning:
+        import megatron_hybrid.arguments  # noqa: F401
+    with pytest.warns(DeprecationWarning, match=r"megatron_hybrid\.rl\.ppo") as ppo_warning:
+        import megatron_hybrid.ppo  # noqa: F401
+    assert [r.filename for r in (*arguments_warning, *ppo_warning)] == [__file__] * 2
 
 
 def _step_state_writes(root: Path) -> list[str]:

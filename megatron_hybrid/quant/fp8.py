@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tpl
 
-from .. import compat
+from ..megatron import compat
 from ..reshard.aliased import Blocks
 from . import fp8_kernels
 

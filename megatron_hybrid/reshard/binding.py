@@ -23,8 +23,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..kernels import ops
+from ..megatron.sharding import expert_indices, global_name, layer_offset
 from ..quant.fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
-from ..sharding import expert_indices, global_name, layer_offset
 from .aliased import Blocks, BlockTable, placeholder
 from .placement import DTYPE_NAMES, Placement, Placements
 

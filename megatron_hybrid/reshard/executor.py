@@ -16,9 +16,9 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
-from .. import compat
 from ..groups import RolloutGroups
-from ..sharding import TPSpec, is_expert
+from ..megatron import compat
+from ..megatron.sharding import TPSpec, is_expert
 from .binding import named_parameters, named_weights
 from .exchange import ExchangePlan, RankTensors, build_exchange_plan, keys_of
 from .placement import DTYPE_NAMES, DTYPES, HeldBuffer

@@ -23,8 +23,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from ..layout import ParallelLayout
+from ..megatron.sharding import TPSpec
 from ..memory import RolloutBuffer, allocation_granularity, merge_ranges
-from ..sharding import TPSpec
 from .aliased import Blocks
 from .exchange import ExchangePlan
 from .plan import GroupPlan

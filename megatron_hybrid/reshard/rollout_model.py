@@ -15,9 +15,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .. import compat
 from ..core_attention import with_local_core_attention
 from ..layout import ExpertLayout, ParallelLayout
+from ..megatron import compat
 from ..quant.fp8 import is_target, make_fp8
 from .aliased import make_aliased, placeholder, supports_blocks
 

@@ -19,7 +19,7 @@ import warnings
 
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
 from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
-from ..models import GPTArchitecture
+from ..megatron.models import GPTArchitecture
 from .data import data_file_error
 from .initialize import select_device
 from .memory_policy import check_fraction

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from ..compat import megatron_groups
+from ..megatron.compat import megatron_groups
 from ..reshard.communication import agree_max
 from . import ppo
 from .batch import Batch, make_batch  # noqa: F401  (make_batch: the passes' batch, re-exported)
