@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 
@@ -89,11 +89,11 @@ def _extensions():
     if build_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         ext = cpp_extension.CUDAExtension(
-            "megatron_hybrid._C", sources_cpp + sources_cu,
+            "megatron_hybrid.kernels._C", sources_cpp + sources_cu,
             extra_compile_args={"cxx": cxx + ["-DMH_WITH_CUDA"], "nvcc": ["-O3", "-DMH_WITH_CUDA"]},
         )
     else:
-        ext = cpp_extension.CppExtension("megatron_hybrid._C", sources_cpp, extra_compile_args={"cxx": cxx})
+        ext = cpp_extension.CppExtension("megatron_hybrid.kernels._C", sources_cpp, extra_compile_args={"cxx": cxx})
     ext.optional = not cuda_required
 
     class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
@@ -194,9 +194,9 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["megatron_hybrid", "megatron_hybrid.convert", "megatron_hybrid.inference", "megatron_hybrid.patches",
-              "megatron_hybrid.rl"],
-    package_dir={"megatron_hybrid": "megatron_hybrid", "megatron_hybrid.patches": "patches"},
+    # Every subpackage (reshard/, memory/, quant/, kernels/, megatron/ and megatron/patches/, inference/, rl/,
+    # convert/), so a new one needs no entry here.
+    packages=find_packages(include=["megatron_hybrid", "megatron_hybrid.*"]),
     install_requires=[
         # torch: whatever megatron-core accepts; the README pins the CPU wheel for CPU machines.
         "torch",

@@ -1,8 +1,6 @@
 # Sourced by the bench/run_*.sh scripts on the device machine (repository root, megatron-core's wheel carried in
-# .whl/, no install of this package): the wheels into /tmp/site (once per machine), patches/ where the package
-# imports it from (setup.py's package_dir maps it; a plain checkout needs the link), and the import path.
+# .whl/, no install of this package): the wheels into /tmp/site (once per machine) and the import path.
 if [ ! -d /tmp/site/megatron ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-ln -sfn "$PWD/patches" megatron_hybrid/patches
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

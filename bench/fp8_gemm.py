@@ -6,11 +6,12 @@ weights (more than L2 holds), as a decode step's graph runs them, of
 
 - ``bf16``: cuBLAS, ``x @ w.t()`` in bfloat16;
 - ``fp8_scaled_mm``: ``torch._scaled_mm`` row-wise (FP8 activations and weights), and ``fp8_scaled_mm+quant`` with
-  the activations' quantization kernel (``megatron_hybrid.fp8.quantize_activations``) counted in;
+  the activations' quantization kernel (``megatron_hybrid.quant.fp8.quantize_activations``) counted in;
 - ``fp8_weight_only``: the Triton kernel that streams the FP8 weight with bfloat16 activations
-  (``megatron_hybrid.fp8_kernels.fp8_weight_matmul``), at its default plan, and (``--sweep``) the best of a sweep of
-  tile sizes and K splits at M <= 64, with the plan;
-- what ``fp8_linear`` picks (``megatron_hybrid.fp8.uses_small_m_kernel``): the Triton small-M kernel or ``_scaled_mm``;
+  (``megatron_hybrid.quant.fp8_kernels.fp8_weight_matmul``), at its default plan, and (``--sweep``) the best of a sweep
+  of tile sizes and K splits at M <= 64, with the plan;
+- what ``fp8_linear`` picks (``megatron_hybrid.quant.fp8.uses_small_m_kernel``): the Triton small-M kernel or
+  ``_scaled_mm``;
 
 and the achieved weight-read bandwidth of each (weight bytes / time). Then the quantization of the weights
 (``quantize_rows``' kernel: bf16 read once, FP8 and scales written) against a device copy of the same bytes:
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_hybrid import fp8, fp8_kernels  # noqa: E402
+from megatron_hybrid.quant import fp8, fp8_kernels  # noqa: E402
 
 LINEARS = {"qkv": (6144, 4096), "proj": (4096, 4096), "fc1": (28672, 4096), "fc2": (4096, 14336),
            "output": (128256, 4096)}

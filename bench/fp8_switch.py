@@ -8,9 +8,9 @@ On a shape (default llama3-8b; ``--layers`` cuts its depth), one rank, rollout l
    once in FP8 plus its fp32 row scales, at that bandwidth: the least time any quantization could take.
 3. ``quantize``: the binding's ``refill()`` while rolling out, which on one rank is the switch's quantization alone
    (every other rollout tensor is a view of its training tensor): a
-   :class:`~megatron_hybrid.fp8.WeightQuantizer` planned once over every target weight, one kernel per row length
+   :class:`~megatron_hybrid.quant.fp8.WeightQuantizer` planned once over every target weight, one kernel per row length
    on a GPU. Its bandwidth is the floor's bytes over the median time, and its ratio to the copy bandwidth is the
-   target (≥ 0.8). ``per_weight_seconds``: :func:`megatron_hybrid.fp8.quantize_rows` weight by weight, the path
+   target (≥ 0.8). ``per_weight_seconds``: :func:`megatron_hybrid.quant.fp8.quantize_rows` weight by weight, the path
    before the plan (at least one launch a weight, two for a row-parallel weight). ``--sweep`` adds the grouped
    kernel's launch parameters per row length.
 4. ``switch``: ``HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical")`` and the same with
@@ -60,7 +60,7 @@ SWITCH_FACTOR = 1.25
 def fp8_targets(engine) -> list[tuple[str, Any, torch.Tensor, torch.Tensor]]:
     """(name, blocks, FP8 tensor, scales) of every FP8 weight of ``engine``'s rollout model: what its switch
     quantizes, read from the placement and the binding as the binding itself reads them."""
-    from megatron_hybrid.binding import named_parameters
+    from megatron_hybrid.reshard.binding import named_parameters
 
     out = []
     for name, param in named_parameters(engine.rollout_chunks):
@@ -113,11 +113,11 @@ def switch_times(engine, device: torch.device, rounds: int) -> dict[str, Any]:
 
 def measure_quantize(engine, device: torch.device, rounds: int, sweep: bool) -> dict[str, Any]:
     """The binding's ``refill()`` while rolling out (on one rank its planned quantization alone,
-    :class:`~megatron_hybrid.fp8.WeightQuantizer`: one kernel per row length on a GPU), and beside it
-    :func:`~megatron_hybrid.fp8.quantize_rows` weight by weight (the path before that plan). With ``sweep``, the
+    :class:`~megatron_hybrid.quant.fp8.WeightQuantizer`: one kernel per row length on a GPU), and beside it
+    :func:`~megatron_hybrid.quant.fp8.quantize_rows` weight by weight (the path before that plan). With ``sweep``, the
     grouped kernel's launch parameters per row length (``"sweep"``: seconds of that group's launch)."""
-    from megatron_hybrid import fp8_kernels
-    from megatron_hybrid.fp8 import WeightQuantizer, quantize_rows
+    from megatron_hybrid.quant import fp8_kernels
+    from megatron_hybrid.quant.fp8 import WeightQuantizer, quantize_rows
 
     engine.switch_to_rollout()
     try:
@@ -155,7 +155,7 @@ def measure_quantize(engine, device: torch.device, rounds: int, sweep: bool) -> 
 
 def sweep_configs(K: int) -> list[dict]:
     """Launch parameters of the grouped quantization kernel tried for rows of K elements (``--sweep``)."""
-    from megatron_hybrid.fp8_kernels import next_pow2, tiles_config
+    from megatron_hybrid.quant.fp8_kernels import next_pow2, tiles_config
 
     out = [tiles_config(K)]
     block = next_pow2(K)

@@ -25,7 +25,7 @@ Rows, written as one JSON list to ``--out`` (compare them run to run)::
   ``digests`` lists them): two commits that compute the same tokens and log-probs give the same digest.
 - ``ours-fp8``: ours on ``HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical",
   rollout_weights="fp8")`` (every switch writes the dense layers' linear weights as float8 e4m3 with per-row scales;
-  the rollout model multiplies in FP8: :mod:`megatron_hybrid.fp8`), whatever ``--weight-mode`` says. Its rows also
+  the rollout model multiplies in FP8: :mod:`megatron_hybrid.quant.fp8`), whatever ``--weight-mode`` says. Its rows also
   give the engine's FP8 bytes while rolling out. Target ratios ``ours-fp8/ours B=<B> N=<N>`` (greedy).
 - ``transformers``: ``LlamaForCausalLM`` (``Qwen3MoeForCausalLM`` for an MoE shape) with the same shape and random
   weights, made on the device in the same dtype, its defaults (``attn_implementation="sdpa"``, dynamic cache, no
@@ -96,7 +96,7 @@ from kernel_table import append_rows, profile_decode, read_rows  # noqa: E402
 from measure import copy_bandwidth, one_rank, timed  # noqa: E402
 from shapes import SHAPES as _BENCH_SHAPES  # noqa: E402
 
-from megatron_hybrid.models import GPTArchitecture  # noqa: E402
+from megatron_hybrid.megatron.models import GPTArchitecture  # noqa: E402
 
 SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16

@@ -25,7 +25,7 @@ def main() -> None:
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     ps.initialize_model_parallel(2, 1)
     model_parallel_cuda_manual_seed(0)

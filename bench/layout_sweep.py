@@ -87,7 +87,7 @@ def moe_rank_switches(arch: dict, rollout: list[int], mode: str, state: dict, st
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.models import GPTArchitecture
+    from megatron_hybrid.megatron.models import GPTArchitecture
     from tests.moe_engine_cases import _load, _rollout_mismatches
 
     state = {name: tensor.clone() for name, tensor in state.items()}  # the ranks' copies share memory: stepped here
@@ -115,8 +115,8 @@ def rank_switches(arch: dict, rollout_tp: int, rollout_pp: int, mode: str, state
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.models import GPTArchitecture
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.models import GPTArchitecture
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
     from tests.engine_cases import rollout_full_weights
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()

@@ -2,7 +2,7 @@
 
 Builds the reshard plan of ``llama-7b`` (bf16) at training TP=2 → rollout TP=1 for one member of the micro-DP
 group (no process group is needed: the plan is pure arithmetic), places a rank's own training shard in its
-:class:`~megatron_hybrid.placement.Placement` (3.2 GiB), then times what ``switch_to_rollout`` does before its
+:class:`~megatron_hybrid.reshard.placement.Placement` (3.2 GiB), then times what ``switch_to_rollout`` does before its
 collectives (``placement.map_rollout()``: every piece at once, access set once per contiguous span) and what
 ``switch_to_training`` does (``placement.unmap_rollout()``), against the mapping it replaced (``ReservedBuffer.map``
 region by region, each piece with its own access update). Medians of ``--runs``. One GPU (CPU: mmap).
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES  # noqa: E402  (the benchmark shapes, one definition)
 
 from megatron_hybrid.layout import ParallelLayout, RolloutLayout  # noqa: E402
-from megatron_hybrid.placement import DTYPES, Placement  # noqa: E402
-from megatron_hybrid.plan import MemberInfo, ParamInfo, build_group_plan  # noqa: E402
+from megatron_hybrid.reshard.placement import DTYPES, Placement  # noqa: E402
+from megatron_hybrid.reshard.plan import MemberInfo, ParamInfo, build_group_plan  # noqa: E402
 
 
 def member_params(arch, tp: int, tp_rank: int) -> tuple[ParamInfo, ...]:

@@ -65,7 +65,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 def one_rank(device: torch.device, *, seed: int = 1234) -> Iterator[None]:
     """A world of one rank on ``device`` with megatron-core's model-parallel state (TP = PP = 1) and its inference
     RNG tracker (CUDA graphs need it: the default tracker's ``fork()`` cannot be captured); on the CPU inside
-    megatron-core's CPU shim (:func:`megatron_hybrid.patches.cpu_gloo`). The process group goes at the end."""
+    megatron-core's CPU shim (:func:`megatron_hybrid.megatron.patches.cpu_gloo`). The process group goes at the end."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -78,7 +78,7 @@ def one_rank(device: torch.device, *, seed: int = 1234) -> Iterator[None]:
         torch.cuda.set_device(device)
         shim = nullcontext()
     else:
-        from megatron_hybrid.patches import cpu_gloo
+        from megatron_hybrid.megatron.patches import cpu_gloo
 
         shim = cpu_gloo()
     try:

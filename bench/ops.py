@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_hybrid import ops  # noqa: E402
+from megatron_hybrid.kernels import ops  # noqa: E402
 from megatron_hybrid.memory import ReservedBuffer  # noqa: E402
 
 GB = 1e9

@@ -129,10 +129,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_hybrid.models import GPTArchitecture  # noqa: E402
-from megatron_hybrid.placement import DTYPES  # noqa: E402
+from megatron_hybrid.megatron.models import GPTArchitecture  # noqa: E402
+from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 from megatron_hybrid.report import missing_bytes as expected_missing_bytes  # noqa: E402
-from megatron_hybrid.sharding import TPSpec, global_name, layer_offset  # noqa: E402
+from megatron_hybrid.reshard.placement import DTYPES  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound", "bound-fresh")
 # The engine of another commit (--baseline-commit), interleaved with ours on the same layout and model shape.
@@ -203,31 +203,39 @@ def load_baseline(commit: str, repo: Path) -> tuple[ModuleType, str]:
     commit id.
 
     The package is extracted (``git archive``) into a temporary folder of this process. Its modules import each other
-    relatively, so they run as that commit's code, beside the current package. Two modules are shared with the
-    current package instead: ``patches`` (a top-level folder installed as ``megatron_hybrid.patches``, not part of
-    ``megatron_hybrid/``) and ``ops``: the native extension registers its operators and their fake kernels once per
-    process (``megatron_hybrid::*``; a second registration fails), and the commit's ``ops.py`` imports
-    ``megatron_hybrid._C`` by its absolute name anyway. The built extension is therefore not copied. A commit whose
-    ``ops.py`` differs from the current one is refused.
+    relatively, so they run as that commit's code, beside the current package. One module is shared with the
+    current package instead, ``kernels.ops``: the native extension registers its operators and their fake kernels
+    once per process (``megatron_hybrid::*``; a second registration fails), and the commit's ``kernels/ops.py``
+    imports ``megatron_hybrid.kernels._C`` by its absolute name anyway. The built extension is therefore not copied.
+    A commit whose ``kernels/ops.py`` differs from the current one is refused (so is one from before issue 49, whose
+    ``ops.py`` was at the package root). A commit whose ``patches/`` was still a top-level folder (installed as
+    ``megatron_hybrid.patches``, so not in its ``megatron_hybrid/``) gets this tree's ``megatron.patches`` as its
+    ``patches``.
     """
     def git(*argv: str) -> bytes:
         return subprocess.run(["git", "-C", str(repo), *argv], check=True, capture_output=True).stdout
 
     sha = git("rev-parse", "--verify", f"{commit}^{{commit}}").decode().strip()
     import megatron_hybrid
-    from megatron_hybrid import ops, patches
+    from megatron_hybrid.kernels import ops
+    from megatron_hybrid.megatron import patches
 
-    if git("show", f"{sha}:megatron_hybrid/ops.py").decode() != Path(ops.__file__).read_text():
-        raise ValueError(f"--baseline-commit {commit}: its megatron_hybrid/ops.py differs from this tree's, and the "
-                         "native operators can be registered only once per process")
+    try:
+        base_ops = git("show", f"{sha}:megatron_hybrid/kernels/ops.py").decode()
+    except subprocess.CalledProcessError:
+        base_ops = None
+    if base_ops != Path(ops.__file__).read_text():
+        raise ValueError(f"--baseline-commit {commit}: its megatron_hybrid/kernels/ops.py differs from this tree's "
+                         "(or it has none), and the native operators can be registered only once per process")
     folder = Path(tempfile.mkdtemp(prefix="reshard_base_"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(git("archive", "--format=tar", sha, "megatron_hybrid"))) as tar:
         tar.extractall(folder, filter="data")
     (folder / "megatron_hybrid").rename(folder / BASE_PACKAGE)
     assert BASE_PACKAGE not in sys.modules and megatron_hybrid.__name__ == "megatron_hybrid"
-    sys.modules[f"{BASE_PACKAGE}.patches"] = patches
-    sys.modules[f"{BASE_PACKAGE}.ops"] = ops
+    if not (folder / BASE_PACKAGE / "megatron" / "patches").is_dir():
+        sys.modules[f"{BASE_PACKAGE}.patches"] = patches
+    sys.modules[f"{BASE_PACKAGE}.kernels.ops"] = ops
     sys.path.insert(0, str(folder))
     try:
         base = importlib.import_module(BASE_PACKAGE)
@@ -590,7 +598,7 @@ def bound(engine, missing_max: int, mem: Memory, dtype: torch.dtype) -> Method:
     out = torch.zeros(slot * d_g, dtype=dtype, device=device)
     me = group.rank()
     mem.trim()
-    from megatron_hybrid import compat
+    from megatron_hybrid.megatron import compat
 
     m = Method("bound", lambda: compat.all_gather_into_tensor(m.state["out"], m.state["in"], group=m.state["group"]),
                setup_extra=mem.current() - before,
@@ -605,7 +613,7 @@ def bound_fresh(engine, missing_max: int, dtype: torch.dtype) -> Method:
     the floor of a switch that, like ours, has to obtain memory that was not resident before it. On CPU the
     allocator hands out fresh pages for large outputs (glibc mmaps them), which then fault in during the gather.
     """
-    from megatron_hybrid import compat
+    from megatron_hybrid.megatron import compat
 
     d_g = engine.layout.d_g
     group = engine.groups["micro_dp"]
@@ -627,7 +635,7 @@ def bound_fresh(engine, missing_max: int, dtype: torch.dtype) -> Method:
 
 def naive_gather(sizes: dict[str, tuple[int, torch.dtype]], device) -> Method:
     """One all-gather over the world per parameter of the whole model; the gathered model is kept until after."""
-    from megatron_hybrid import compat
+    from megatron_hybrid.megatron import compat
 
     world = dist.get_world_size()
     parts = [torch.zeros(-(-numel // world), dtype=dtype, device=device) for numel, dtype in sizes.values()]
@@ -761,7 +769,8 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.megatron import compat
     from megatron_hybrid.report import gather_trace, write_communication_report
 
     t, p, d, t_g, p_g = layout
@@ -1263,7 +1272,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     args.name = args.name or ("reshard_gpu" if use_cuda else "reshard_cpu")
     mem = CudaMemory(device) if use_cuda else Memory()
-    from megatron_hybrid.patches import cpu_gloo
+    from megatron_hybrid.megatron.patches import cpu_gloo
 
     base, base_sha = None, None
     if args.baseline_commit:

@@ -3,7 +3,7 @@
 # plan sweeps of the small-M kernels and of the quantization kernel; tests/gpu_fp8.py (exactness). As the device tool runs it: megatron-core 0.19.2's wheel carried in .whl/.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"; }
 for s in ${STEPS:-kernels gemm}; do
   case $s in

@@ -6,14 +6,14 @@ set -u
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/h200_results  # the device tool returns at most 8 files: everything is packed into one at the end
 mkdir -p "$OUT" "$FINAL"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)" \
     >> "$OUT/gpus.txt" 2>/dev/null
 start=$SECONDS
-if [ ! -e megatron_hybrid/_C*.so ]; then
+if [ ! -e megatron_hybrid/kernels/_C*.so ]; then
   TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 timeout 240 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
-  cp megatron_hybrid/_C*.so "$OUT/" 2>/dev/null
+  cp megatron_hybrid/kernels/_C*.so "$OUT/" 2>/dev/null
 fi
 echo "build: $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
 step() {  # step NAME LIMIT_S COMMAND...

@@ -10,7 +10,7 @@ set -u
 STEPS=${STEPS:-"four_ranks four_ranks_cpu one_gpu"}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 export OMP_NUM_THREADS=2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__,

@@ -24,7 +24,7 @@ OUT=${OUT:-/tmp/out}
 LAYERS=${LAYERS:-8}
 SHAPE=${SHAPE:-qwen3-30b-a3b}
 mkdir -p "$OUT/logs"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/logs/gpus.txt"
 python3 -c "import torch, triton, transformers, megatron.core as m; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)" \

@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 timeout "${LIMIT:-560}" python3 bench/partial_rollout.py --prompts "${PROMPTS:-64}" --warmup "${WARMUP:-2}" --steps "${STEPS:-8}" \
   --out "$OUT/partial_rollout_$gpu.json" > "$OUT/partial_rollout.txt" 2>&1

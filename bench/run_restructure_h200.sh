@@ -7,15 +7,16 @@
 # Returns steps.txt, compare_h200.json and one archive of every JSON and log (the device tool returns 8 files),
 # refreshed after every step. Order: a before/after pair, the GPU tests, then a second pair (after, before).
 set -u
-if [ "${1:-}" = "--prepare" ]; then  # on the development machine: the old commit's package and patches in .old/
-  rm -rf .old && mkdir -p .old/bench && git archive "$2" megatron_hybrid patches setup.py | tar -x -C .old
+if [ "${1:-}" = "--prepare" ]; then  # on the development machine: the old commit's package (and patches/) in .old/
+  rm -rf .old && mkdir -p .old/bench && git archive "$2" megatron_hybrid setup.py | tar -x -C .old
+  # patches/ was a top-level folder, installed as megatron_hybrid.patches, before issue 49 moved it into the package
+  if git cat-file -e "$2:patches" 2>/dev/null; then git archive "$2" patches | tar -x -C .old; fi
   exit
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/all"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-ln -sfn "$PWD/patches" megatron_hybrid/patches
-ln -sfn "$PWD/.old/patches" .old/megatron_hybrid/patches
+if [ -d .old/patches ]; then ln -sfn "$PWD/.old/patches" .old/megatron_hybrid/patches; fi
 cp bench/generate.py bench/shapes.py .old/bench/
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/all/gpus.txt"

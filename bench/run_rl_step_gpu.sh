@@ -21,7 +21,7 @@ set -u
 STEPS=${STEPS:-"memory bf16 fp8 7b"}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/gpus.txt"
 steps=(--warmup "${WARMUP:-2}" --steps "${MEASURED:-5}" ${RL_ARGS:-})

@@ -13,7 +13,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-. bench/device_env.sh  # the wheels, patches/ linked into the package, PYTHONPATH
+. bench/device_env.sh  # the wheels, PYTHONPATH
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 case ${MIX:-long} in
   long) mix=(--max-tokens-per-micro-batch "${BUDGET:-12288}") ;;

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_hybrid.models import GPTArchitecture
+from megatron_hybrid.megatron.models import GPTArchitecture
 
 SHAPES: dict[str, GPTArchitecture] = {
     # 2 layers, hidden 64, fp32: the CPU smoke runs of the one-device benchmarks (seconds).

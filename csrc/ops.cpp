@@ -147,7 +147,7 @@ bool cuda_built() {
 
 TORCH_LIBRARY(megatron_hybrid, m) {
   // Fake (meta) kernels are registered from Python with torch.library.register_fake.
-  m.set_python_module("megatron_hybrid.ops");
+  m.set_python_module("megatron_hybrid.kernels.ops");
   m.def("pack(Tensor[] srcs, Tensor(a!) out, int[] offsets) -> ()");
   m.def("unpack(Tensor flat, Tensor(a!)[] dsts, int[] offsets) -> ()");
   m.def("scatter_blocks(Tensor flat, Tensor(a!)[] dsts, Tensor blocks) -> ()");
@@ -162,7 +162,7 @@ TORCH_LIBRARY_IMPL(megatron_hybrid, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron_hybrid native ops; call them through torch.ops.megatron_hybrid or megatron_hybrid.ops";
+  m.doc() = "megatron_hybrid native ops; call them through torch.ops.megatron_hybrid or megatron_hybrid.kernels.ops";
   m.def("cuda_built", &megatron_hybrid::cuda_built, "Whether the CUDA kernels were compiled into this build");
 #ifdef MH_WITH_CUDA
   m.def("set_cuda_launch_config", &megatron_hybrid::set_cuda_launch_config, pybind11::arg("unroll"),

@@ -37,8 +37,8 @@ def main() -> None:
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.models import tiny_llama
-    from megatron_hybrid.patches import cpu_gloo
+    from megatron_hybrid.megatron.models import tiny_llama
+    from megatron_hybrid.megatron.patches import cpu_gloo
 
     with contextlib.nullcontext() if use_cuda else cpu_gloo():
         ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

@@ -15,8 +15,8 @@ _LAZY = {
     "HybridEngine": ".engine",
     "RolloutLayout": ".layout",
     "ParallelLayout": ".layout",
-    "native_ops_available": ".ops",
-    "GPTArchitecture": ".models",
+    "native_ops_available": ".kernels.ops",
+    "GPTArchitecture": ".megatron.models",
     "CollectiveError": ".groups",
 }
 

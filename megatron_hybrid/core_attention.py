@@ -14,7 +14,8 @@ needs Transformer Engine's layer spec; our models are built on the local spec, s
 
 Both modules take ``DotProductAttention``'s constructor and ``forward`` signatures, so a layer spec swaps them in
 for it (:func:`with_core_attention`). The rollout model keeps ``local`` whatever the training model uses
-(:mod:`megatron_hybrid.rollout_model`); its generation steps run their own kernels (:mod:`.inference.attention`).
+(:mod:`megatron_hybrid.reshard.rollout_model`); its generation steps run their own kernels
+(:mod:`.inference.attention`).
 
 Legend: Sq query positions, Sk key positions, B batch, N query heads and G key/value groups on this
 tensor-parallel rank, D head dimension.

@@ -3,18 +3,18 @@
 A facade that sequences the pieces, each in a module of its own:
 
 - layouts and the rank arithmetic: :mod:`megatron_hybrid.layout`; the rollout groups: :mod:`megatron_hybrid.groups`;
-- the rollout model (built without weights): :mod:`megatron_hybrid.rollout_model`;
+- the rollout model (built without weights): :mod:`megatron_hybrid.reshard.rollout_model`;
 - the checks of the arguments and the model, before any collective: :mod:`megatron_hybrid.validation`;
-- the reshard plan (which bytes move where): :mod:`megatron_hybrid.plan`, made and run by
-  :mod:`megatron_hybrid.executor` (the gather of the members' parameter descriptions; one in-place collective
+- the reshard plan (which bytes move where): :mod:`megatron_hybrid.reshard.plan`, made and run by
+  :mod:`megatron_hybrid.reshard.executor` (the gather of the members' parameter descriptions; one in-place collective
   per region at each switch);
-- where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.placement`;
-- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.binding` (FP8 rollout weights:
-  :mod:`megatron_hybrid.fp8`);
+- where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.reshard.placement`;
+- binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.reshard.binding` (FP8 rollout
+  weights: :mod:`megatron_hybrid.quant.fp8`);
 - host offload of optimizer states and gradients: :mod:`megatron_hybrid.memory`.
 
-Where the bytes move: :class:`megatron_hybrid.executor.PlanExecutor`, which :meth:`HybridEngine.switch_to_rollout`
-runs between mapping the peers' slots and binding the rollout model to them.
+Where the bytes move: :class:`megatron_hybrid.reshard.executor.PlanExecutor`, which
+:meth:`HybridEngine.switch_to_rollout` runs between mapping the peers' slots and binding the rollout model to them.
 """
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import compat
-from .binding import BINDINGS, named_parameters
-from .exchange import keys_of
-from .executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers, make_exchange_plan,
-                       make_group_plan)
-from .fp8 import layers_in_bf16
 from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
 from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
+from .megatron import compat
+from .megatron.sharding import is_expert
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
-from .placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
-from .rollout_model import ModelProvider, build_rollout_chunks
-from .sharding import is_expert
+from .quant.fp8 import layers_in_bf16
+from .reshard.binding import BINDINGS, named_parameters
+from .reshard.exchange import keys_of
+from .reshard.executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers,
+                               make_exchange_plan, make_group_plan)
+from .reshard.placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
+from .reshard.rollout_model import ModelProvider, build_rollout_chunks
 from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
 
 __all__ = ["HybridEngine", "CollectiveRecord", "WEIGHT_MODES"]
@@ -135,7 +135,7 @@ class HybridEngine:
         rollout_weights: ``"model"`` (default: the rollout model computes in the training dtype) or ``"fp8"``: every
             switch writes the dense layers' linear weights (QKV, attention output, fc1, fc2) as float8 e4m3 with one
             fp32 scale per output row, straight from the gathered shards into memory backed only while rolling out,
-            and the rollout model multiplies in FP8 (activations quantized per token; :mod:`megatron_hybrid.fp8`).
+            and the rollout model multiplies in FP8 (activations quantized per token; :mod:`megatron_hybrid.quant.fp8`).
             The embedding, the output layer, norms, biases and MoE experts stay in the training dtype, and so do the
             first and last decoder layers that the model's ``TransformerConfig`` keeps in bf16 as Megatron's FP8
             training does (``first_last_layers_bf16``, ``num_layers_at_start_in_bf16``,
@@ -251,7 +251,7 @@ class HybridEngine:
         return Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
 
     def _place_exchange(self, tied: bool, expert_groups: Optional[tuple[Any, Any, Any]]) -> Placements:
-        """The exchange plan of any other layout pair (:mod:`megatron_hybrid.exchange`), its placement (the
+        """The exchange plan of any other layout pair (:mod:`megatron_hybrid.reshard.exchange`), its placement (the
         training tensors stay where they are; a receive buffer per dtype) and executor. An MoE model's routed
         experts move in the same all-to-all, on their own axis (expert TP)."""
         rank = dist.get_rank()
@@ -330,7 +330,7 @@ class HybridEngine:
     @property
     def fp8_layers(self) -> range:
         """The decoder layers (numbered model-wide) whose rollout weights are FP8 under ``rollout_weights="fp8"``:
-        all but the :func:`~megatron_hybrid.fp8.layers_in_bf16` ones at either end."""
+        all but the :func:`~megatron_hybrid.quant.fp8.layers_in_bf16` ones at either end."""
         first, last = self.fp8_layers_in_bf16
         return range(first, self.config.num_layers - last)
 

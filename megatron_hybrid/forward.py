@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .communication import gather_vocab, pipeline_peers, recv_from_previous, send_to_next
+from .reshard.communication import gather_vocab, pipeline_peers, recv_from_previous, send_to_next
 
 __all__ = ["gather_vocab", "pipeline_forward"]
 

@@ -13,8 +13,8 @@ rank order: with t_g > t the rollout TP shard a rank can serve without communica
 shard, and megatron-core assumes that group rank j holds vocabulary shard j (``ColumnParallelLinear`` with
 ``parallel_output=False``, its inference engines). torch ≥ 2.13's ``new_group(sort_ranks=False)`` keeps that
 order. On an older torch, an in-place layout whose groups are not in global order (t_g > t with t > 1) is served
-as an exchange layout instead (:mod:`megatron_hybrid.exchange`), whose arrangement keeps every group in order.
-Exchange layouts take their rollout groups from their :class:`~megatron_hybrid.exchange.Arrangement`.
+as an exchange layout instead (:mod:`megatron_hybrid.reshard.exchange`), whose arrangement keeps every group in order.
+Exchange layouts take their rollout groups from their :class:`~megatron_hybrid.reshard.exchange.Arrangement`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import compat
-from .exchange import Arrangement, arrange
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, _group_ranks
+from .megatron import compat
+from .reshard.exchange import Arrangement, arrange
 from .transport import TORCH, Transport
 
 #: Group kinds, in creation order (every rank creates every group in the same order). The expert kinds (an MoE
@@ -143,8 +143,8 @@ def _exchange_lists(arrangement: Arrangement) -> dict[str, list[list[int]]]:
 
 def _exchange_expert_lists(arrangement: Arrangement, ex: ExpertLayout) -> dict[str, list[list[int]]]:
     """An MoE model's rollout expert groups on an exchange layout: each rollout stage's ranks cut into expert TP ×
-    EP × expert DP (:meth:`~megatron_hybrid.exchange.Arrangement.expert_coords`); no micro-EP groups (the experts
-    move in the exchange's all-to-all)."""
+    EP × expert DP (:meth:`~megatron_hybrid.reshard.exchange.Arrangement.expert_coords`); no micro-EP groups (the
+    experts move in the exchange's all-to-all)."""
     coords = arrangement.expert_coords(ex.et_g, ex.e_g).items()
     return {"stage": arrangement.stage_groups(),
             "ep": _group_ranks(coords, lambda c: (c[0], c[2], c[3]), order=lambda c: c[1]),

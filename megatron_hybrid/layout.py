@@ -17,7 +17,7 @@ already holds, so the switch moves nothing.
 
 Every other pair (p_g > p, t_g > t with p_g ≠ p, TP and PP moving in opposite directions, ...) is an *exchange*
 layout (``ParallelLayout.exchange``): its rollout coordinates and the bytes each rank misses come from
-:mod:`megatron_hybrid.exchange`, not from the micro-DP arithmetic here.
+:mod:`megatron_hybrid.reshard.exchange`, not from the micro-DP arithmetic here.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class ParallelLayout:
     p_g: int
 
     exchange: bool = False
-    """Served by the exchange plan (:mod:`megatron_hybrid.exchange`) rather than micro-DP gathers: set for every pair
-    outside the gather contract (see the module docstring), and by the engine for pairs inside it that it still
+    """Served by the exchange plan (:mod:`megatron_hybrid.reshard.exchange`) rather than micro-DP gathers: set for every
+    pair outside the gather contract (see the module docstring), and by the engine for pairs inside it that it still
     exchanges (virtual pipeline chunks with p_g < p; t_g > t where ``new_group`` sorts ranks)."""
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ engine's last switch to rank 0 (a collective over the world); :func:`write_commu
 JSON lines and renders an HTML page with a timeline per rank, the bandwidth of every collective and the share of
 the step spent switching. The page is one file with inline CSS and SVG: no scripts, fonts or anything fetched.
 
-A trace record is one collective on one rank (:class:`megatron_hybrid.executor.CollectiveRecord`): ``rank``,
+A trace record is one collective on one rank (:class:`megatron_hybrid.reshard.executor.CollectiveRecord`): ``rank``,
 ``index`` (its position in that rank's switch), ``op``, ``group_ranks``, ``bytes_received``, ``seconds``,
 ``start`` and ``end`` (``time.time()`` of that rank: one clock on one host; across hosts only as close as their
 clocks), and ``gbps`` (bytes received per second / 1e9). Times are the host's view: on a GPU they cover the
@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .sharding import global_name, layer_offset
+from .megatron.sharding import global_name, layer_offset
 
 TRACE_FIELDS = ("rank", "index", "op", "group_ranks", "bytes_received", "seconds", "start", "end", "gbps")
 

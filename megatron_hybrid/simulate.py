@@ -3,19 +3,20 @@ placement and executor through the in-process transport, each rank's rollout ten
 
 Issue 48, step 3. A check of one layout pair on real gloo ranks takes minutes on 2 cores; here it takes
 milliseconds, so the whole layout space can be swept (``tests/test_simulate.py``, ``bench/layout_sweep.py``). What
-runs is the engine's code from the parameter descriptions on: :func:`~megatron_hybrid.plan.build_group_plan` (as
-:func:`~megatron_hybrid.executor.make_group_plan` calls it), :class:`~megatron_hybrid.placement.Placement` (the
-training tensors moved into their slots, the blocks a rollout tensor reads) and
-:class:`~megatron_hybrid.executor.PlanExecutor` (the collectives, here copies between the ranks' threads). What
-does not run: megatron-core's modules. The model is a table of its parameters (:func:`gpt_parameters`: the names,
-order, shapes and tensor-parallel attributes megatron-core gives a :class:`~megatron_hybrid.models.GPTArchitecture`,
-checked against the model it builds), every rank's training shards are cut from one unsharded model with
-:func:`~megatron_hybrid.sharding.shard`, and a rank's rollout tensor (its blocks, materialised as the canonical
-binding does) is compared with the unsharded tensor's rollout shard, cut the same way.
+runs is the engine's code from the parameter descriptions on: :func:`~megatron_hybrid.reshard.plan.build_group_plan` (as
+:func:`~megatron_hybrid.reshard.executor.make_group_plan` calls it),
+:class:`~megatron_hybrid.reshard.placement.Placement` (the training tensors moved into their slots, the blocks a rollout
+tensor reads) and :class:`~megatron_hybrid.reshard.executor.PlanExecutor` (the collectives, here copies between the
+ranks' threads). What does not run: megatron-core's modules. The model is a table of its parameters
+(:func:`gpt_parameters`: the names, order, shapes and tensor-parallel attributes megatron-core gives a
+:class:`~megatron_hybrid.megatron.models.GPTArchitecture`, checked against the model it builds), every rank's training
+shards are cut from one unsharded model with :func:`~megatron_hybrid.megatron.sharding.shard`, and a rank's rollout
+tensor (its blocks, materialised as the canonical binding does) is compared with the unsharded tensor's rollout shard,
+cut the same way.
 
 Covered now: dense GPT models with every architecture option of ``GPTArchitecture``, tied embeddings included; every
 layout pair, in place (micro-DP gathers: t_g | t, or t_g = m·t with m | d and p_g = p; p_g | p) or exchanged
-(:mod:`megatron_hybrid.exchange`: one all-to-all); virtual pipeline chunks (an exchange layout, as the engine
+(:mod:`megatron_hybrid.reshard.exchange`: one all-to-all); virtual pipeline chunks (an exchange layout, as the engine
 serves a dense model with them); aliased and canonical weights. MoE models (routed experts, shared experts and
 their gate, dense and MoE layers mixed, expert biases): in place, the routed experts as a second plane over the
 micro-EP groups of megatron-core's expert grid (expert TP, EP, expert DP, PP); exchanged, the routed experts in the
@@ -33,15 +34,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .exchange import RankTensors, arrange, build_exchange_plan, keys_of
-from .fp8 import FP8_DTYPE, is_target, quantize_rows
-from .executor import ExchangeExecutor, PlanExecutor, PlaneSpec
-from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
-from .models import GPTArchitecture
-from .placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement
-from .plan import MemberInfo, ParamInfo, build_group_plan
-from .sharding import TPSpec, shard
 from .groups import InProcessGroups
+from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
+from .megatron.models import GPTArchitecture
+from .megatron.sharding import TPSpec, shard
+from .quant.fp8 import FP8_DTYPE, is_target, quantize_rows
+from .reshard.exchange import RankTensors, arrange, build_exchange_plan, keys_of
+from .reshard.executor import ExchangeExecutor, PlanExecutor, PlaneSpec
+from .reshard.placement import DTYPE_NAMES, DTYPES, ExchangePlacement, Placement
+from .reshard.plan import MemberInfo, ParamInfo, build_group_plan
 from .transport import InProcessWorld
 
 _LAYER_PREFIX = "decoder.layers."

@@ -1,14 +1,14 @@
 """The collectives of a switch behind one interface: ``torch.distributed`` across processes, or every rank of a world
 held in one process.
 
-The reshard plan is pure arithmetic (:mod:`megatron_hybrid.plan`, :mod:`megatron_hybrid.exchange`); what moves the
-bytes is the executor (:mod:`megatron_hybrid.executor`), and what it needs from the world is small: this rank's
-number, the world's size and four collectives (``all_gather_object`` once, to plan; ``all_gather_into_tensor``,
-``broadcast`` and ``all_to_all_single`` at every switch). :class:`TorchTransport` is those calls as the engine has
-always made them; :class:`InProcessWorld` holds every rank of a world in one process, one thread per rank, and
-performs the same collectives by copying, so that the executor's own code can run for every rank of a layout in
-milliseconds (issue 48: a check over the whole layout space). Megatron-core's refit keeps its transports pluggable
-the same way (``resharding/copy_services``: nccl, gloo, nvshmem, nixl).
+The reshard plan is pure arithmetic (:mod:`megatron_hybrid.reshard.plan`, :mod:`megatron_hybrid.reshard.exchange`); what
+moves the bytes is the executor (:mod:`megatron_hybrid.reshard.executor`), and what it needs from the world is small:
+this rank's number, the world's size and four collectives (``all_gather_object`` once, to plan;
+``all_gather_into_tensor``, ``broadcast`` and ``all_to_all_single`` at every switch). :class:`TorchTransport` is those
+calls as the engine has always made them; :class:`InProcessWorld` holds every rank of a world in one process, one thread
+per rank, and performs the same collectives by copying, so that the executor's own code can run for every rank of a
+layout in milliseconds (issue 48: a check over the whole layout space). Megatron-core's refit keeps its transports
+pluggable the same way (``resharding/copy_services``: nccl, gloo, nvshmem, nixl).
 
 A group is whatever the rollout groups hand out: a ``ProcessGroup`` for torch, the tuple of its global ranks in
 group-rank order for the in-process world.
@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from . import compat
+from .megatron import compat
 
 
 class Transport(Protocol):

@@ -15,13 +15,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from . import compat
-from .aliased import supports_blocks
-from .binding import BINDINGS
-from .fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
 from .layout import ExpertLayout, ParallelLayout, RolloutLayout
-from .models import moe_layer_pattern
-from .sharding import TPSpec
+from .megatron import compat
+from .megatron.models import moe_layer_pattern
+from .megatron.sharding import TPSpec
+from .quant.fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
+from .reshard.aliased import supports_blocks
+from .reshard.binding import BINDINGS
 
 WEIGHT_MODES = tuple(BINDINGS)
 
@@ -172,8 +172,8 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
 def _check_exchanged_experts(config: Any, layout: ParallelLayout, rollout: RolloutLayout,
                              training: tuple[int, int, int]) -> ExpertLayout:
     """The rollout expert sizes of an MoE exchange layout: each rollout stage's t_g · d_g ranks cut into et_g ·
-    e_g · edp_g (:meth:`~megatron_hybrid.exchange.Arrangement.expert_coords`); e_g divides the experts, et_g their
-    MLP. No micro-EP groups: the experts move in the exchange's all-to-all."""
+    e_g · edp_g (:meth:`~megatron_hybrid.reshard.exchange.Arrangement.expert_coords`); e_g divides the experts, et_g
+    their MLP. No micro-EP groups: the experts move in the exchange's all-to-all."""
     et_g, e_g = rollout.expert_tp, rollout.expert_model_parallel_size
     stage_ranks = layout.world_size // layout.p_g
     if stage_ranks % (et_g * e_g):

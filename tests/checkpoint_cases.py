@@ -86,7 +86,7 @@ def _snapshot(models: dict) -> dict:
 def reshard_save_case(directory: str) -> dict:
     """fp32 and bf16 (fp32 main parameters) runs: one update of actor and critic, saved as iteration 1."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
 
     out = {}
     for bf16, distopt in CONFIGS:
@@ -156,7 +156,7 @@ MOE_FLAGS = ("--tensor-model-parallel-size", "1", "--num-experts", "4", "--moe-a
 def _moe_models() -> dict:
     """Actor, critic (an MoE trunk) and reference at this job's expert parallelism (TP 1)."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_expert_ranks
+    from megatron_hybrid.megatron.compat import megatron_expert_ranks
 
     args = recipe_args(*MOE_FLAGS, "--expert-model-parallel-size", str(megatron_expert_ranks()[1]))
     arch = rl.architecture_from_args(args, VOCAB)
@@ -172,8 +172,8 @@ def _moe_snapshot(models: dict) -> dict:
     expert-parallel group: the parameter and, for a trained model, its fp32 main parameter and Adam moments."""
     import torch.distributed as dist
 
-    from megatron_hybrid.compat import megatron_expert_groups, unwrap_model
     from megatron_hybrid.convert.layout import expert_of, renumber_expert
+    from megatron_hybrid.megatron.compat import megatron_expert_groups, unwrap_model
 
     _, ep, _ = megatron_expert_groups()
     out = {}
@@ -196,7 +196,7 @@ def _moe_snapshot(models: dict) -> dict:
 def moe_save_case(directory: str) -> dict:
     """One update of an MoE actor and critic at this job's expert parallelism, saved as iteration 1."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
 
     models = _moe_models()
     passes = rl.TrainingPasses(rl.PassConfig(PROMPT + NEW, 2, VOCAB))

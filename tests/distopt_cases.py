@@ -38,7 +38,7 @@ class Config:
 
 
 def _arch(cfg: Config, **kw):
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
                 vocab_size=60, make_vocab_size_divisible_by=16, max_position_embeddings=64,
@@ -118,7 +118,7 @@ def train_step(model, optimizer, step: int) -> list[float]:
 def _full(model) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict
 
     return full_state_dict([model], tp_group=ps.get_tensor_model_parallel_group(),
                            pp_group=ps.get_pipeline_model_parallel_group())
@@ -132,7 +132,8 @@ def _same(a: dict, b: dict) -> list[str]:
 def matrix_case(cfg: Config) -> dict:
     """``cfg.steps`` updates without the engine, then the same updates through it (a switch to rollout and back
     after every ``step()``): losses and parameters, bit for bit, and the rollout weights after every step."""
-    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.megatron import compat
     from megatron_hybrid.memory import optimizer_tensors
 
     t0 = time.perf_counter()
@@ -191,7 +192,7 @@ def logits_case() -> dict:
 
     import pytest
 
-    from megatron_hybrid import compat
+    from megatron_hybrid.megatron import compat
 
     cfg = Config(sp=True)
     model, make_optimizer = build(cfg)
@@ -226,7 +227,8 @@ def memory_case(offload: bool) -> dict:
 
     import psutil
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.megatron import compat
     from megatron_hybrid.memory import optimizer_tensors
 
     from tests.engine_cases import arch as engine_arch

@@ -17,7 +17,7 @@ def tokens() -> torch.Tensor:
 
 
 def arch(**kw):
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     return tiny_llama(**kw)
 
@@ -31,7 +31,7 @@ def reference(arch_kw: dict, state=None):
     """World of one: the unsharded model. Makes the initial weights when ``state`` is None."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     a = arch(**arch_kw)
     model = a.build()
@@ -63,7 +63,7 @@ def sgd_step(chunks, grads: dict) -> None:
     ``grads`` (a tied output layer's: the embedding's)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, shard
+    from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset, shard
 
     params = []
     for chunk in chunks:
@@ -89,7 +89,7 @@ def rollout_full_weights(engine) -> dict:
     Aliased parameters carry their blocks (views of the gather buffers); the canonical shard is the blocks
     stacked along partition_dim, re-interleaved by partition_stride (Megatron's [gate_r; up_r]).
     """
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, unshard
+    from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset, unshard
 
     local = {}
     for chunk in engine.rollout_chunks:
@@ -121,7 +121,7 @@ def rollout_addresses(engine) -> dict:
 
 def expected_missing_bytes(engine) -> int:
     """Rollout shard bytes minus the bytes of this rank's own training tensors that are part of it."""
-    from megatron_hybrid.sharding import global_name, layer_offset
+    from megatron_hybrid.megatron.sharding import global_name, layer_offset
 
     rollout = {}
     for chunk in engine.rollout_chunks:
@@ -152,7 +152,7 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
     """``own_region_min_numel``: the plan's size threshold for stacked and strided regions, lowered so that the
     tiny model's tensors get them."""
     if own_region_min_numel is not None:
-        from megatron_hybrid import plan
+        from megatron_hybrid.reshard import plan
 
         saved, plan.STACKED_MIN_NUMEL = plan.STACKED_MIN_NUMEL, own_region_min_numel
         try:
@@ -164,13 +164,13 @@ def engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, mode: str, stat
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.sharding import full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     a = arch(**arch_kw)
     config = a.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model = a.build(config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     load_full_state_dict([model], state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     if ddp:
@@ -364,7 +364,7 @@ def chunks_case(state: dict, mode: str):
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.sharding import full_state_dict, load_full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict, load_full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     a = arch()

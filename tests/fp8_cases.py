@@ -20,7 +20,7 @@ def fp8_reference(arch_kw: dict, state: dict, rollout_tp: int = 1, bf16_layers: 
     row-parallel linear's shard holds K / t_g of every row and of every token's features: each of the t_g slices
     is quantized on its own and the partial products are summed (the rollout model's all-reduce). ``bf16_layers``:
     (first, last) layers at either end that keep the model's own linears (first_last_layers_bf16)."""
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     def dequantized(w: torch.Tensor) -> torch.Tensor:  # along the last dim, one scale per row
         w = w.float()
@@ -66,8 +66,8 @@ def _fp8_mismatches(engine, state: dict, bf16_layers: tuple) -> tuple[list[str],
     """The FP8 rollout weights that differ from an independent quantization (``torch.float8_e4m3fn`` cast of the
     fp32 weight over its row amax / 448) of this rank's rollout shard of the unsharded ``state``, bit for bit, scales
     included; and how many were compared."""
-    from megatron_hybrid.fp8 import is_target, quantize_reference
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, shard
+    from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset, shard
+    from megatron_hybrid.quant.fp8 import is_target, quantize_reference
 
     bad, seen = [], 0
     t_g = engine.layout.t_g
@@ -100,9 +100,10 @@ def fp8_engine_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, state: dict
     (first, last), set in the model's config as Megatron's first_last_layers_bf16."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, plan
+    from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
+    from megatron_hybrid.reshard import plan
 
     saved = plan.STACKED_MIN_NUMEL
     if own_region_min_numel is not None:

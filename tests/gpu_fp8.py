@@ -10,9 +10,9 @@ rollout_weights="fp8")`` (rollout layout TP = PP = 1). Checked:
 
 1. quantization: after the first switch, and again after an optimizer step (a real forward and backward, then
    ``torch.optim.SGD`` in place on the training parameters, then the next switch), every FP8 weight of the rollout
-   model and its scales equal :func:`megatron_hybrid.fp8.quantize_reference` of its training weight, bit for bit
+   model and its scales equal :func:`megatron_hybrid.quant.fp8.quantize_reference` of its training weight, bit for bit
    (the FP8 bytes compared as ``uint8``, the fp32 scales exactly), computed on the GPU and computed on the CPU from
-   the same weights moved there; exactly the :func:`~megatron_hybrid.fp8.is_target` weights are FP8; and the step
+   the same weights moved there; exactly the :func:`~megatron_hybrid.quant.fp8.is_target` weights are FP8; and the step
    changed every FP8 weight (else the second check would prove nothing).
 2. FP8 decode graphs replay an eager FP8 run bit for bit, at two levels:
 
@@ -53,7 +53,7 @@ NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 64, 32
 
 
 def _arch(smoke: bool):
-    from megatron_hybrid.models import GPTArchitecture, tiny_llama
+    from megatron_hybrid.megatron.models import GPTArchitecture, tiny_llama
 
     if smoke:
         return tiny_llama(params_dtype="bfloat16")
@@ -66,7 +66,7 @@ def _arch(smoke: bool):
 
 def _fp8_bytes(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every FP8 weight of the rollout model and its scales, copied to the host, by global name."""
-    from megatron_hybrid.binding import named_parameters
+    from megatron_hybrid.reshard.binding import named_parameters
 
     out = {}
     for name, param in named_parameters(engine.rollout_chunks):
@@ -80,8 +80,8 @@ def _fp8_bytes(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def check_quantization(engine) -> dict[str, Any]:
     """The rollout model's FP8 weights (engine rolling out) against ``quantize_reference`` of the training weights
     (rollout TP = 1: the whole tensors, under the same names) on their device and on the CPU."""
-    from megatron_hybrid.binding import named_parameters
-    from megatron_hybrid.fp8 import is_target, quantize_reference
+    from megatron_hybrid.quant.fp8 import is_target, quantize_reference
+    from megatron_hybrid.reshard.binding import named_parameters
 
     train = dict(named_parameters(engine.modules))
     on_gpu = engine.device.type == "cuda"
@@ -259,7 +259,7 @@ def run(smoke: bool) -> dict[str, Any]:
         torch.cuda.set_device(device)
         shim = nullcontext()
     else:
-        from megatron_hybrid.patches import cpu_gloo
+        from megatron_hybrid.megatron.patches import cpu_gloo
 
         shim = cpu_gloo()
     summary: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",

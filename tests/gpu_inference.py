@@ -145,8 +145,8 @@ def run_variant(graph_pool: str, optimizer: str = "sgd") -> dict:
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import GenerationConfig, RolloutGenerator
+    from megatron_hybrid.megatron.models import GPTArchitecture
     from megatron_hybrid.memory import allocation_granularity
-    from megatron_hybrid.models import GPTArchitecture
 
     torch.cuda.set_device(0)
     with socket.socket() as s:

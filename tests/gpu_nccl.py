@@ -53,7 +53,7 @@ def run_case(layout, mode: str, dtype: str) -> dict:
 
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
-    from megatron_hybrid.sharding import full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict
 
     t, p, d, t_g, p_g = layout
     ps.initialize_model_parallel(t, p)

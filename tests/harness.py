@@ -2,7 +2,7 @@
 
 Spawning N Python processes that import torch and megatron-core costs seconds on a 2-core machine, so ranks live
 in a pool per world size that is reused across tests: each call sends the body to every rank, the ranks set up
-``initialize_model_parallel(tensor, pipeline)`` inside :func:`megatron_hybrid.patches.cpu_gloo`, run it, tear
+``initialize_model_parallel(tensor, pipeline)`` inside :func:`megatron_hybrid.megatron.patches.cpu_gloo`, run it, tear
 the parallel state down and report back. A failure on any rank fails the call with that rank's traceback; a rank
 that does not answer within the timeout fails the call and the pool is killed (the next call starts a new one).
 
@@ -46,7 +46,7 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], inbox: A
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_hybrid.patches import cpu_gloo
+    from megatron_hybrid.megatron.patches import cpu_gloo
 
     while True:
         job = inbox.get()

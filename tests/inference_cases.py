@@ -28,7 +28,7 @@ def prompts_for(dp_rank: int, count: int) -> list[list[int]]:
 def _training_model(state: dict, arch_kw: Optional[dict] = None):
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     model = arch(**(arch_kw or {})).build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -14,7 +14,7 @@ _LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
 
 def moe_arch(**overrides):
     """2 layers, hidden 32, 4 experts, top-2, fp32; an aux loss so that its value can be checked."""
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                 num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01)

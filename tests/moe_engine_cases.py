@@ -22,7 +22,7 @@ PROMPTS_PER_RANK, NEW_TOKENS = 2, 6
 
 def moe_arch(**overrides):
     """Hidden 32, 4 heads / 4 query groups (TP up to 4), 8 experts of ffn 32, top-2, fp32."""
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
                 num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
@@ -41,7 +41,7 @@ def _seeded(name: str, shape, salt: int) -> torch.Tensor:
 
 
 def _weight_buffers(model: torch.nn.Module):
-    from megatron_hybrid.binding import WEIGHT_BUFFERS
+    from megatron_hybrid.reshard.binding import WEIGHT_BUFFERS
 
     return [(n, b) for n, b in model.named_buffers() if n.endswith(WEIGHT_BUFFERS)]
 
@@ -74,7 +74,7 @@ def rank_prompts(dp_rank: int) -> list[list[int]]:
 
 
 def _shard_of(full: torch.Tensor, spec, rank: int, size: int) -> torch.Tensor:
-    from megatron_hybrid.sharding import shard
+    from megatron_hybrid.megatron.sharding import shard
 
     return shard(full, spec, rank, size)
 
@@ -84,8 +84,8 @@ def _load(model: torch.nn.Module, state: dict) -> None:
     expert-TP group."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.binding import named_weights
-    from megatron_hybrid.sharding import TPSpec, is_expert
+    from megatron_hybrid.megatron.sharding import TPSpec, is_expert
+    from megatron_hybrid.reshard.binding import named_weights
 
     with torch.no_grad():
         for name, _, t in named_weights([model]):
@@ -107,8 +107,8 @@ def _rollout_tensor(engine, p: torch.Tensor) -> torch.Tensor:
 def _rollout_mismatches(engine, state: dict) -> list[str]:
     """Rollout tensors that differ in any bit from this rank's rollout shard of ``state`` (TP shard t_g of a dense
     tensor, expert-TP shard et_g of a routed expert's, the expert by its global index)."""
-    from megatron_hybrid.binding import named_weights
-    from megatron_hybrid.sharding import TPSpec, is_expert
+    from megatron_hybrid.megatron.sharding import TPSpec, is_expert
+    from megatron_hybrid.reshard.binding import named_weights
 
     ex = engine.expert_layout
     et_rank = engine.group_ranks["expt_tp"].index(dist.get_rank())
@@ -125,8 +125,8 @@ def _rollout_mismatches(engine, state: dict) -> list[str]:
 def _missing_bytes(engine) -> tuple[int, int]:
     """(all, expert) bytes of this rank's rollout shard that its own training tensors do not hold, counted by name:
     a rollout tensor of the same name as a training tensor of this rank holds that tensor as a block."""
-    from megatron_hybrid.binding import named_weights
-    from megatron_hybrid.sharding import is_expert
+    from megatron_hybrid.megatron.sharding import is_expert
+    from megatron_hybrid.reshard.binding import named_weights
 
     own = {name: t.numel() * t.element_size() for name, _, t in named_weights(engine.modules)}
     total = expert = 0
@@ -152,8 +152,8 @@ def moe_engine_case(arch_kw: dict, rollout_kw: dict, ref: dict, *, sequence_para
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.binding import named_weights
-    from megatron_hybrid.sharding import TPSpec, is_expert
+    from megatron_hybrid.megatron.sharding import TPSpec, is_expert
+    from megatron_hybrid.reshard.binding import named_weights
 
     t, p = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     e, et = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
@@ -220,11 +220,12 @@ def moe_bad_input_cases(rollout_kws: list[dict]) -> list[str]:
     any collective (every collective is replaced by one that fails the test)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.megatron import compat
 
     arch = moe_arch()
     model = arch.build(arch.transformer_config(expert_model_parallel_size=ps.get_expert_model_parallel_world_size()))
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     dense = tiny_llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4,
                        ffn_hidden_size=64).build()
@@ -269,8 +270,8 @@ def _full_state(chunks) -> dict[str, torch.Tensor]:
     ranks' shards, gathered over the world as objects (tiny models only)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.binding import named_weights
-    from megatron_hybrid.sharding import TPSpec, is_expert, unshard
+    from megatron_hybrid.megatron.sharding import TPSpec, is_expert, unshard
+    from megatron_hybrid.reshard.binding import named_weights
 
     mine = {}
     for name, _, t in named_weights(chunks):
@@ -295,7 +296,8 @@ def moe_distopt_case(mode: str, rollout_kw: dict, steps: int = 3) -> dict[str, A
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.megatron import compat
     from tests.distopt_cases import train_step
 
     def build():

@@ -21,7 +21,7 @@ def swap_test_arch(**overrides):
     """Megatron-LM's ``tests/unit_tests/resharding/test_model_swap.py`` model: hidden 32, 8 heads / 4 query groups,
     vocabulary 128, tied embeddings, fp32, megatron-core's defaults otherwise (LayerNorm, GELU MLP of 4 × hidden,
     biases, learned absolute positions) on the local spec; 2 layers (the tests pass 4 with pipelines)."""
-    from megatron_hybrid.models import GPTArchitecture
+    from megatron_hybrid.megatron.models import GPTArchitecture
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, vocab_size=128,
                 make_vocab_size_divisible_by=16, max_position_embeddings=64, swiglu=False, normalization="LayerNorm",
@@ -40,7 +40,7 @@ def prompts_for(dp_rank: int) -> list[list[int]]:
 def reference(arch_kw: dict, dp_sizes: list[int]) -> dict:
     """World of one: initial weights, their stepped version, the logits of both and full-recompute greedy decoding
     of every training replica's prompts (``dp_sizes``: the data-parallel sizes whose prompts are needed)."""
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
     from tests.inference_cases import recompute_greedy
 
     model = swap_test_arch(**arch_kw).build()
@@ -67,7 +67,7 @@ def missing_by_ids(engine, full_shapes: dict[str, tuple[int, ...]], tied: bool) 
     tensor of the rank has is missing (independent of the plan and of the library's byte formula)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, shard
+    from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset, shard
 
     def key(name: str) -> str:
         return "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
@@ -144,10 +144,11 @@ def pair_case(arch_kw: dict, rollout_tp: int, rollout_pp: int, ref: dict, *, vpp
     ``sort_ranks``: process groups list their ranks in global order, as ``new_group`` does before torch 2.13."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid import HybridEngine, RolloutLayout, compat
+    from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.forward import gather_vocab, pipeline_forward
     from megatron_hybrid.inference import GenerationConfig
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron import compat
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     saved = compat.NEW_GROUP_KEEPS_ORDER
     if sort_ranks:

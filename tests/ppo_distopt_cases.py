@@ -9,7 +9,7 @@ from tests import ppo_cases
 
 
 def _describe(trained) -> dict[str, Any]:
-    from megatron_hybrid.compat import unwrap_model
+    from megatron_hybrid.megatron.compat import unwrap_model
 
     return {"optimizers": sorted({type(o).__name__ for o in trained.optimizer.chained_optimizers}),
             "sequence_parallel": unwrap_model(trained.model).config.sequence_parallel,

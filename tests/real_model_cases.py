@@ -21,7 +21,7 @@ def actor_logits(model: torch.nn.Module, tokens_BS: torch.Tensor, vocab_size: in
     """The training-layout model's logits ``[B, S, vocab_size]`` (one pipeline stage; gathered over TP)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.compat import unwrap_model
+    from megatron_hybrid.megatron.compat import unwrap_model
 
     module = unwrap_model(model)
     positions = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
@@ -86,7 +86,7 @@ def export_case(megatron_dir: str, export_dir: str, *, fail_on_rank: int | None 
     import safetensors.torch
 
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
     from tests.rl_cases import recipe_args
 
     tp, pp, _, _ = megatron_groups()

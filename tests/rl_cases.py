@@ -48,8 +48,8 @@ def _objects(obj, group) -> list:
 def _full(model, select) -> dict[str, torch.Tensor]:
     """``select(param)`` of every parameter as a full tensor by global name, gathered over TP and PP. The last
     stage's copy of a tied embedding is reported as ``tied:output_layer.weight``."""
-    from megatron_hybrid.compat import megatron_groups, unwrap_model
-    from megatron_hybrid.sharding import TPSpec, global_name, layer_offset, unshard
+    from megatron_hybrid.megatron.compat import megatron_groups, unwrap_model
+    from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset, unshard
 
     tp, pp, _, _ = megatron_groups()
     module = unwrap_model(model)
@@ -94,7 +94,7 @@ def optimizer_step_case() -> list[dict]:
     at the end of the decay; per update the full fp32 main gradients and main parameters before it (read just
     before ``optimizer.step()``), the full fp32 main and bf16 parameters after it, and the reported norm."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
 
     args = recipe_args(*OPTIMIZER_FLAGS)
     arch = rl.architecture_from_args(args, VOCAB)
@@ -201,7 +201,7 @@ def token_mean_gradient_case(micro_batch_size: int, *, sequences: int = 8) -> di
     split over the data-parallel ranks (in rank order) and into micro-batches of ``micro_batch_size``; the loss is
     the recipe's kind, a token mean per micro-batch (the NLL). Also each micro-batch's token count and mean NLL."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
 
     dp_group = megatron_groups()[2]
     per_rank = sequences // dp_group.size()
@@ -294,7 +294,7 @@ def packed_dp_gradient_case(capacity: int, balance: bool, *, sequences: int = 8)
     ranks by :func:`megatron_hybrid.rl.balance_batch` in units of 2 when ``balance``. Also the rank's sequences (as
     token lists, after any move), its micro-batches' token counts and the balance's report."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
     from megatron_hybrid.rl.packing import first_fit_decreasing
 
     dp_group = megatron_groups()[2]
@@ -337,7 +337,7 @@ def packed_layout_case(capacity: int, sequence_parallel: bool) -> dict:
     scores, then the full fp32 main gradients of one :func:`megatron_hybrid.rl.update` with the token-mean NLL.
     Also the packs' token lengths and the last stage's flag."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
 
     tp, pp, _, _ = megatron_groups()
     argv = ["--tensor-model-parallel-size", str(tp.size()), "--pipeline-model-parallel-size", str(pp.size()),

@@ -20,7 +20,7 @@ def prompts_for(dp_rank: int, uneven: bool) -> list[list[int]]:
 def _model(state):
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     model = arch().build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -121,8 +121,8 @@ def static_engine_case(state):
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.compat import static_inference_engine
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.compat import static_inference_engine
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     tp = ps.get_tensor_model_parallel_world_size()
     model = arch().build(tensor_model_parallel_size=tp)

@@ -195,7 +195,7 @@ def replay_refuses_full_recompute_case() -> str:
     """One rank: a TrainingRouting that replays, on a tiny MoE stage built with routing replay and full activation
     recompute (rl.build_stage's config); returns the ValueError's message (empty when nothing was raised)."""
     from megatron_hybrid import rl
-    from megatron_hybrid.compat import megatron_groups
+    from megatron_hybrid.megatron.compat import megatron_groups
     from megatron_hybrid.rl.routing import TrainingRouting, moe_routers
 
     model = rl.build_stage(gen.moe_arch(), device=torch.device("cpu"), moe_enable_routing_replay=True,

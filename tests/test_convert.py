@@ -152,7 +152,7 @@ def test_transformer_engine_names(hf_models, tmp_path):
 def test_virtual_shard_matches_sharding_shard(tmp_path):
     from megatron_hybrid.convert.safetensors_io import TensorReader
     from megatron_hybrid.convert.virtual import Virtual, materialize, shard, unshard
-    from megatron_hybrid.sharding import TPSpec, shard as real_shard
+    from megatron_hybrid.megatron.sharding import TPSpec, shard as real_shard
 
     full = torch.randn(12, 10)
     save_file({"w": full}, tmp_path / "w.safetensors")
@@ -402,7 +402,7 @@ def test_export_without_stored_hf_config(hf_models, tmp_path):
 
 def test_parallel_size_checks():
     from megatron_hybrid.convert.layout import check_parallel_sizes
-    from megatron_hybrid.models import GPTArchitecture
+    from megatron_hybrid.megatron.models import GPTArchitecture
 
     arch = GPTArchitecture(num_layers=6, hidden_size=96, num_attention_heads=12, num_query_groups=4, vocab_size=100,
                            ffn_hidden_size=90)
@@ -417,7 +417,7 @@ def test_parallel_size_checks():
 
 def _load_into_tiny_llama(mg_dir: str) -> str:
     from megatron_hybrid.convert import load_megatron_checkpoint
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     model = tiny_llama().build()
     try:

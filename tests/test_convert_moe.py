@@ -300,7 +300,7 @@ def test_expert_sizes_of_a_dense_model_and_the_ranks_of_a_stage(hf_models):
                                               r"\(2\) = 4 must divide tensor_model_parallel_size \(1\) × "
                                               r"data_parallel_size \(2\) = 2"):
         check_parallel_sizes(arch, **_sizes(1, 1, 2, 2), data_parallel_size=2)
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     for sizes, message in ((_sizes(1, 1, 2, 1), r"expert_model_parallel_size \(2\) needs num_experts"),
                            (_sizes(1, 1, 1, 2), r"expert_tensor_parallel_size \(2\) needs num_experts")):

@@ -368,7 +368,7 @@ def test_unsupported_configs_are_refused_at_construction(overrides, message):
 
 
 def _arch(num_query_groups: int, add_qkv_bias: bool, **kw):
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     # Two layers keep it fast; tiny_llama's 8 heads split over TP 2 into 4 per rank (GQA: 2 groups per rank).
     return tiny_llama(num_layers=2, num_query_groups=num_query_groups, add_qkv_bias=add_qkv_bias, **kw)
@@ -448,7 +448,7 @@ def test_flex_trains_where_torch_has_its_backward():
 
 def moe_spec_case() -> list[str]:
     """The decoder block spec path (dense and MoE layers mixed): every layer gets the backend's attention."""
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     model = tiny_llama(num_layers=2, num_experts=4, moe_layer_freq=[1, 0]).build(attention_backend="sdpa")
     return [type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers]
@@ -482,7 +482,7 @@ def rollout_case(state: dict) -> dict:
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.sharding import load_full_state_dict
+    from megatron_hybrid.megatron.sharding import load_full_state_dict
 
     tp = ps.get_tensor_model_parallel_world_size()
     greedy = SamplingParams(temperature=1.0, top_k=1, num_tokens_to_generate=4)
@@ -504,7 +504,7 @@ def rollout_case(state: dict) -> dict:
 def initial_state() -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict
 
     torch.manual_seed(0)
     model = _arch(4, True).build()

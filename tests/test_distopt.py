@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hybrid import compat
+from megatron_hybrid.megatron import compat
 from tests import distopt_cases as cases
 from tests.distopt_cases import Config
 from tests.harness import run_distributed

@@ -99,7 +99,7 @@ def test_weightless_parameters_own_no_memory_even_where_constructors_initialise(
     """torch.nn's modules initialise the parameters they have just registered (torch.nn.Embedding: normal_, which
     a one-element expanded placeholder refuses); megatron-core's own modules skip that without
     perform_initialization. Either way every parameter ends up a placeholder of its shape, owning one element."""
-    from megatron_hybrid.rollout_model import weightless_parameters
+    from megatron_hybrid.reshard.rollout_model import weightless_parameters
 
     class Own(torch.nn.Module):  # stands for a megatron-core module: registers, does not initialise
         def __init__(self):

@@ -1,4 +1,4 @@
-"""The exchange plan's pure arithmetic (megatron_hybrid/exchange.py), against element-by-element counting.
+"""The exchange plan's pure arithmetic (megatron_hybrid/reshard/exchange.py), against element-by-element counting.
 
 A synthetic model (column- and row-parallel weights, SwiGLU's stride-2 fc1, replicated norms, an embedding on the
 first stage and a tied output layer on the last) is described for every rank of a layout pair; each full tensor is
@@ -15,10 +15,10 @@ import zlib
 import pytest
 import torch
 
-from megatron_hybrid.exchange import RankTensors, arrange, build_exchange_plan, megatron_order, stage_layers
 from megatron_hybrid.layout import Grid, ParallelLayout
-from megatron_hybrid.plan import ParamInfo
-from megatron_hybrid.sharding import TPSpec, shard
+from megatron_hybrid.megatron.sharding import TPSpec, shard
+from megatron_hybrid.reshard.exchange import RankTensors, arrange, build_exchange_plan, megatron_order, stage_layers
+from megatron_hybrid.reshard.plan import ParamInfo
 
 H, F, V = 16, 32, 64
 # name -> (full shape, sharded, dim, stride)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hybrid import compat
-from megatron_hybrid.executor import PlanExecutor
 from megatron_hybrid.groups import CollectiveError, RolloutGroups
-from megatron_hybrid.plan import MemberInfo, ParamInfo, RegionKind, build_group_plan
+from megatron_hybrid.megatron import compat
+from megatron_hybrid.reshard.executor import PlanExecutor
+from megatron_hybrid.reshard.plan import MemberInfo, ParamInfo, RegionKind, build_group_plan
 
 
 def _members(k: int, q: int, *, hidden: int) -> list[MemberInfo]:

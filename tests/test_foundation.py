@@ -17,7 +17,7 @@ STEPS = 2
 
 
 def _arch():
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     # GQA (8 heads, 4 groups), SwiGLU, RMSNorm, RoPE, untied embeddings.
     return tiny_llama()
@@ -35,7 +35,7 @@ def _train(full_init):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hybrid.sharding import full_state_dict, load_full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict, load_full_state_dict
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     arch = _arch()
@@ -103,7 +103,7 @@ class _GradView(torch.nn.Module):
 
 def _initial_weights():
     torch.manual_seed(0)
-    from megatron_hybrid.sharding import full_state_dict
+    from megatron_hybrid.megatron.sharding import full_state_dict
     from megatron.core import parallel_state as ps
 
     model = _arch().build()

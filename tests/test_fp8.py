@@ -15,9 +15,9 @@ import types
 import pytest
 import torch
 
-from megatron_hybrid.aliased import Blocks
-from megatron_hybrid.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_reference, is_target, layers_in_bf16,
-                                 quantize_reference, quantize_rows)
+from megatron_hybrid.quant.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_reference, is_target, layers_in_bf16,
+                                       quantize_reference, quantize_rows)
+from megatron_hybrid.reshard.aliased import Blocks
 from tests import fp8_cases, ppo_cases
 from tests.harness import run_distributed
 
@@ -74,7 +74,7 @@ def test_quantize_rows_equals_reference_bit_for_bit(shape, k, dim, stride, dtype
 def test_quantize_rows_writes_strided_outputs(step_numel, monkeypatch):
     """A dim-1 split written into column slices of the output (the binding's FP8 tensor is contiguous; the pieces'
     columns are not); also a few rows per step, as a large weight is quantized (bounded temporaries)."""
-    from megatron_hybrid import fp8
+    from megatron_hybrid.quant import fp8
 
     monkeypatch.setattr(fp8, "_STEP_NUMEL", step_numel)
     full = torch.randn(11, 20, generator=torch.Generator().manual_seed(3))
@@ -110,7 +110,7 @@ def test_offered_quantization_is_taken_only_for_its_own_input():
     """An FP8 linear given the very input a fused kernel quantized ahead (``Fp8Table.offered``) multiplies those
     bits (the same result as quantizing it again), and nothing else: another tensor, a view of a part, or outside
     the offer quantizes its own input."""
-    from megatron_hybrid.fp8 import Fp8Table, quantize_activations
+    from megatron_hybrid.quant.fp8 import Fp8Table, quantize_activations
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(4, 1, 32, generator=g).to(torch.bfloat16)
@@ -134,7 +134,7 @@ def test_offered_quantization_is_taken_only_for_its_own_input():
 def test_fp8_linear_cpu_operand_is_scaled_mm_bit_for_bit(m, k, n, dtype):
     """CPU: the kept dequantized operand (what CPU torch's emulated _scaled_mm builds at every call) gives the same
     bits as _scaled_mm; the decode shapes of SmolLM2-135M (M = 64 tokens) and odd ones."""
-    from megatron_hybrid.fp8 import dequantized_operand
+    from megatron_hybrid.quant.fp8 import dequantized_operand
 
     g = torch.Generator().manual_seed(m + k + n)
     x = torch.randn(2, m, k, generator=g).to(dtype)
@@ -149,7 +149,7 @@ def test_fp8_linear_cpu_operand_is_scaled_mm_bit_for_bit(m, k, n, dtype):
 
 
 def test_fp8_table_keeps_cpu_operands_until_dropped():
-    from megatron_hybrid.fp8 import Fp8Table, dequantized_operand
+    from megatron_hybrid.quant.fp8 import Fp8Table, dequantized_operand
 
     table, param = Fp8Table(), torch.empty(0)
     w_q, w_scale = quantize_reference(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))

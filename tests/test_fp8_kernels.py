@@ -1,10 +1,10 @@
-"""The Triton kernels of FP8 rollout (megatron_hybrid.fp8_kernels) and of the fused decoder step
+"""The Triton kernels of FP8 rollout (megatron_hybrid.quant.fp8_kernels) and of the fused decoder step
 (megatron_hybrid.inference.fused), against plain PyTorch.
 
-- Row quantization: bit for bit :func:`megatron_hybrid.fp8.quantize_reference` (values and scales), also for rows
+- Row quantization: bit for bit :func:`megatron_hybrid.quant.fp8.quantize_reference` (values and scales), also for rows
   longer than one pass holds, strided rows, zero rows and subnormal results; given scales and amax only; many
-  tensors in one launch (:class:`~megatron_hybrid.fp8_kernels.RowQuantizer`, the switch's
-  :class:`~megatron_hybrid.fp8.WeightQuantizer`).
+  tensors in one launch (:class:`~megatron_hybrid.quant.fp8_kernels.RowQuantizer`, the switch's
+  :class:`~megatron_hybrid.quant.fp8.WeightQuantizer`).
 - The weight-only FP8 matrix multiply against the weight dequantized in fp32 and one fp32 matmul, with and without
   K split over programs: the tolerance is a few units of bfloat16's last place of the output (both sum the same
   exact products in fp32, in other orders, then round once).
@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_hybrid import fp8_kernels
-from megatron_hybrid.fp8 import FP8_DTYPE, quantize_reference, row_scales
 from megatron_hybrid.inference import fused
+from megatron_hybrid.quant import fp8_kernels
+from megatron_hybrid.quant.fp8 import FP8_DTYPE, quantize_reference, row_scales
 from tests.triton_support import TRITON_DEVICE, needs_triton, run_interpreted
 
 
@@ -104,8 +104,8 @@ def test_triton_row_quantizer_bit_for_bit(tile, rows, aligned):
 def test_triton_weight_quantizer_groups_whole_rows():
     """A binding's weights: pieces along dim 0 and single pieces (whichever their dim) go to the grouped kernel,
     pieces that split rows go weight by weight; every weight equals quantize_reference of its whole tensor."""
-    from megatron_hybrid.aliased import Blocks
-    from megatron_hybrid.fp8 import WeightQuantizer
+    from megatron_hybrid.quant.fp8 import WeightQuantizer
+    from megatron_hybrid.reshard.aliased import Blocks
 
     full = [_rows(12, 96, torch.bfloat16, s) for s in range(4)]
     blocks = [Blocks([full[0][:5], full[0][5:]], 0, 1), Blocks([full[1]], 1, 1),

@@ -1,17 +1,22 @@
 """The package's import graph: no circle, and the layers import only downwards.
 
 The graph is read from the source, not from an import: every ``import`` / ``from ... import`` statement of every
-module of ``megatron_hybrid/`` (and of ``patches/``, installed as ``megatron_hybrid.patches``), at the top of a
-module, inside a function or under ``if TYPE_CHECKING:`` alike, since a function-local import only hides a circle.
+module of ``megatron_hybrid/`` (``megatron/patches/`` included), at the top of a module, inside a function or under
+``if TYPE_CHECKING:`` alike, since a function-local import only hides a circle.
 Relative imports are resolved; ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
-``pkg``. A parent package is not an edge of its submodule's import (``rl/__init__.py`` imports its modules, which
-import one another as ``.phases``, not ``megatron_hybrid.rl``).
+``pkg``. Importing ``pkg.sub.mod`` runs ``pkg/sub/__init__.py`` first, so it is an edge to the package ``pkg.sub``
+too, unless the importer is inside ``pkg.sub`` (its own package is already being imported: ``rl/__init__.py``
+imports its modules, which import one another as ``.phases``). Without those edges a circle through a package's
+``__init__`` stays hidden: ``fp8_kernels`` imported ``inference.kernels``, whose package imports the generator,
+which reaches the fused decoder, which imports ``fp8_kernels`` (issue 49; the shared helpers now live in
+``kernels/``).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +26,26 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_hybrid"
 #: Folders whose modules the library must never import.
 NOT_LIBRARY = ("tests", "examples", "bench", "tools")
-#: What ``patches/`` (behaviour changes of megatron-core, below everything of ours) must not import: the layers
-#: built on it. Today it imports nothing of the package beyond itself.
+#: What ``megatron/patches/`` (behaviour changes of megatron-core, below everything of ours) must not import: the
+#: layers built on it. Today it imports nothing of the package beyond itself.
+PATCHES = f"{PACKAGE}.megatron.patches"
 NOT_FOR_PATCHES = (f"{PACKAGE}.rl", f"{PACKAGE}.inference", f"{PACKAGE}.engine")
+#: Rooms at the bottom of the package: they import nothing of it outside themselves.
+SELF_CONTAINED = (f"{PACKAGE}.kernels", f"{PACKAGE}.memory")
+#: What each room must not import: the layers built on it. The reshard core and the FP8 weights sit below the
+#: engine, generation, the recipe, the simulation and checkpoint conversion; generation below the engine and the
+#: recipe.
+_ABOVE_RESHARD = (f"{PACKAGE}.inference", f"{PACKAGE}.rl", f"{PACKAGE}.engine", f"{PACKAGE}.simulate",
+                  f"{PACKAGE}.convert")
+NOT_FOR = {
+    # The megatron-core glue: below every room but the root's core_attention, which its models build on.
+    f"{PACKAGE}.megatron": _ABOVE_RESHARD + (f"{PACKAGE}.reshard", f"{PACKAGE}.quant", f"{PACKAGE}.memory",
+                                             f"{PACKAGE}.kernels", f"{PACKAGE}.groups", f"{PACKAGE}.layout",
+                                             f"{PACKAGE}.validation", f"{PACKAGE}.transport", f"{PACKAGE}.report"),
+    f"{PACKAGE}.reshard": _ABOVE_RESHARD,
+    f"{PACKAGE}.quant": _ABOVE_RESHARD,
+    f"{PACKAGE}.inference": (f"{PACKAGE}.rl", f"{PACKAGE}.engine"),
+}
 
 
 @dataclass(frozen=True)
@@ -91,9 +113,23 @@ def imports_of(module: str, path: Path, modules: dict[str, Path], root: Path) ->
     return found
 
 
+def with_packages(edges: list[Import], modules: dict[str, Path]) -> list[Import]:
+    """``edges`` and, for each, an edge to every package of ours that the import runs first: each parent package
+    of its target that is not the importer itself or one of the importer's own packages."""
+    out = list(edges)
+    for e in edges:
+        parts = e.target.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in modules and e.source != parent and not e.source.startswith(parent + "."):
+                out.append(Import(e.source, parent, e.where, e.text))
+    return out
+
+
 def import_graph(modules: dict[str, Path], root: Path) -> list[Import]:
-    """Every import of every module in ``modules`` (files under ``root``)."""
-    return [imp for module, path in modules.items() for imp in imports_of(module, path, modules, root)]
+    """Every import of every module in ``modules`` (files under ``root``), with the packages each one runs."""
+    return with_packages([imp for module, path in modules.items() for imp in imports_of(module, path, modules, root)],
+                         modules)
 
 
 def strongly_connected(nodes: list[str], edges: list[Import]) -> list[list[str]]:
@@ -147,7 +183,7 @@ def circles_report(modules: dict[str, Path], edges: list[Import]) -> str:
 
 @pytest.fixture(scope="module")
 def modules() -> dict[str, Path]:
-    return module_files(ROOT, PACKAGE, {f"{PACKAGE}.patches": ROOT / "patches"})
+    return module_files(ROOT, PACKAGE)
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +194,14 @@ def edges(modules) -> list[Import]:
 def test_the_graph_is_read(modules, edges):
     """The walk finds the package's modules and their imports of every kind (not vacuously acyclic)."""
     edges = {(e.source, e.target) for e in edges}
-    assert {f"{PACKAGE}.rl.passes", f"{PACKAGE}.patches.cpu", f"{PACKAGE}.convert.virtual"} <= modules.keys()
+    assert {f"{PACKAGE}.rl.passes", f"{PATCHES}.cpu", f"{PACKAGE}.convert.virtual"} <= modules.keys()
     assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.rl.ppo") in edges  # from . import ppo: a module
-    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.compat") in edges  # from ..compat import name
-    assert (f"{PACKAGE}.sharding", f"{PACKAGE}.compat") in edges  # function-local
-    assert (f"{PACKAGE}.rl.checkpoint", f"{PACKAGE}.patches.distrib_optimizer") in edges  # into patches/
+    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.megatron.compat") in edges  # from ..megatron.compat import name
+    assert (f"{PACKAGE}.megatron.sharding", f"{PACKAGE}.megatron.compat") in edges  # function-local
+    assert (f"{PACKAGE}.rl.checkpoint", f"{PATCHES}.distrib_optimizer") in edges  # into megatron/patches/
+    assert (f"{PACKAGE}.inference.fused", f"{PACKAGE}.quant.fp8_kernels") in edges  # from ..quant.fp8_kernels
+    assert (f"{PACKAGE}.inference.fused", f"{PACKAGE}.quant") in edges  # ... runs quant/__init__.py first
+    assert (f"{PACKAGE}.rl.passes", f"{PACKAGE}.rl") not in edges  # its own package: already being imported
 
 
 def test_no_import_circle(modules, edges):
@@ -175,8 +214,26 @@ def test_library_does_not_import_scripts(edges):
     assert not bad, "the library imports tests, examples, bench or tools:\n" + "\n".join(bad)
 
 
+def _within(name: str, prefixes) -> bool:
+    """``name`` is one of ``prefixes`` or inside one of them."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("room", SELF_CONTAINED)
+def test_bottom_rooms_import_nothing_else_of_the_package(edges, room):
+    bad = [str(e) for e in edges if _within(e.source, (room,)) and _within(e.target, (PACKAGE,))
+           and not _within(e.target, (room,))]
+    assert not bad, f"{room} imports the package outside itself:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("room", sorted(NOT_FOR))
+def test_rooms_import_only_downwards(edges, room):
+    bad = [str(e) for e in edges if _within(e.source, (room,)) and _within(e.target, NOT_FOR[room])]
+    assert not bad, f"{room} imports a layer built on it:\n" + "\n".join(bad)
+
+
 def test_patches_stay_below_the_library(edges):
-    patches = f"{PACKAGE}.patches"
+    patches = PATCHES
     bad = [str(e) for e in edges if (e.source == patches or e.source.startswith(patches + "."))
            and any(e.target == p or e.target.startswith(p + ".") for p in NOT_FOR_PATCHES)]
     assert not bad, "patches/ imports a layer built on it:\n" + "\n".join(bad)
@@ -208,6 +265,25 @@ def test_a_circle_is_reported(tmp_path, back_import):
     assert "pkg/c.py" not in report
 
 
+def test_a_circle_through_a_package_init_is_reported(tmp_path):
+    """``a`` imports ``pkg.sub.k``, which imports nothing; but importing it runs ``pkg/sub/__init__.py``, which
+    imports ``pkg.sub.m``, which imports ``a``: a circle (issue 49's fp8_kernels → inference.kernels). Modules of
+    ``pkg.sub`` importing one another do not make an edge to ``pkg.sub``."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub.k import thing\n")
+    (pkg / "sub" / "__init__.py").write_text("from .m import other\n")
+    (pkg / "sub" / "k.py").write_text("thing = 1\n")
+    (pkg / "sub" / "m.py").write_text("from . import k\nfrom ..a import thing\nother = 2\n")
+    modules = module_files(tmp_path, "pkg")
+    edges = import_graph(modules, tmp_path)
+    assert ("pkg.sub.m", "pkg.sub") not in {(e.source, e.target) for e in edges}
+    assert strongly_connected(list(modules), edges) == [["pkg.a", "pkg.sub", "pkg.sub.m"]]
+    assert "pkg/a.py:1: from .sub.k import thing" in circles_report(modules, edges)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # test_old_import_paths_warn checks the warning
 def test_old_import_paths_still_work():
     """The recipe's arguments and the PPO algebra moved into ``rl/``; their former paths re-export them."""
     for old, new, names in (("arguments", "rl.arguments", ("add_hybrid_args", "add_megatron_args", "validate_args",
@@ -220,6 +296,18 @@ def test_old_import_paths_still_work():
         new_module = importlib.import_module(f"{PACKAGE}.{new}")
         for name in names:
             assert getattr(old_module, name) is getattr(new_module, name), (old, name)
+
+
+def test_old_import_paths_warn(monkeypatch):
+    """The former paths are deprecated: importing one warns, at the importer's line, and names the new one."""
+    for old in ("arguments", "ppo"):
+        importlib.import_module(f"{PACKAGE}.{old}")
+        monkeypatch.delitem(sys.modules, f"{PACKAGE}.{old}")  # imported afresh below; the old one is put back
+    with pytest.warns(DeprecationWarning, match=r"megatron_hybrid\.rl\.arguments") as arguments_warning:
+        import megatron_hybrid.arguments  # noqa: F401
+    with pytest.warns(DeprecationWarning, match=r"megatron_hybrid\.rl\.ppo") as ppo_warning:
+        import megatron_hybrid.ppo  # noqa: F401
+    assert [r.filename for r in (*arguments_warning, *ppo_warning)] == [__file__] * 2
 
 
 def _step_state_writes(root: Path) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_hybrid.layout import Grid, ParallelLayout, RolloutLayout
-from megatron_hybrid.plan import MemberInfo, ParamInfo, build_group_plan
+from megatron_hybrid.reshard.plan import MemberInfo, ParamInfo, build_group_plan
 
 
 def test_paper_example_t4_tg2():
@@ -70,7 +70,7 @@ def test_bad_layouts(t, p, d, t_g, p_g, message):
     (2, 2, 2, 1, 1, False),
 ])
 def test_exchange_layouts(t, p, d, t_g, p_g, exchange):
-    """Pairs outside the micro-DP gather contract are exchange layouts (megatron_hybrid/exchange.py)."""
+    """Pairs outside the micro-DP gather contract are exchange layouts (megatron_hybrid/reshard/exchange.py)."""
     lay = ParallelLayout.create(training=(t, p, d), rollout=RolloutLayout(t_g, p_g))
     assert lay.exchange == exchange and lay.gathers_in_place() == (not exchange)
 

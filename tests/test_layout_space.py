@@ -149,7 +149,7 @@ def test_the_moe_simulation_agrees_with_the_engine_on_gloo_ranks(index):
 
 
 def _moe_exchange_examples() -> dict:
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
     from megatron_hybrid.simulate import Example
 
     mixed = tiny_llama(num_layers=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,

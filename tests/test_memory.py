@@ -127,7 +127,7 @@ def test_cuda_vmm_cycles_at_fixed_address_release_device_memory() -> None:
 def test_per_call_rollout_memory_is_backed_for_each_call_only() -> None:
     # A generator without an engine: its reservations (one fixed, one that grows during a call, as the CUDA-graph
     # pool's does) are backed inside backed(), at the same addresses every call, and hold nothing between calls.
-    from megatron_hybrid.rollout_memory import PerCallRolloutMemory
+    from megatron_hybrid.memory import PerCallRolloutMemory
 
     memory = PerCallRolloutMemory(torch.device("cpu"))
     page = mmap.PAGESIZE
@@ -176,13 +176,13 @@ def test_a_refused_physical_allocation_empties_torch_cache_and_asks_once_more(mo
     """The 7B step's engine build (issue 45, an H100): cuMemCreate of the rollout buffer ran out of memory while
     PyTorch's caching allocator held freed blocks the driver cannot hand out. One refusal empties that cache and
     retries; a second is torch.OutOfMemoryError naming the size and the card's figures."""
-    from megatron_hybrid import memory
+    from megatron_hybrid.memory import buffers
 
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda ordinal: (3 * 2 ** 30, 80 * 2 ** 30))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda ordinal: 60 * 2 ** 30)
-    backend = object.__new__(memory._CudaVmmBackend)  # no device here: only _create's logic runs
+    backend = object.__new__(buffers._CudaVmmBackend)  # no device here: only _create's logic runs
     backend.driver, backend.ordinal = _RefusingDriver(refusals), 0
     if refusals < 2:
         backend._create(2 ** 30, prop=ctypes.c_int())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_hybrid.inference import GenerationConfig
-from megatron_hybrid.models import GPTArchitecture
+from megatron_hybrid.megatron.models import GPTArchitecture
 from megatron_hybrid.rl.memory_policy import (MemoryInfo, RolloutMemoryPolicy, cache_tokens, graph_reserve_bytes,
                                               kv_bytes_per_token)
 

@@ -74,7 +74,7 @@ _BAD = [
 
 @pytest.mark.parametrize("arch_kw,message", _BAD, ids=[m.split(" ")[0] for _, m in _BAD])
 def test_bad_moe_fields_are_value_errors(arch_kw, message):
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     arch = tiny_llama(num_layers=2, **arch_kw)
     with pytest.raises(ValueError) as info:
@@ -85,7 +85,7 @@ def test_bad_moe_fields_are_value_errors(arch_kw, message):
 
 
 def test_expert_parallel_size_must_divide_the_experts():
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     with pytest.raises(ValueError, match=r"expert_model_parallel_size \(3\) must divide num_experts \(4\)"):
         tiny_llama(num_experts=4).validate(expert_model_parallel_size=3)
@@ -99,7 +99,7 @@ def test_expert_parallel_size_must_divide_the_experts():
 
 
 def test_dense_transformer_config_has_no_moe_fields():
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
 
     config = tiny_llama().transformer_config()
     assert config.num_moe_experts is None and config.moe_ffn_hidden_size is None

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hybrid import ops
+from megatron_hybrid.kernels import ops
 
 NATIVE = ops.native_ops_available()
 needs_native = pytest.mark.skipif(not NATIVE["cpu"], reason=f"native extension not built: {NATIVE['error']}")
@@ -218,7 +218,7 @@ def test_bad_arguments_raise_value_error(native: bool, monkeypatch: pytest.Monke
 
 NATIVE_ERROR_SCRIPT = """
 import torch
-import megatron_hybrid.ops as ops
+import megatron_hybrid.kernels.ops as ops
 ops.native_ops_available()
 for call in (
     lambda: torch.ops.megatron_hybrid.pack([torch.zeros(5)], torch.zeros(10), [6]),

@@ -85,7 +85,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp2_exactly_and_at_tp1(tmp_path):
     # sequence parallelism: a gradient summed over its TP copies would change that norm). ~1e-7 relative per
     # value, also after the step's first Adam update (its second epoch): measured ≤ 3e-7 (the first epoch's
     # pg_loss is ~1e-8 around 0: abs_tol). A wrong optimizer state is far off (a shared Adam step tensor, fixed in
-    # patches/distrib_optimizer.py, moved the second epoch's losses by 30 %).
+    # megatron_hybrid/megatron/patches/distrib_optimizer.py, moved the second epoch's losses by 30 %).
     want, got = _trained(full[1]), _trained(other[0])
     assert want.keys() == got.keys()
     for key in ("step", "lr", "kl_coef", "response_length", "reward_mean"):  # counts and the samples' rewards

@@ -16,7 +16,7 @@ def switch_and_trace(out_dir: str):
     from megatron.core import parallel_state as ps
 
     from megatron_hybrid import HybridEngine, RolloutLayout
-    from megatron_hybrid.models import tiny_llama
+    from megatron_hybrid.megatron.models import tiny_llama
     from megatron_hybrid.report import gather_trace
 
     model = tiny_llama().build(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,

@@ -23,7 +23,7 @@ MAIN_RTOL, MAIN_ATOL = 2.0 ** -22, 1e-8
 
 
 def test_cpu_gloo_reports_cuda_type_names():
-    from megatron_hybrid.patches import cpu_gloo
+    from megatron_hybrid.megatron.patches import cpu_gloo
 
     t = torch.zeros(2, dtype=torch.bfloat16)
     with cpu_gloo():
@@ -194,8 +194,8 @@ def test_the_rollout_model_is_built_without_recompute():
     recompute fields, whose layer count is per training stage (4 layers on 1 stage here, 2 per stage at PP=2)."""
     from megatron_hybrid import RolloutLayout
     from megatron_hybrid.layout import ParallelLayout
-    from megatron_hybrid.models import GPTArchitecture
-    from megatron_hybrid.rollout_model import rollout_config
+    from megatron_hybrid.megatron.models import GPTArchitecture
+    from megatron_hybrid.reshard.rollout_model import rollout_config
 
     fields = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
     config = GPTArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=16).transformer_config(

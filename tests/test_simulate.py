@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_hybrid.layout import RolloutLayout
-from megatron_hybrid.models import tiny_llama
-from megatron_hybrid.plan import build_group_plan
-from megatron_hybrid.sharding import shard, unshard
+from megatron_hybrid.megatron.models import tiny_llama
+from megatron_hybrid.megatron.sharding import shard, unshard
+from megatron_hybrid.reshard.plan import build_group_plan
 from megatron_hybrid.simulate import check_switch, gpt_parameters, simulate_switch, stage_names, validate
 
 from .harness import run_distributed
@@ -148,7 +148,7 @@ def test_expert_biases_gathered_over_expert_parallel_ranks():
 def _megatron_moe_table(arch_kw: dict) -> tuple[int, list]:
     from megatron.core import parallel_state as ps
 
-    from megatron_hybrid.sharding import TPSpec
+    from megatron_hybrid.megatron.sharding import TPSpec
 
     model = tiny_llama(**arch_kw).build(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                         expert_tensor_parallel_size=1)
@@ -185,7 +185,7 @@ def test_the_moe_parameter_table_is_the_model_megatron_core_builds():
 
 def _megatron_table(arch_kw: dict) -> list:
     """(name, shape, spec) of every parameter of the model megatron-core builds, on this TP rank."""
-    from megatron_hybrid.sharding import TPSpec
+    from megatron_hybrid.megatron.sharding import TPSpec
 
     return [(n, tuple(p.shape), TPSpec.of(p)) for n, p in tiny_llama(**arch_kw).build().named_parameters()]
 

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from megatron_hybrid.executor import PlanExecutor
 from megatron_hybrid.groups import RolloutGroups
-from megatron_hybrid.plan import RegionKind, build_group_plan
 from megatron_hybrid.groups import InProcessGroups as SimulatedGroups
+from megatron_hybrid.reshard.executor import PlanExecutor
+from megatron_hybrid.reshard.plan import RegionKind, build_group_plan
 from megatron_hybrid.transport import TORCH, InProcessWorld, TorchTransport, WorldBroken
 
 from .test_executor import _members

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hybrid.inference.kernels import HAVE_TRITON
+from megatron_hybrid.kernels.triton_helpers import HAVE_TRITON
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()

@@ -63,9 +63,9 @@ probe ours_noasync csrc/ops.cpp,csrc/copy_plan.cpp "-O3 -fasynchronous-unwind-ta
 fi
 if [ "${1:-variants}" = gdb ]; then
 echo "== the real build under cuda-gdb (backtrace of the crash)"
-if ls megatron_hybrid/_C*.so >/dev/null 2>&1; then
+if ls megatron_hybrid/kernels/_C*.so >/dev/null 2>&1; then
   cat > /tmp/crash.py <<'PY'
-import torch, megatron_hybrid.ops as ops
+import torch, megatron_hybrid.kernels.ops as ops
 ops.native_ops_available()
 try:
     torch.ops.megatron_hybrid.pack([torch.zeros(5)], torch.zeros(10), [6])

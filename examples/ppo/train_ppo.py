@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_hybrid import rl  # noqa: E402
-from megatron_hybrid.communication import sum_over  # noqa: E402
+from megatron_hybrid.reshard.communication import sum_over  # noqa: E402
 from megatron_hybrid.rl import ppo  # noqa: E402
 from megatron_hybrid.rl.arguments import add_hybrid_args, add_megatron_args, validate_args  # noqa: E402
 

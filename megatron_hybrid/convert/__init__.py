@@ -4,7 +4,7 @@
 - ``safetensors_io.py``: header checks, lazy reads, :class:`CheckpointError`; ``safetensors_writer.py``: a streaming
   safetensors writer.
 - ``families.py``: Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/Qwen2-MoE configs ⇄
-  :class:`~megatron_hybrid.models.GPTArchitecture`, and their tensors ⇄ megatron-core's (QKV interleave,
+  :class:`~megatron_hybrid.megatron.models.GPTArchitecture`, and their tensors ⇄ megatron-core's (QKV interleave,
   [gate; up], vocabulary padding, router and experts).
 - ``layout.py``: the Megatron-side checkpoint (per-rank safetensors in Megatron-LM's directory layout, routed
   experts in files of their own per expert-parallel and expert-tensor-parallel rank), its metadata, and

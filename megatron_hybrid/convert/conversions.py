@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..models import GPTArchitecture
+from ..megatron.models import GPTArchitecture
 from . import hf_checkpoint as hfc
 from .families import architecture_from_hf, family_of, hf_config_from_architecture, hf_from_megatron, infer_family
 from .families import megatron_from_hf

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..models import GPTArchitecture
+from ..megatron.models import GPTArchitecture
 from .safetensors_io import CheckpointError
 from .virtual import Virtual
 

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..models import GPTArchitecture
+from ..megatron.models import GPTArchitecture
 from .families import FUSED_EXPERTS, Family, family_of, hf_shapes, per_expert_tensors
 from .safetensors_io import CheckpointError, read_header, read_json_object
 from .virtual import Virtual

@@ -41,10 +41,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..models import GPTArchitecture
-from ..sharding import TPSpec, global_name, layer_offset
-from .families import EMBEDDING, OUTPUT_LAYER, hf_shapes, infer_family, megatron_from_hf
+from ..megatron.models import GPTArchitecture
+from ..megatron.sharding import TPSpec, global_name, layer_offset
 from .digests import check_digests, digest_files
+from .families import EMBEDDING, OUTPUT_LAYER, hf_shapes, infer_family, megatron_from_hf
 from .safetensors_io import CheckpointError, TensorReader, json_object, read_header
 from .virtual import Virtual, read_into, shard, unshard
 
@@ -431,7 +431,7 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], megatron_d
     Tensors are read band by band straight into the parameters, after every file was checked against its digest.
     Returns the stored architecture.
     """
-    from .. import compat  # megatron-core only where a model is walked
+    from ..megatron import compat  # megatron-core only where a model is walked
 
     ckpt = MegatronCheckpoint(megatron_dir)
     arch = ckpt.architecture

@@ -1,6 +1,6 @@
 """Hugging Face vs megatron-core logits for the same tokens, both on CPU in fp32.
 
-megatron-core runs on gloo ranks under :func:`megatron_hybrid.patches.cpu_gloo`: spawned here (TP × PP × DP
+megatron-core runs on gloo ranks under :func:`megatron_hybrid.megatron.patches.cpu_gloo`: spawned here (TP × PP × DP
 processes, DP the fewest data-parallel replicas over which EP × ETP experts ranks fit, rendezvous on a
 ``TCPStore`` that the OS gives a free port), in this process when all sizes are 1, or as launched by ``torchrun``
 (:func:`megatron_logits_on_rank` on every rank).
@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..patches import cpu_gloo
+from ..megatron.patches import cpu_gloo
 from . import hf_checkpoint as hfc
 from .layout import MegatronCheckpoint, check_parallel_sizes, load_megatron_checkpoint, read_architecture
 

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..sharding import TPSpec
+from ..megatron.sharding import TPSpec
 from .safetensors_io import TensorReader
 
 #: Bytes per band when reading a tensor. Small enough to be noise next to the Python/torch baseline, large enough
@@ -117,7 +117,8 @@ def _set(t: tuple[int, ...], i: int, value: int) -> tuple[int, ...]:
 
 
 def shard(full: Virtual, spec: TPSpec, rank: int, world_size: int) -> Virtual:
-    """Rank ``rank``'s shard: the same arithmetic as :func:`megatron_hybrid.sharding.shard`, on a virtual tensor."""
+    """Rank ``rank``'s shard: the same arithmetic as :func:`megatron_hybrid.megatron.sharding.shard`, on a virtual
+    tensor."""
     if not spec.sharded or world_size == 1:
         return full
     pieces = full.chunk(spec.stride * world_size, spec.dim)

@@ -39,10 +39,10 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from ..fp8_kernels import FP8_DTYPE, FP8_MAX
+from ..kernels.triton_helpers import HAVE_TRITON, next_pow2, use_triton
+from ..quant.fp8_kernels import FP8_DTYPE, FP8_MAX
 from . import kernels
 from .attention import KVCacheSelfAttention
-from .kernels import HAVE_TRITON, next_pow2, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -58,14 +58,14 @@ Quantized = tuple[torch.Tensor, torch.Tensor]  # FP8 values [T, K] and fp32 row 
 
 
 def _quantize(y_TK: torch.Tensor) -> Quantized:
-    from ..fp8 import quantize_activations
+    from ..quant.fp8 import quantize_activations
 
     return quantize_activations(y_TK.reshape(-1, y_TK.shape[-1]))
 
 
 def swiglu(x_T2F: torch.Tensor, *, quantize: bool = False) -> tuple[torch.Tensor, Optional[Quantized]]:
     """``F.silu(a) * b`` with ``a, b = x.chunk(2, dim=-1)``, ``[..., F]``, one kernel (Triton) or the eager formula;
-    with ``quantize`` also its FP8 quantization per row (the format of :mod:`megatron_hybrid.fp8`, of the rounded
+    with ``quantize`` also its FP8 quantization per row (the format of :mod:`megatron_hybrid.quant.fp8`, of the rounded
     result: the bits ``quantize_activations`` gives), from the same kernel.
 
     The kernel rounds as the eager formula does: ``silu(a)`` computed in fp32 and rounded to x's dtype, then the

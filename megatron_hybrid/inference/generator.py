@@ -13,10 +13,10 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import compat
 from ..groups import RolloutGroups, collective_errors
 from ..layout import ParallelLayout
-from ..rollout_memory import RolloutMemoryProvider
+from ..megatron import compat
+from ..memory import RolloutMemoryProvider
 from .config import GenerationConfig
 from .replica import Budget, GenerationResult, KeptPrefix, ReplicaGenerator, Turns, split_evenly
 from .validation import SEED_LIMIT, Limits, check_generate_call

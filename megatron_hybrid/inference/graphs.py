@@ -15,7 +15,7 @@ default tracker's ``fork()`` fails inside a capture.
 All graphs share one memory pool (they never run concurrently). Its memory would otherwise stay allocated as long
 as the graphs live, training included; :class:`ReservedGraphPool` instead serves the pool's segments from one
 growing rollout-only reservation (a ``torch.cuda.MemPool`` over a custom allocator), so they keep their addresses
-but are backed only while rolling out, like the KV cache (see :mod:`megatron_hybrid.rollout_memory`).
+but are backed only while rolling out, like the KV cache (see :mod:`megatron_hybrid.memory.rollout`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from ..rollout_memory import RolloutMemoryProvider
+from ..memory import RolloutMemoryProvider
 
 # torch's pluggable-allocator callbacks (c10/cuda/CUDAPluggableAllocator): alloc(size, device, stream) -> ptr and
 # free(ptr, size, device, stream).

@@ -25,26 +25,18 @@ rank, D head dimension, N slots of the cache, L positions per slot, T tokens, X 
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import warnings
 from typing import Optional
 
 import torch
 
-try:
+from ..kernels.triton_helpers import HAVE_TRITON, next_pow2, num_sms, use_triton, warn_cuda_fallback
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-except ImportError as exc:
-    HAVE_TRITON = False
-    _TRITON_ERROR: Optional[ImportError] = exc
-else:
-    HAVE_TRITON = True
-    _TRITON_ERROR = None
 
-__all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_supported", "rms_norm", "rope_kv_write",
-           "use_triton"]
+__all__ = ["decode_attention", "decode_attention_supported", "rms_norm", "rope_kv_write"]
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # cached positions per inner step of decode attention
@@ -55,44 +47,13 @@ _SPLIT_MIN_POSITIONS = 128  # a split covers at least this many positions: its q
 _NO_SPLIT_LENGTH = 256  # at or below this max_length a slot is one program: the combine would cost more than it saves
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_warned_fallbacks: set[str] = set()
 _DECODE_FALLBACK = "the KV-cache decode kernels run their PyTorch reference"
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the kernels run for tensors like ``t``: Triton is importable and ``t`` is on a GPU, or Triton's CPU
-    interpreter is on (``TRITON_INTERPRET=1`` in the environment before Triton was imported)."""
-    return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def decode_attention_supported(head_dim: int, ratio: int) -> bool:
     """Whether :func:`decode_attention` runs its kernel for heads of ``head_dim`` with ``ratio`` query heads per
     key/value head (when Triton is there)."""
     return HAVE_TRITON and head_dim <= _MAX_HEAD_DIM and ratio <= _MAX_RATIO
-
-
-def next_pow2(n: int) -> int:
-    """The least power of two >= ``n`` (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-_next_pow2 = next_pow2
-
-
-def warn_cuda_fallback(t: torch.Tensor, what: str) -> None:
-    """Warn once per ``what`` (what runs instead) that a CUDA tensor takes a PyTorch reference: Triton is missing."""
-    if t.is_cuda and what not in _warned_fallbacks:
-        _warned_fallbacks.add(what)
-        warnings.warn(f"megatron_hybrid: Triton is not available ({_TRITON_ERROR}); {what}", RuntimeWarning,
-                      stacklevel=3)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors (an H200's 132 off a GPU: the interpreter runs the GPU's plan)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H200's: the interpreter then runs the plan the GPU would
 
 
 def _split_plan(programs: int, max_length: int, num_sms: int, num_splits: Optional[int]) -> tuple[int, int]:
@@ -180,7 +141,7 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
     if B == 0:
         return out
     splits, chunk = _split_plan(B * G, max_length, num_sms(q_BGRD.device), num_splits)
-    block_r, block_d = max(_MIN_ROWS, _next_pow2(R)), max(16, _next_pow2(D))
+    block_r, block_d = max(_MIN_ROWS, next_pow2(R)), max(16, next_pow2(D))
     # fp32 inputs: full-precision products (Triton's default for fp32 tl.dot is TF32); ignored for 16-bit inputs.
     precision = "ieee" if q_BGRD.dtype == torch.float32 else "tf32"
     launch = dict(HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_PRECISION=precision,
@@ -205,7 +166,7 @@ def decode_attention(q_BGRD: torch.Tensor, keys_NGLD: torch.Tensor, values_NGLD:
         PARTIAL=True, **launch)
     _decode_combine_kernel[(B, G)](
         part_BGSRD, max_BGSR, sum_BGSR, out, *part_BGSRD.stride(), *out.stride(), splits, R,
-        HEAD_DIM=D, BLOCK_S=_next_pow2(splits), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        HEAD_DIM=D, BLOCK_S=next_pow2(splits), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -313,7 +274,7 @@ def rope_kv_write(mixed_qkv_TX: torch.Tensor, cos_TDr: Optional[torch.Tensor], s
         mixed_qkv_TX, cos_TDr if rot else mixed_qkv_TX, sin_TDr if rot else mixed_qkv_TX, slots_T, positions_T,
         keys_NGLD, values_NGLD, out_q, bias_X if bias_X is not None else mixed_qkv_TX, *mixed_qkv_TX.stride(),
         *cos_strides, *sin_strides, *keys_NGLD.stride(), *values_NGLD.stride(), *out_q.stride(), RATIO=R,
-        HEAD_DIM=D, ROT_DIM=rot, BLOCK_H=_next_pow2(R + 2), BLOCK_D=_next_pow2(D), HAS_BIAS=bias_X is not None,
+        HEAD_DIM=D, ROT_DIM=rot, BLOCK_H=next_pow2(R + 2), BLOCK_D=next_pow2(D), HAS_BIAS=bias_X is not None,
         # No fused multiply-add: in fp32 PyTorch rounds x * cos before adding, and so must the kernel.
         num_warps=4, enable_fp_fusion=False)
     return out_q
@@ -370,7 +331,7 @@ def rms_norm(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Te
     rows = x_TH.reshape(-1, H)
     out = torch.empty(rows.shape, dtype=x_TH.dtype, device=x_TH.device)
     if rows.shape[0]:
-        block = _next_pow2(H)
+        block = next_pow2(H)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight_H, out, rows.stride(0), H, eps, BLOCK=block,
                                            num_warps=8 if block >= 4096 else 4)
     return out.view(x_TH.shape)

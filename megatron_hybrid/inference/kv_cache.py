@@ -4,8 +4,8 @@ Per layer, keys and values are ``[N, G, L, D]`` (slot, key/value head of this te
 dimension): a slot's positions are contiguous, so a decode step over slots ``0 .. B-1`` and positions
 ``0 .. A-1`` reads the strided view ``cache[:B, :, :A]`` (no gather, nothing past the filled part).
 
-The whole cache is one :class:`~megatron_hybrid.rollout_memory.RolloutBuffer`, reserved once for the generator's
-life from a :class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: its address never changes, so CUDA graphs
+The whole cache is one :class:`~megatron_hybrid.memory.rollout.RolloutBuffer`, reserved once for the generator's
+life from a :class:`~megatron_hybrid.memory.rollout.RolloutMemoryProvider`: its address never changes, so CUDA graphs
 captured over it replay in every later rollout. It is backed by memory only while rolling out: with a
 :class:`~megatron_hybrid.engine.HybridEngine`'s provider from every ``switch_to_rollout()`` to the
 ``switch_to_training()``; for a generator without an engine (on a training-layout model) for the duration of each
@@ -19,7 +19,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-from ..rollout_memory import PerCallRolloutMemory, RolloutMemoryProvider
+from ..memory import PerCallRolloutMemory, RolloutMemoryProvider
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.triton_helpers import HAVE_TRITON
 from . import kernels
 from .context import StepContext
 
@@ -36,7 +37,7 @@ def install_step_norms(chunk: torch.nn.Module, device: torch.device, context: St
     """Swap the class of every ``torch.nn.RMSNorm`` in ``chunk`` for :class:`StepRMSNorm`, reading its steps from
     ``context``, when its kernel runs on ``device`` (a GPU with Triton); returns them (none otherwise).
     Idempotent."""
-    if device.type != "cuda" or not kernels.HAVE_TRITON:
+    if device.type != "cuda" or not HAVE_TRITON:
         return []
     out = []
     for module in chunk.modules():

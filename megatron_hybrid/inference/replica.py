@@ -20,8 +20,8 @@ and refills of more tokens than ``GenerationConfig.mixed_prefill_tokens``, are p
 Lockstep: when a stage's expert-parallel group spans several rollout replicas (an MoE model with e_g > t_g), every
 MoE layer's all-gather over the group needs the same rows from each of them, in every forward. Before each step the
 replicas agree on ``[still running, packed tokens]`` by one element-wise maximum over the group on the host
-(:func:`~megatron_hybrid.communication.agree_max`, over ``lockstep_group``); the step then runs with its MoE layers
-padded to the agreed rows (the plan's ``moe_rows``, a fixed bucket a CUDA graph can hold), and a replica that is
+(:func:`~megatron_hybrid.reshard.communication.agree_max`, over ``lockstep_group``); the step then runs with its MoE
+layers padded to the agreed rows (the plan's ``moe_rows``, a fixed bucket a CUDA graph can hold), and a replica that is
 done (or had no prompts) runs idle steps, only its MoE layers' collectives, until the maximum says every replica of
 the group is done. With no such group, nothing of this runs (no agreement, no padding).
 """
@@ -34,9 +34,9 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from ..communication import agree_max
 from ..groups import RolloutGroups
-from ..rollout_memory import RolloutBuffer, RolloutMemoryProvider
+from ..memory import RolloutBuffer, RolloutMemoryProvider
+from ..reshard.communication import agree_max
 from .config import GenerationConfig
 from .graphs import StepGraphs
 from .kv_cache import CacheGeometry, KVCache

@@ -8,9 +8,9 @@ The execution room of the generator (vLLM's model runner, megatron-core's model-
   mixed steps, the hidden-state buffers and a copy of the rotary frequencies;
 - the four forwards (eager prefill, graph prefill, decode, mixed), capture and replay of their CUDA graphs
   (:class:`~.graphs.StepGraphs`, keyed by the plan's graph key), and sampling on the last stage;
-- the pipeline exchange (:mod:`megatron_hybrid.communication`): hidden states travel stage to stage with send/recv
-  on the pipeline group; the last stage samples and broadcasts each step's tokens to the others (one ``[B]`` int64
-  broadcast per step);
+- the pipeline exchange (:mod:`megatron_hybrid.reshard.communication`): hidden states travel stage to stage with
+  send/recv on the pipeline group; the last stage samples and broadcasts each step's tokens to the others (one ``[B]``
+  int64 broadcast per step);
 - the device-side bookkeeping: slots started by a prefill, advanced by a decode step, released, moved.
 
 A step drives the GPTModel stage's own modules (embedding, decoder, output layer) rather than its ``forward``: a
@@ -49,9 +49,9 @@ import torch
 
 import torch.distributed as dist
 
-from ..communication import broadcast_from_last, gather_vocab, pipeline_peers, recv_from_previous, send_to_next
 from ..groups import RolloutGroups
-from ..rollout_memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryProvider
+from ..memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryProvider
+from ..reshard.communication import broadcast_from_last, gather_vocab, pipeline_peers, recv_from_previous, send_to_next
 from .attention import install_kv_attention
 from .config import GenerationConfig
 from .context import KVStep, stage_context

@@ -19,9 +19,9 @@ import re
 import warnings
 
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
-from ..layout import ParallelLayout, RolloutLayout
 from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
-from ..models import GPTArchitecture
+from ..layout import ParallelLayout, RolloutLayout
+from ..megatron.models import GPTArchitecture
 from ..validation import check_expert_layout
 from .data import data_file_error
 from .initialize import select_device
@@ -821,8 +821,8 @@ def _validate_data_and_rewards(args: argparse.Namespace) -> None:
 
 def rollout_fp8_config(args: argparse.Namespace) -> dict:
     """The actor's ``TransformerConfig`` fields that ``--first-last-layers-bf16`` sets (Megatron's FP8 convention,
-    which ``HybridEngine(rollout_weights="fp8")`` reads: :func:`megatron_hybrid.fp8.layers_in_bf16`); empty without
-    it."""
+    which ``HybridEngine(rollout_weights="fp8")`` reads: :func:`megatron_hybrid.quant.fp8.layers_in_bf16`); empty
+    without it."""
     if not args.first_last_layers_bf16:
         return {}
     return dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from ..compat import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
-from ..patches.distrib_optimizer import distributed_optimizer_loading
+from ..megatron.compat import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
+from ..megatron.patches.distrib_optimizer import distributed_optimizer_loading
 from .faults import errors_on_every_rank
 from .optimizer import TrainedModel
 from .phases import recorded
@@ -476,7 +476,7 @@ def load_checkpoint(directory: str, models: Mapping[str, Checkpointed]) -> dict[
     if DIGEST not in manifest and rank == 0:
         warnings.warn(_unverified_warning(it), stacklevel=2)
     loaded = None
-    # torch's Adam in megatron-core's DistributedOptimizer (patches/distrib_optimizer.py)
+    # torch's Adam in megatron-core's DistributedOptimizer (megatron_hybrid/megatron/patches/distrib_optimizer.py)
     with distributed_optimizer_loading([m.optimizer for m in models.values() if isinstance(m, TrainedModel)]):
         try:
             with warnings.catch_warnings():

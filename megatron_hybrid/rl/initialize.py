@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from ..patches import cpu_gloo
+from ..megatron.patches import cpu_gloo
 from . import phases
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compat import megatron_expert_ranks, unwrap_model
-from ..models import GPTArchitecture
-from ..sharding import full_state_dict, load_full_state_dict
+from ..megatron.compat import megatron_expert_ranks, unwrap_model
+from ..megatron.models import GPTArchitecture
+from ..megatron.sharding import full_state_dict, load_full_state_dict
 
 VALUE_MODEL_CONFIG = "value_model.json"
 VALUE_MODEL_WEIGHTS = "model.safetensors"

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import megatron_groups, unwrap_model
+from ..megatron.compat import megatron_groups, unwrap_model
 from .faults import Flags, check_finite
 from .metrics import clear_moe_aux_losses, moe_aux_losses
 from .models import wrap_ddp
@@ -43,7 +43,7 @@ def optimizer_config(args: argparse.Namespace, *, lr: float):
     """
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_hybrid import compat
+    from megatron_hybrid.megatron import compat
 
     compat.te_version_known()  # megatron-core 0.16 reads a missing Transformer Engine's version as None
     return OptimizerConfig(optimizer="adam", lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

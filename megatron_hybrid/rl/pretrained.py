@@ -39,14 +39,14 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
-from ..compat import (ddp_finish_param_sync, megatron_expert_groups, megatron_expert_ranks, megatron_groups,
-                      unwrap_model)
 from ..convert import CheckpointError, MegatronCheckpoint, load_megatron_checkpoint, megatron_to_hf, read_architecture
 # The converter's release directory; this module's ITERATION_DIR is the interval exports' (iter_NNNNNNN).
 from ..convert.layout import ITERATION_DIR as RELEASE
 from ..convert.layout import (ASSETS_DIR, WEIGHTS_FILE, CheckpointMeta, check_parallel_sizes, expert_of,
                               expert_rank_dir_name, megatron_lm_args, rank_dir_name, read_meta, write_meta)
-from ..models import GPTArchitecture
+from ..megatron.compat import (ddp_finish_param_sync, megatron_expert_groups, megatron_expert_ranks, megatron_groups,
+                               unwrap_model)
+from ..megatron.models import GPTArchitecture
 from .faults import errors_on_every_rank
 from .models import architecture_from_args
 from .phases import recorded

@@ -9,10 +9,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
 from ..inference import GenerationConfig, generate_with_model, replica_seed, split_evenly
-from ..layout import ParallelLayout
 from ..inference.planner import MIXED_TOKENS
+from ..layout import ParallelLayout
+from ..megatron.compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
 from .phases import phase, recorded
 
 

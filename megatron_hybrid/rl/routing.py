@@ -29,9 +29,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..communication import collective_device
-from ..compat import unwrap_model
 from ..inference.moe import moe_layer_ordinals, route
+from ..megatron.compat import unwrap_model
+from ..reshard.communication import collective_device
 
 __all__ = ["TrainingRouting", "moe_routers", "replays_routing", "routed_experts_BSMk"]
 

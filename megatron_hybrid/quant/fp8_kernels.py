@@ -3,8 +3,8 @@ a weight-only FP8 matrix multiply for small batches.
 
 - :func:`quantize_rows_into`: rows of a 2-D tensor (any row stride, contiguous rows) into float8 e4m3 and one fp32
   scale per row, in one kernel that reads the input once (rows up to :data:`_ONE_PASS_MAX` elements stay in
-  registers; longer rows are read a second time, from L2). The format is :mod:`megatron_hybrid.fp8`'s, bit for bit:
-  ``s = amax / 448`` (1 for a zero row) and ``q = (x / s)`` rounded to nearest even, with IEEE-rounded divisions
+  registers; longer rows are read a second time, from L2). The format is :mod:`megatron_hybrid.quant.fp8`'s, bit for
+  bit: ``s = amax / 448`` (1 for a zero row) and ``q = (x / s)`` rounded to nearest even, with IEEE-rounded divisions
   (``div_rn``), as PyTorch computes them. It also quantizes with given scales (the shards of a row-parallel weight
   share their rows' scales) and computes row amaxes only.
 - :func:`fp8_weight_matmul`: ``x @ (q * s).t()`` with ``x`` in bfloat16 and the weight streamed as FP8: each
@@ -29,13 +29,11 @@ from typing import Optional
 
 import torch
 
-# The format's constants, defined before the import below: importing megatron_hybrid.inference runs the package,
-# whose fused decoder (and megatron_hybrid.fp8) read them from here.
+from ..kernels.triton_helpers import HAVE_TRITON, next_pow2, use_triton
+from ..kernels.triton_helpers import num_sms as device_sms
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0, e4m3's largest finite value
-
-from .inference.kernels import HAVE_TRITON, next_pow2, use_triton  # noqa: E402
-from .inference.kernels import num_sms as device_sms  # noqa: E402
 
 if HAVE_TRITON:
     import triton
@@ -162,7 +160,7 @@ class RowQuantizer:
 # ---------------------------------------------------------------------------------------------------------------
 # Weight-only FP8 matrix multiply
 
-#: Tokens up to which ``megatron_hybrid.fp8.fp8_linear`` multiplies with :func:`fp8_matmul` on a GPU (decode steps
+#: Tokens up to which ``megatron_hybrid.quant.fp8.fp8_linear`` multiplies with :func:`fp8_matmul` on a GPU (decode steps
 #: of a few slots, bound by reading the weights); above it, ``torch._scaled_mm``. On an H200 at M = 32 the kernel
 #: takes 77 us for a Llama-3-8B layer's four linears against cuBLAS' 120 us in bfloat16 and 128 us in FP8.
 SMALL_M_MAX = 64

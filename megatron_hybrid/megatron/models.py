@@ -280,7 +280,7 @@ class GPTArchitecture:
         ``flex`` or ``auto``)."""
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
-        from .core_attention import check_attention_backend, with_core_attention
+        from ..core_attention import check_attention_backend, with_core_attention
 
         check_attention_backend(attention_backend)
         # Every layer's spec: with experts, each layer is an MoE layer (mixed layers go through build()'s block spec).
@@ -304,11 +304,11 @@ class GPTArchitecture:
         """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`; the core attention
         is ``attention_backend``'s (:meth:`layer_spec`).
 
-        With experts it applies :func:`megatron_hybrid.patches.moe.moe_router_without_te` first; with dense and
+        With experts it applies :func:`megatron_hybrid.megatron.patches.moe.moe_router_without_te` first; with dense and
         MoE layers mixed (``moe_layer_freq``) the stage's layers come from megatron-core's decoder block spec.
         """
+        from ..core_attention import with_core_attention
         from .compat import build_gpt_model, gpt_decoder_block_spec  # megatron-core only where a model is built
-        from .core_attention import with_core_attention
 
         if config is None:
             config = self.transformer_config(tensor_model_parallel_size=tensor_model_parallel_size,

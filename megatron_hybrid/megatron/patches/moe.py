@@ -24,7 +24,7 @@ def moe_router_without_te() -> bool:
     defined; return whether it was bound now.
 
     Not a CPU patch: a GPU image without Transformer Engine fails the same way, so it is not part of
-    :func:`megatron_hybrid.patches.cpu_gloo`. ``GPTArchitecture.build`` applies it when it builds a model with
+    :func:`megatron_hybrid.megatron.patches.cpu_gloo`. ``GPTArchitecture.build`` applies it when it builds a model with
     experts (a dense model never imports the router), which is before any MoE forward can run. It is idempotent
     and permanent for the process: it only defines a name the module already treats as optional.
     """

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
-from .layout import Grid, ParallelLayout, _group_ranks
+from ..layout import Grid, ParallelLayout, _group_ranks
 from .plan import ParamInfo
 
 if TYPE_CHECKING:

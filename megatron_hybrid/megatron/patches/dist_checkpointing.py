@@ -9,7 +9,7 @@ stage or overlap, and the processes cost: a daemonic process (a test harness's r
 (``AssertionError: daemonic processes are not allowed to have children``), a rank forks itself with gloo's threads
 running, and the spawned server re-imports the main module and outlives a killed rank.
 
-:func:`in_process_writes` is applied by :func:`~megatron_hybrid.patches.cpu_gloo`: the same per-bucket writer
+:func:`in_process_writes` is applied by :func:`~megatron_hybrid.megatron.patches.cpu_gloo`: the same per-bucket writer
 (``write_preloaded_data``, fsync included) runs in the rank's process, one bucket after another, and reports through
 an in-process queue, so the checkpoint files and the error handling (a failed write is reported to every rank by
 ``dist_checkpointing``) are those of megatron-core.
@@ -47,7 +47,7 @@ def _write_buckets_in_process(transform_list: list, use_msc: bool, rank: int, wr
 
 
 def in_process_writes() -> list[tuple[Any, str, Any]]:
-    """``(owner, attribute, replacement)`` for :func:`~megatron_hybrid.patches.cpu_gloo` to install for the
+    """``(owner, attribute, replacement)`` for :func:`~megatron_hybrid.megatron.patches.cpu_gloo` to install for the
     duration of its block; ``[]`` for a megatron-core outside the checked versions or without that writer."""
     from megatron.core import __version__
 

@@ -1,6 +1,6 @@
 """The rollout model: one megatron-core model chunk per rollout stage on the rollout groups, built without weights.
 
-Its parameters are placeholders until :mod:`megatron_hybrid.binding` points them at the training tensors and the
+Its parameters are placeholders until :mod:`megatron_hybrid.reshard.binding` points them at the training tensors and the
 peers' slots. Everything that is not a parameter but decides the function (rotary frequencies, rope scaling) is
 taken from the training model itself, not rebuilt from arguments: GPTModel does not keep every constructor
 argument (``rope_scaling_factor``, ``seq_len_interpolation_factor`` live only inside its rotary module), so a
@@ -15,11 +15,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import compat
+from ..core_attention import with_local_core_attention
+from ..layout import ExpertLayout, ParallelLayout
+from ..megatron import compat
+from ..quant.fp8 import is_target, make_fp8
 from .aliased import make_aliased, placeholder, supports_blocks
-from .core_attention import with_local_core_attention
-from .fp8 import is_target, make_fp8
-from .layout import ExpertLayout, ParallelLayout
 
 ModelProvider = Callable[..., torch.nn.Module]
 
@@ -81,7 +81,7 @@ def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelL
                          rollout_weights: str = "model") -> list[torch.nn.Module]:
     """One rollout chunk per training chunk of this rank (virtual pipeline chunks stay chunks), or with an
     exchange layout one chunk: the rollout stage's layers in one model (the generator runs one chunk).
-    ``rollout_weights="fp8"``: the linears of :func:`megatron_hybrid.fp8.is_target` weights become FP8 twins.
+    ``rollout_weights="fp8"``: the linears of :func:`megatron_hybrid.quant.fp8.is_target` weights become FP8 twins.
 
     ``guard()`` runs before every forward and ``state_dict`` of the rollout model (the engine refuses them while
     training, when the weights are not there).

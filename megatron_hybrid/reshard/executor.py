@@ -1,7 +1,7 @@
 """The distributed side of the reshard plan: the exchange that makes a micro-DP group's plan, and the executor
 that runs its collectives at every switch.
 
-:mod:`megatron_hybrid.plan` decides which bytes move where without ``torch.distributed``. Here
+:mod:`megatron_hybrid.reshard.plan` decides which bytes move where without ``torch.distributed``. Here
 :func:`make_group_plan` gathers the members' parameter descriptions once (one ``all_gather_object`` over the
 micro-DP group) and plans on every member alike, and :class:`PlanExecutor` runs this member's part of a switch:
 one in-place collective per region it shares with others, in the plan's order. Every member walks the same
@@ -16,13 +16,13 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
-from . import compat
+from ..groups import RolloutGroups
+from ..megatron import compat
+from ..megatron.sharding import TPSpec, is_expert
 from .binding import named_parameters, named_weights
-from .groups import RolloutGroups
-from .placement import DTYPE_NAMES, DTYPES, HeldBuffer
 from .exchange import ExchangePlan, RankTensors, build_exchange_plan, keys_of
+from .placement import DTYPE_NAMES, DTYPES, HeldBuffer
 from .plan import GroupPlan, MemberInfo, ParamInfo, Region, RegionKind, build_group_plan
-from .sharding import TPSpec, is_expert
 
 
 @dataclasses.dataclass
@@ -140,7 +140,7 @@ def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence
     ``modules``: this rank's training model chunks (unwrapped); ``rollout_chunks``: the rollout model built without
     weights, whose parameters get their tensor-parallel attributes here and are checked against the training
     shapes. ``held``/``held_at``: see :func:`held_buffers`; ``alignment``, ``tied``, ``strided``: see
-    :func:`~megatron_hybrid.plan.build_group_plan`. Returns the plan (``None`` when the plane does not gather)
+    :func:`~megatron_hybrid.reshard.plan.build_group_plan`. Returns the plan (``None`` when the plane does not gather)
     and this rank's member index.
     """
     mine = [info for info in param_infos(modules, held_at=held_at) if plane.holds(info.name)]
@@ -174,7 +174,7 @@ def make_group_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Sequence
 
 # ---- the executor ------------------------------------------------------------------------------------------
 class PlanExecutor:
-    """Runs one member's collectives of a :class:`~megatron_hybrid.plan.GroupPlan` at each switch.
+    """Runs one member's collectives of a :class:`~megatron_hybrid.reshard.plan.GroupPlan` at each switch.
 
     Args:
         plan: the micro-DP group's plan (the same on every member).
@@ -291,8 +291,8 @@ def make_exchange_plan(modules: Sequence[torch.nn.Module], rollout_chunks: Seque
 
 
 class ExchangeExecutor:
-    """Runs this rank's part of an :class:`~megatron_hybrid.exchange.ExchangePlan` at each switch: per dtype, the
-    pieces it sends packed into one transient buffer (in destination order), and one ``all_to_all_single`` over the
+    """Runs this rank's part of an :class:`~megatron_hybrid.reshard.exchange.ExchangePlan` at each switch: per dtype,
+    the pieces it sends packed into one transient buffer (in destination order), and one ``all_to_all_single`` over the
     world that lands every piece it misses in its receive buffer (in source order), where the rollout tensors view
     them. A dtype no rank misses anything of runs no collective.
 

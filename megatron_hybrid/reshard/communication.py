@@ -23,7 +23,7 @@ from typing import ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from .compat import all_gather_into_tensor, reduce_scatter_tensor
+from ..megatron.compat import all_gather_into_tensor, reduce_scatter_tensor
 
 
 def pipeline_peers(pp_group) -> tuple[Optional[int], Optional[int], int]:

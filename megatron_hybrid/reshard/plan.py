@@ -2,7 +2,7 @@
 
 Inputs are plain descriptions of parameters (``ParamInfo``) gathered once from the ranks of a micro-DP group;
 the output (``GroupPlan``) is identical on every member, so each member can execute its part without further
-agreement (the gather of the descriptions and the execution: :mod:`megatron_hybrid.executor`). Buffers are
+agreement (the gather of the descriptions and the execution: :mod:`megatron_hybrid.reshard.executor`). Buffers are
 laid out per dtype as a list of *regions*:
 
 - ``gather`` regions (one per bucket): d_g equal slots in micro-DP order; member j's training tensors live in

@@ -1,12 +1,12 @@
 """Where every tensor lives, and which ranges are backed: the training shards, the peers' slots, rollout-only memory.
 
-Where the bytes live (they move in :class:`megatron_hybrid.executor.PlanExecutor`, at every switch to rollout). One
-:class:`~megatron_hybrid.rollout_memory.RolloutBuffer` per dtype spans the plan's regions (:mod:`megatron_hybrid.plan`).
-At construction each training tensor of this rank moves, once, into its own slot, and stays there: the own slots are
-backed for the engine's lifetime; every other range this rank takes part in (the peers' slots) is backed at the
-switch to rollout and released at the switch back. Rollout-only ranges are reserved the same way with no own part:
-canonical tensors, and what the generator reserves through :class:`EngineRolloutMemory` (the engine's
-:class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: a KV cache, sampling noise, a CUDA-graph pool).
+Where the bytes live (they move in :class:`megatron_hybrid.reshard.executor.PlanExecutor`, at every switch to rollout).
+One :class:`~megatron_hybrid.memory.rollout.RolloutBuffer` per dtype spans the plan's regions
+(:mod:`megatron_hybrid.reshard.plan`). At construction each training tensor of this rank moves, once, into its own slot,
+and stays there: the own slots are backed for the engine's lifetime; every other range this rank takes part in (the
+peers' slots) is backed at the switch to rollout and released at the switch back. Rollout-only ranges are reserved the
+same way with no own part: canonical tensors, and what the generator reserves through :class:`EngineRolloutMemory` (the
+engine's :class:`~megatron_hybrid.memory.rollout.RolloutMemoryProvider`: a KV cache, sampling noise, a CUDA-graph pool).
 Backing comes from :mod:`megatron_hybrid.memory` (CUDA virtual memory on GPU, ``mmap`` + ``madvise`` on CPU): each
 address range is reserved once, so tensors viewing it keep their addresses across switches, and the memory lives as
 long as the buffer or any tensor viewing it. A buffer that holds training tensors in a layout of its own (Megatron
@@ -22,13 +22,12 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ..layout import ParallelLayout
+from ..megatron.sharding import TPSpec
+from ..memory import RolloutBuffer, allocation_granularity, merge_ranges
 from .aliased import Blocks
-from .layout import ParallelLayout
-from .memory import allocation_granularity, merge_ranges
 from .exchange import ExchangePlan
 from .plan import GroupPlan
-from .rollout_memory import RolloutBuffer
-from .sharding import TPSpec
 
 # RolloutBuffer and merge_ranges lived here: importable from here still.
 __all__ = ["DTYPES", "DTYPE_NAMES", "EngineRolloutMemory", "ExchangePlacement", "HeldBuffer", "Placement", "Placements",
@@ -301,8 +300,8 @@ class Placement:
 
 
 class ExchangePlacement(Placement):
-    """The placement of an exchange layout (:mod:`megatron_hybrid.exchange`): the training tensors stay where they
-    are (views of them are the rollout pieces the rank holds), and one receive buffer per dtype, backed only while
+    """The placement of an exchange layout (:mod:`megatron_hybrid.reshard.exchange`): the training tensors stay where
+    they are (views of them are the rollout pieces the rank holds), and one receive buffer per dtype, backed only while
     rolling out, holds the pieces it misses, each a contiguous tensor, in the order the all-to-all delivers them.
 
     Args:
@@ -360,7 +359,7 @@ class ExchangePlacement(Placement):
 
 
 class EngineRolloutMemory:
-    """The engine's :class:`~megatron_hybrid.rollout_memory.RolloutMemoryProvider`: reservations are rollout-only
+    """The engine's :class:`~megatron_hybrid.memory.rollout.RolloutMemoryProvider`: reservations are rollout-only
     ranges of its :class:`Placement`, backed from every switch to rollout until the switch back, like the peers'
     slots. Its generate-call context is the one place a generate call switches the engine to rollout; the engine
     then stays there after the call (until ``switch_to_training()``), so its reservations stay backed between two

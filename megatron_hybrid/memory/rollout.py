@@ -8,7 +8,7 @@ peers' slots, a rollout-only range) is backed only while rolling out; a range ma
 
 Who decides *when* is a :class:`RolloutMemoryProvider`, what the inference package gets instead of the engine:
 
-- the engine's (:class:`megatron_hybrid.placement.EngineRolloutMemory`): its reservations are backed from every
+- the engine's (:class:`megatron_hybrid.reshard.placement.EngineRolloutMemory`): its reservations are backed from every
   ``switch_to_rollout()`` to the ``switch_to_training()``, and entering :meth:`RolloutMemoryProvider.backed` for a
   generate call is what switches the engine to rollout;
 - :class:`PerCallRolloutMemory`, for a generator without an engine (a training-layout model): its reservations
@@ -23,7 +23,7 @@ from typing import ContextManager, Iterable, Iterator, Protocol
 
 import torch
 
-from .memory import ReservedBuffer, merge_ranges, subtract_ranges
+from .buffers import ReservedBuffer, merge_ranges, subtract_ranges
 
 
 def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a process-wide memo on purpose

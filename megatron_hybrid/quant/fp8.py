@@ -17,7 +17,7 @@ every call, and so compute the same bits as ``_scaled_mm``: :func:`fp8_linear`, 
 
 Legend: N output features (rows of a weight), K input features, M tokens.
 
-- :func:`quantize_rows`: the rollout tensor, given as the binding's :class:`~megatron_hybrid.aliased.Blocks`
+- :func:`quantize_rows`: the rollout tensor, given as the binding's :class:`~megatron_hybrid.reshard.aliased.Blocks`
   (views of gathered training shards), straight into FP8 and its scales, without materialising the
   training-dtype tensor; :class:`WeightQuantizer`: the binding's weights, planned once and (on a GPU) quantized by
   one kernel per row length; :func:`quantize_reference`: the same format from a whole tensor, in plain torch, for
@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tpl
 
-from . import compat
+from ..megatron import compat
+from ..reshard.aliased import Blocks
 from . import fp8_kernels
-from .aliased import Blocks
 
 FP8_DTYPE, FP8_MAX = fp8_kernels.FP8_DTYPE, fp8_kernels.FP8_MAX  # float8_e4m3fn, 448.0
 #: ``rollout_weights`` values: the training dtype, or FP8 for the :func:`is_target` weights.
@@ -151,7 +151,7 @@ class WeightQuantizer:
     """A binding's FP8 weights, requantized at every switch (:meth:`run`) from their blocks, planned once.
 
     ``targets``: (blocks, FP8 tensor, scales) of each weight, all at fixed addresses (the binding's). Pieces that
-    hold whole rows (:func:`_whole_rows`) go to one :class:`~megatron_hybrid.fp8_kernels.RowQuantizer` where the
+    hold whole rows (:func:`_whole_rows`) go to one :class:`~megatron_hybrid.quant.fp8_kernels.RowQuantizer` where the
     kernels run (one launch per row length, not one or more a weight); the rest, and everything without the
     kernels, go through :func:`quantize_rows` weight by weight. The same bits either way."""
 

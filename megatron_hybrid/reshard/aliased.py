@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tpl
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from . import compat
+from ..megatron import compat
 
 
 @dataclass

@@ -75,14 +75,14 @@ def _disabled() -> bool:
 
 
 def _load_extension() -> Any:
-    """Import ``megatron_hybrid._C`` once; remember why it failed. Returns the module or None."""
+    """Import ``megatron_hybrid.kernels._C`` once; remember why it failed. Returns the module or None."""
     global _ext, _ext_error, _ext_tried
     with _lock:
         if _ext_tried:
             return _ext
         _ext_tried = True
         try:
-            from megatron_hybrid import _C  # lazily: the optional compiled extension, its import error kept
+            from megatron_hybrid.kernels import _C  # lazily: the optional compiled extension, its import error kept
         except (ImportError, OSError) as exc:  # not built, or built against another torch
             _ext_error = f"{type(exc).__name__}: {exc}"
             return None
@@ -439,5 +439,5 @@ def plan_qkv_split(flat_offsets: Sequence[int], *, num_heads: int, num_query_gro
 
 # The extension's schema names this module (set_python_module) as the home of its fake kernels: if the extension
 # was imported first, register them now.
-if "megatron_hybrid._C" in sys.modules:
+if "megatron_hybrid.kernels._C" in sys.modules:
     _load_extension()

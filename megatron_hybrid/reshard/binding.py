@@ -5,15 +5,15 @@ fills them. Three kinds of binding, one class per weight mode deciding between t
 
 - a view: the rollout tensor is one training tensor (own, or a peer's slot): zero copies (both modes);
 - blocks (:class:`AliasedBinding`, weights): a placeholder standing for the views, computed on by
-  :mod:`megatron_hybrid.aliased`;
+  :mod:`megatron_hybrid.reshard.aliased`;
 - a canonical tensor (:class:`CanonicalBinding`, and 1-D sharded tensors such as biases in either mode):
   storage in a per-dtype range backed only while rolling out, refilled at every switch by one fused
   ``scatter_blocks`` per dtype (or, with t_g > t, by concatenating the own shard's pieces);
-- FP8 (``rollout_weights="fp8"``, canonical mode; the dense layers' linear weights, :func:`megatron_hybrid.fp8.is_target`):
-  an FP8 tensor and its per-row scales in a range backed only while rolling out, refilled at every switch by a
-  :class:`megatron_hybrid.fp8.WeightQuantizer` from the gathered blocks (on a GPU, one kernel per row length); the
-  parameter stays a placeholder, and the binding's :class:`~megatron_hybrid.fp8.Fp8Table` says which tensors the
-  FP8 linears compute with.
+- FP8 (``rollout_weights="fp8"``, canonical mode; the dense layers' linear weights,
+  :func:`megatron_hybrid.quant.fp8.is_target`): an FP8 tensor and its per-row scales in a range backed only while
+  rolling out, refilled at every switch by a :class:`megatron_hybrid.quant.fp8.WeightQuantizer` from the gathered blocks
+  (on a GPU, one kernel per row length); the parameter stays a placeholder, and the binding's
+  :class:`~megatron_hybrid.quant.fp8.Fp8Table` says which tensors the FP8 linears compute with.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import ops
+from ..kernels import ops
+from ..megatron.sharding import expert_indices, global_name, layer_offset
+from ..quant.fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
 from .aliased import Blocks, BlockTable, placeholder
-from .fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
 from .placement import DTYPE_NAMES, Placement, Placements
-from .sharding import expert_indices, global_name, layer_offset
 
 #: Buffers that decide what the model computes and change during training, so they move like weights: the MoE
 #: router's expert bias (aux-loss-free balancing; Megatron updates it in place after every step).
@@ -68,10 +68,10 @@ class Binding:
     """Binds a rank's rollout chunks to its :class:`Placements` (a :class:`Placement` per plane: the dense tensors,
     an MoE model's routed experts); :meth:`refill` rebuilds the canonical tensors (and the FP8 ones).
 
-    ``rollout_weights``: ``"fp8"`` gives the :func:`~megatron_hybrid.fp8.is_target` weights FP8 tensors (the
-    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.rollout_model.build_rollout_chunks`) in the
-    decoder layers ``fp8_layers`` (numbered model-wide; all when None). The other layers' twins compute in the
-    training dtype (:func:`~megatron_hybrid.fp8.layers_in_bf16`).
+    ``rollout_weights``: ``"fp8"`` gives the :func:`~megatron_hybrid.quant.fp8.is_target` weights FP8 tensors (the
+    rollout chunks' linears must be FP8 twins: :func:`megatron_hybrid.reshard.rollout_model.build_rollout_chunks`) in
+    the decoder layers ``fp8_layers`` (numbered model-wide; all when None). The other layers' twins compute in the
+    training dtype (:func:`~megatron_hybrid.quant.fp8.layers_in_bf16`).
     """
 
     mode = ""
