@@ -217,17 +217,17 @@ def probe_mapping(device: torch.device, nbytes: int, chunks: int, rounds: int) -
 
 
 def run(arch, device: torch.device, args) -> list[dict]:
-    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid import HybridEngine, RolloutLayout, RolloutWeights, WeightMode
 
     bandwidth = copy_bandwidth(device, args.bandwidth_bytes)
     rows: list[dict] = [{"kind": "copy_bandwidth", "bytes": args.bandwidth_bytes, "bandwidth_bytes_s": bandwidth}]
     model = build_model(arch, device, on_device=args.shape in DEVICE_INIT)
     switches = {}
-    for weights in ("model", "fp8"):
-        engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode="canonical", rollout_weights=weights)
+    for weights in RolloutWeights:
+        engine = HybridEngine(model, RolloutLayout(1, 1), weight_mode=WeightMode.CANONICAL, rollout_weights=weights)
         try:
             switches[weights] = switch_times(engine, device, args.rounds)
-            if weights == "fp8":
+            if weights == RolloutWeights.FP8:
                 quant = measure_quantize(engine, device, args.rounds, args.sweep)
         finally:
             engine.close()

@@ -97,6 +97,7 @@ from measure import copy_bandwidth, one_rank, timed  # noqa: E402
 from shapes import SHAPES as _BENCH_SHAPES  # noqa: E402
 
 from megatron_hybrid.megatron.models import GPTArchitecture  # noqa: E402
+from megatron_hybrid.modes import WeightMode  # noqa: E402
 
 SHAPES: dict[str, GPTArchitecture] = {
     "gpu-1b": _BENCH_SHAPES["gpu-1b"],  # 0.89 B parameters (Llama-shaped, GQA), 1.8 GB in bf16
@@ -576,7 +577,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--transformers-runs", type=int, default=None, help="timed transformers calls (default --runs)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--weight-mode", choices=["aliased", "canonical"], default="aliased", help="ours' engine")
+    ap.add_argument("--weight-mode", choices=[m.value for m in WeightMode], default=WeightMode.ALIASED.value,
+                    help="ours' engine")
     ap.add_argument("--bucket-size-mb", type=float, default=None, help="ours' engine (default: the engine's)")
     ap.add_argument("--fused-decoder", choices=["default", "on", "off"], default="default",
                     help="GenerationConfig.fused_decoder of ours (off: megatron-core's layer forward, the kernels "

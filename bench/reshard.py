@@ -132,6 +132,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_hybrid.megatron.models import GPTArchitecture  # noqa: E402
 from megatron_hybrid.megatron.sharding import TPSpec, global_name, layer_offset  # noqa: E402
 from megatron_hybrid.report import missing_bytes as expected_missing_bytes  # noqa: E402
+from megatron_hybrid.modes import WeightMode  # noqa: E402
 from megatron_hybrid.reshard.placement import DTYPES  # noqa: E402
 
 METHODS = ("ours-aliased", "ours-canonical", "swap", "naive-gather", "bound", "bound-fresh")
@@ -977,7 +978,7 @@ def bench_layout(args, shape: str, layout: Layout, device: torch.device, backend
             row["report_switch_share"] = report_summary["switch_share"]
         rows.append(row)
     by = {r["method"]: r for r in rows}
-    for mode in ("aliased", "canonical"):
+    for mode in (m.value for m in WeightMode):
         o, b = by.get(f"ours-{mode}"), by.get(f"base-{mode}")
         if o is None or b is None:
             continue
@@ -1071,7 +1072,7 @@ def _base_section(rows: list[dict], keys: list[tuple], meta: dict) -> list[str]:
     yes = {True: "yes", False: "NO", None: "-"}
     for shape, lay in keys:
         by = _rows_of(rows, shape, lay)
-        for mode in ("aliased", "canonical"):
+        for mode in (m.value for m in WeightMode):
             o, b = by.get(f"ours-{mode}"), by.get(f"base-{mode}")
             if o is None or b is None:
                 continue

@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_hybrid.modes import WeightMode
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,7 +26,7 @@ def main() -> None:
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     ap.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
     ap.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
-    ap.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
+    ap.add_argument("--hybrid-weight-mode", choices=[m.value for m in WeightMode], default=WeightMode.ALIASED.value)
     ap.add_argument("--reshard-bucket-size-mb", type=float, default=256.0)
     args = ap.parse_args()
 

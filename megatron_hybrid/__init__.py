@@ -18,6 +18,8 @@ _LAZY = {
     "native_ops_available": ".kernels.ops",
     "GPTArchitecture": ".megatron.models",
     "CollectiveError": ".groups",
+    "WeightMode": ".modes",
+    "RolloutWeights": ".modes",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

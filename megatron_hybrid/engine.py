@@ -39,6 +39,7 @@ from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .megatron import compat
 from .megatron.sharding import is_expert
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
+from .modes import RolloutWeights, WeightMode, parse_mode
 from .quant.fp8 import layers_in_bf16
 from .reshard.binding import BINDINGS, named_parameters
 from .reshard.exchange import keys_of
@@ -144,13 +145,15 @@ class HybridEngine:
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: RolloutLayout, *,
-                 weight_mode: str = "aliased", bucket_size_mb: Optional[float] = None, align_slots: bool = False,
+                 weight_mode: Union[WeightMode, str] = WeightMode.ALIASED, bucket_size_mb: Optional[float] = None, align_slots: bool = False,
                  tp_group=None, pp_group=None, dp_group=None, timeout: Any = None,
                  model_provider: Optional[ModelProvider] = None, optimizer: Any = None,
-                 rollout_weights: str = "model") -> None:
+                 rollout_weights: Union[RolloutWeights, str] = RolloutWeights.MODEL) -> None:
         # ---- validation: everything below this block may run collectives ----
         check_arguments(model, rollout, weight_mode=weight_mode, bucket_size_mb=bucket_size_mb,
                         align_slots=align_slots, timeout=timeout, rollout_weights=rollout_weights)
+        weight_mode = parse_mode(WeightMode, weight_mode, "weight_mode")  # members from here on (str enums)
+        rollout_weights = parse_mode(RolloutWeights, rollout_weights, "rollout_weights")
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.modules = [compat.unwrap_model(c) for c in self.chunks]
         self.created_at = _creation_site()
@@ -212,7 +215,7 @@ class HybridEngine:
         else:
             self.placement = self._place_planes(expert_groups)
         self.plan, self.member_index = self.plans["dense"]
-        self.fp8_layers_in_bf16 = layers_in_bf16(self.config) if rollout_weights == "fp8" else (0, 0)
+        self.fp8_layers_in_bf16 = layers_in_bf16(self.config) if rollout_weights == RolloutWeights.FP8 else (0, 0)
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement, rollout_weights=rollout_weights,
                                              fp8_layers=self.fp8_layers)
         self.mode = "training"
@@ -241,7 +244,7 @@ class HybridEngine:
                 self.modules, self.rollout_chunks, spec, self.rollout_groups,
                 layers_per_stage=self.config.num_layers // lay.p, bucket_size_mb=self.bucket_size_mb,
                 held=held, held_at=held_at, alignment=alignment, tied=self._tied if dense else None,
-                strided=self.weight_mode == "canonical")
+                strided=self.weight_mode == WeightMode.CANONICAL)
             self.plans[spec.name] = (plan, index)
             planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
                                           device=self.device, held=held if plan is not None else ())

@@ -38,6 +38,7 @@ from .groups import InProcessGroups
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .megatron.models import GPTArchitecture
 from .megatron.sharding import TPSpec, shard
+from .modes import RolloutWeights, WeightMode
 from .quant.fp8 import FP8_DTYPE, is_target, quantize_rows
 from .reshard.exchange import RankTensors, arrange, build_exchange_plan, keys_of
 from .reshard.executor import ExchangeExecutor, PlanExecutor, PlaneSpec
@@ -49,6 +50,9 @@ _LAYER_PREFIX = "decoder.layers."
 OUTPUT, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
+
+#: The simulated worlds' weight modes: the engine's, and canonical with FP8 rollout weights (named as the latter).
+SIMULATED_MODES = (*(m.value for m in WeightMode), RolloutWeights.FP8.value)
 
 def gpt_parameters(arch: GPTArchitecture, *, vocab_size: Optional[int] = None
                    ) -> dict[str, tuple[tuple[int, ...], TPSpec]]:
@@ -345,9 +349,9 @@ def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: Rol
     config = arch.transformer_config(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                      expert_model_parallel_size=e, expert_tensor_parallel_size=et)
     stand_in = _ModelStandIn(config, arch.padded_vocab_size(t))
-    fp8 = weight_mode == "fp8"  # FP8 rollout weights: canonical mode, the weights quantized after each switch
-    check_model([stand_in], lay, weight_mode="canonical" if fp8 else weight_mode,
-                rollout_weights="fp8" if fp8 else "model")
+    fp8 = weight_mode == RolloutWeights.FP8  # FP8 rollout weights: canonical mode, quantized after each switch
+    check_model([stand_in], lay, weight_mode=WeightMode.CANONICAL if fp8 else weight_mode,
+                rollout_weights=RolloutWeights.FP8 if fp8 else RolloutWeights.MODEL)
     expert_groups = (_GroupSize(et), _GroupSize(e), _GroupSize(t * d // (e * et))) if moe else None
     check_experts([stand_in], lay, rollout, expert_groups=expert_groups, world_size=t * p * d)
     return lay
@@ -384,9 +388,9 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
     over the micro-EP groups (the rollout's EP and expert TP are ``rollout``'s), as the engine places them; an
     exchange layout moves them in its all-to-all, on their own axis (expert TP).
     """
-    if weight_mode not in ("aliased", "canonical", "fp8"):
-        raise ValueError(f"weight_mode ({weight_mode!r}) must be 'aliased', 'canonical' or 'fp8' (canonical with FP8 "
-                         "rollout weights)")
+    if weight_mode not in SIMULATED_MODES:
+        raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {SIMULATED_MODES} (the last: canonical with "
+                         "FP8 rollout weights)")
     lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel)
     t, p, d = training
     moe = arch.num_experts is not None
@@ -493,7 +497,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                 plan = build_group_plan(members, [n for n in needed if plane.holds(n)], k=plane.k, q=plane.q,
                                         u=plane.u, bucket_numel=bucket_numel,
                                         tied=plan_tied if plane.name == "dense" else None,
-                                        strided=weight_mode != "aliased", bucket_per_layer=plane.name == "experts")
+                                        strided=weight_mode != WeightMode.ALIASED, bucket_per_layer=plane.name == "experts")
             placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
             out.append((placement, None if plan is None else PlanExecutor(plan, index, groups, plane=plane.name,
                                                                           training_params=params, device=cpu), plane))
@@ -530,7 +534,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
 
         rollout_tensors = {n: blocks(n).materialize() for n in needed}
         quantized = {}
-        if weight_mode == "fp8":  # as the binding's WeightQuantizer: straight from the blocks, not materialised
+        if weight_mode == RolloutWeights.FP8:  # as the binding's WeightQuantizer: straight from the blocks, not materialised
             for n in needed:
                 if is_target(n):
                     shape = rollout_tensors[n].shape
@@ -653,10 +657,10 @@ def draw_example(choose: Callable[[str, Sequence[Any]], Any], *, moe: bool = Fal
         untie_embeddings_and_output_weights=choose("untie_embeddings_and_output_weights", [True, False]),
         max_position_embeddings=32)
     chunks = choose("virtual_chunks", [1, 2] if p > 1 and arch.num_layers % (2 * p) == 0 else [1])
-    example = Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", ["aliased", "canonical"]),
+    example = Example(arch, (t, p, d), (t_g, p_g), choose("weight_mode", [m.value for m in WeightMode]),
                       choose("steps", [0, 1]), chunks)
     if fp8:
-        example = dataclasses.replace(example, weight_mode="fp8")
+        example = dataclasses.replace(example, weight_mode=RolloutWeights.FP8.value)
     return _with_experts(choose, example) if moe else example
 
 

@@ -19,11 +19,11 @@ from .layout import ExpertLayout, ParallelLayout, RolloutLayout
 from .megatron import compat
 from .megatron.models import moe_layer_pattern
 from .megatron.sharding import TPSpec
-from .quant.fp8 import MIN_CUDA_CAPABILITY, ROLLOUT_WEIGHTS, is_target, supports_fp8
+from .modes import RolloutWeights, WeightMode, parse_mode
+from .quant.fp8 import MIN_CUDA_CAPABILITY, is_target, supports_fp8
 from .reshard.aliased import supports_blocks
-from .reshard.binding import BINDINGS
 
-WEIGHT_MODES = tuple(BINDINGS)
+WEIGHT_MODES = tuple(m.value for m in WeightMode)  # the names, as before WeightMode
 
 
 def as_timeout(timeout: Any) -> datetime.timedelta:
@@ -54,11 +54,9 @@ def check_fp8_device(device: torch.device, capability: Optional[tuple[int, int]]
 def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], rollout: Any, *, weight_mode: Any,
                     bucket_size_mb: Any, align_slots: Any, timeout: Any, rollout_weights: Any = "model") -> None:
     """The engine's arguments as passed (see :class:`~megatron_hybrid.engine.HybridEngine`)."""
-    if weight_mode not in WEIGHT_MODES:
-        raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {WEIGHT_MODES}")
-    if not isinstance(rollout_weights, str) or rollout_weights not in ROLLOUT_WEIGHTS:
-        raise ValueError(f"rollout_weights ({rollout_weights!r}) must be one of {ROLLOUT_WEIGHTS}")
-    if rollout_weights == "fp8" and weight_mode == "aliased":
+    weight_mode = parse_mode(WeightMode, weight_mode, "weight_mode")
+    rollout_weights = parse_mode(RolloutWeights, rollout_weights, "rollout_weights")
+    if rollout_weights == RolloutWeights.FP8 and weight_mode == WeightMode.ALIASED:
         raise ValueError("rollout_weights='fp8' needs weight_mode='canonical' (FP8 rollout weights are tensors "
                          "rebuilt at every switch; weight_mode='aliased' computes on the training shards)")
     if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (
@@ -79,7 +77,7 @@ def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], ro
                                                                      TransformerConfig):
             raise ValueError(f"model ({type(c).__name__}) must be a megatron-core model (a GPTModel, a list of "
                              "its chunks, or Megatron DDP around one) with a TransformerConfig as .config")
-    if rollout_weights == "fp8":
+    if rollout_weights == RolloutWeights.FP8:
         first = next((p for c in chunks for p in compat.unwrap_model(c).parameters()), None)
         if first is not None:
             check_fp8_device(first.device, cuda_capability(first.device))
@@ -152,14 +150,14 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
     if vocab is not None and vocab % lay.t_g:
         raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
                          f"({vocab})")
-    if weight_mode == "aliased" and (lay.exchange or lay.k > 1 or lay.widens):
+    if weight_mode == WeightMode.ALIASED and (lay.exchange or lay.k > 1 or lay.widens):
         for mod in modules:
             owners = _owner_modules(mod)
             for name, prm in mod.named_parameters():
                 if TPSpec.of(prm).sharded and prm.dim() > 1 and not supports_blocks(owners[id(prm)]):
                     raise ValueError(f"weight_mode='aliased' cannot run {name} ({type(owners[id(prm)]).__name__}"
                                      ") on blocks; use weight_mode='canonical' for this model")
-    if rollout_weights == "fp8":
+    if rollout_weights == RolloutWeights.FP8:
         for mod in modules:
             owners = _owner_modules(mod)
             for name, prm in mod.named_parameters():

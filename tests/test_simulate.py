@@ -279,7 +279,7 @@ def test_a_misplaced_block_is_found(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(weight_mode="fp4"), r"weight_mode \('fp4'\) must be 'aliased', 'canonical' or 'fp8'"),
+    (dict(weight_mode="fp4"), r"weight_mode \('fp4'\) must be one of \('aliased', 'canonical', 'fp8'\)"),
     # MoE: what the engine refuses (check_experts) and what megatron-core cannot build.
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), rollout=RolloutLayout(1, 4, 1, 2)),
      r"rollout expert_tensor_parallel_size \(2\) × rollout expert_model_parallel_size \(1\) must divide a rollout "

@@ -94,7 +94,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, task: rl.Task) -> None:
         from megatron.core import parallel_state as ps
 
-        from megatron_hybrid import HybridEngine, RolloutLayout
+        from megatron_hybrid import HybridEngine, RolloutLayout, RolloutWeights
 
         self.args = a = args
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -133,7 +133,7 @@ class Trainer:
         self.engine = None if a.no_hybrid_rollout else HybridEngine(
             self.actor.model, self.rollout_layout, weight_mode=a.hybrid_weight_mode,
             bucket_size_mb=a.reshard_bucket_size_mb, optimizer=self.actor.optimizer,  # its views of DDP's buffer
-            rollout_weights="fp8" if a.rollout_fp8 else "model")
+            rollout_weights=RolloutWeights.FP8 if a.rollout_fp8 else RolloutWeights.MODEL)
         rollout_tp, rollout_pp = self.rollout_layout.tensor_model_parallel_size, \
             self.rollout_layout.pipeline_model_parallel_size
         self.memory = rl.RolloutMemoryPolicy(  # --inference-memory-fraction, --offload-optimizer

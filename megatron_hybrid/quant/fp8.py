@@ -38,12 +38,13 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tpl
 
 from ..megatron import compat
+from ..modes import RolloutWeights
 from ..reshard.aliased import Blocks
 from . import fp8_kernels
 
 FP8_DTYPE, FP8_MAX = fp8_kernels.FP8_DTYPE, fp8_kernels.FP8_MAX  # float8_e4m3fn, 448.0
 #: ``rollout_weights`` values: the training dtype, or FP8 for the :func:`is_target` weights.
-ROLLOUT_WEIGHTS = ("model", "fp8")
+ROLLOUT_WEIGHTS = tuple(r.value for r in RolloutWeights)  # the names, as before RolloutWeights
 #: The first CUDA compute capability with FP8 tensor cores (Ada, sm_89; Hopper is 9.0).
 MIN_CUDA_CAPABILITY = (8, 9)
 #: Elements quantized per step of :func:`quantize_rows` (bounds its fp32 temporaries to 64 MiB per step).

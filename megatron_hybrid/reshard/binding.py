@@ -24,6 +24,7 @@ import torch
 
 from ..kernels import ops
 from ..megatron.sharding import expert_indices, global_name, layer_offset
+from ..modes import RolloutWeights, WeightMode
 from ..quant.fp8 import FP8_DTYPE, Fp8Table, WeightQuantizer, is_target
 from .aliased import Blocks, BlockTable, placeholder
 from .placement import DTYPE_NAMES, Placement, Placements
@@ -92,7 +93,7 @@ class Binding:
                 placement = placements.of(name)
                 blocks = placement.blocks(name)
                 new = placeholder(prm)
-                if rollout_weights == "fp8" and is_target(name, layers=fp8_layers):
+                if rollout_weights == RolloutWeights.FP8 and is_target(name, layers=fp8_layers):
                     # Only the quantization reads the blocks: the peers' slots among them are not kept.
                     quantized.setdefault(id(placement), []).append((new, blocks))
                 elif len(blocks.views) == 1 and blocks.views[0].shape == prm.shape:
@@ -212,7 +213,7 @@ class Binding:
 class AliasedBinding(Binding):
     """Zero redundancy: multi-block weights compute as blocks of the training tensors and the peers' slots."""
 
-    mode = "aliased"
+    mode = WeightMode.ALIASED
 
     def computes_on_blocks(self, prm: torch.nn.Parameter) -> bool:
         return prm.dim() > 1  # 1-D sharded tensors (biases) are cheap to rebuild, and not every module adds blocks
@@ -225,7 +226,7 @@ class CanonicalBinding(Binding):
     views are given back at the end of the switch.
     """
 
-    mode = "canonical"
+    mode = WeightMode.CANONICAL
 
     def computes_on_blocks(self, prm: torch.nn.Parameter) -> bool:
         return False

@@ -18,6 +18,7 @@ import torch
 from ..core_attention import with_local_core_attention
 from ..layout import ExpertLayout, ParallelLayout
 from ..megatron import compat
+from ..modes import RolloutWeights, WeightMode
 from ..quant.fp8 import is_target, make_fp8
 from .aliased import make_aliased, placeholder, supports_blocks
 
@@ -102,11 +103,11 @@ def build_rollout_chunks(train_modules: list[torch.nn.Module], layout: ParallelL
             else:
                 chunk = _rebuild_gpt(train, config, pre, post, vp_stage, pg_collection, rollout_pp_rank)
         chunk.eval()
-        if weight_mode == "aliased":
+        if weight_mode == WeightMode.ALIASED:
             for mod in chunk.modules():
                 if supports_blocks(mod):
                     make_aliased(mod)
-        if rollout_weights == "fp8":
+        if rollout_weights == RolloutWeights.FP8:
             for name, mod in chunk.named_modules():
                 if is_target(f"{name}.weight"):
                     make_fp8(mod)

@@ -22,6 +22,7 @@ from ..checks import check_number, flag_name, output_dir_error, with_flag_names
 from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
 from ..layout import ParallelLayout, RolloutLayout
 from ..megatron.models import GPTArchitecture
+from ..modes import WeightMode
 from ..validation import check_expert_layout
 from .data import data_file_error
 from .initialize import select_device
@@ -273,7 +274,7 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rollout-expert-tensor-parallel-size", type=int, default=None, help="the rollout's expert "
                    "tensor parallelism: a divisor of --expert-tensor-parallel-size (MoE models; default: "
                    "--rollout-tensor-model-parallel-size)")
-    g.add_argument("--hybrid-weight-mode", choices=["aliased", "canonical"], default="aliased")
+    g.add_argument("--hybrid-weight-mode", choices=[m.value for m in WeightMode], default=WeightMode.ALIASED.value)
     g.add_argument("--rollout-fp8", action="store_true",
                    help="generate with FP8 rollout weights (HybridEngine(rollout_weights='fp8')): the dense layers' "
                    "linear weights quantized to float8 e4m3 at every switch, FP8 matmuls; needs --hybrid-weight-mode "
@@ -618,7 +619,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                     layers_from=f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({p})")
     if args.rollout_fp8 and args.no_hybrid_rollout:
         raise ValueError("--rollout-fp8 needs the HybridEngine's rollout (it is off with --no-hybrid-rollout)")
-    if args.rollout_fp8 and args.hybrid_weight_mode != "canonical":
+    if args.rollout_fp8 and args.hybrid_weight_mode != WeightMode.CANONICAL:
         raise ValueError(f"--rollout-fp8 needs --hybrid-weight-mode canonical (got --hybrid-weight-mode "
                          f"{args.hybrid_weight_mode}): FP8 rollout weights are tensors rebuilt at every switch")
     if args.first_last_layers_bf16 and not args.rollout_fp8:
