@@ -261,124 +261,145 @@ def build_group_plan(members: list[MemberInfo], needed: list[str], *, k: int, q:
     """
     if len(members) != k * q * u:
         raise AssertionError(f"micro-DP group of {len(members)} members, expected {k} × {q} × {u}")
-    tp0 = min(m.tp for m in members)
-    pp0 = min(m.pp for m in members)
-    ep0 = min(m.ep for m in members)
-    at: dict[tuple[int, int, int], int] = {(m.tp - tp0, m.pp - pp0, m.ep - ep0): j for j, m in enumerate(members)}
-    by_name = [{p.name: p for p in m.params} for m in members]
+    plan = _PlanBuilder(members, needed, k=k, q=q, u=u, alignment=alignment)
+    plan.gather_regions(bucket_numel, strided=strided, bucket_per_layer=bucket_per_layer)
+    if q > 1 or u > 1:
+        plan.stage_gather_regions(bucket_numel)
+    if q > 1:
+        plan.stage_only_regions(tied)
+    return GroupPlan(members, plan.regions, plan.needed_stage, plan.at, k, plan.by_name, tied, q)
 
-    def owners_of(name: str) -> list[int]:
-        return [j for j in range(len(members)) if name in by_name[j]]
 
-    # Which rollout parameters exist, and where (which stage offset b) their training tensors live.
-    needed_stage: dict[str, int] = {}
-    for need in needed:
-        owners = owners_of(need)
-        if not owners:
-            raise ValueError(f"no member of the micro-DP group holds {need}")
-        needed_stage[need] = members[owners[0]].pp - pp0
+class _PlanBuilder:
+    """The regions of one group's plan, laid out dtype by dtype in the order :func:`build_group_plan` asks for
+    them (that order is the plan: every member builds the same)."""
 
-    def wanted(p: ParamInfo) -> bool:
-        return p.name in needed_stage and p.held is None  # held tensors travel with their buffer
+    def __init__(self, members: list[MemberInfo], needed: list[str], *, k: int, q: int, u: int,
+                 alignment: Optional[dict[str, int]]) -> None:
+        self.members, self.k, self.q, self.u, self.alignment = members, k, q, u, alignment or {}
+        self.tp0, self.pp0, self.ep0 = (min(m.tp for m in members), min(m.pp for m in members),
+                                        min(m.ep for m in members))
+        self.at: dict[tuple[int, int, int], int] = {(m.tp - self.tp0, m.pp - self.pp0, m.ep - self.ep0): j
+                                                    for j, m in enumerate(members)}
+        self.by_name = [{p.name: p for p in m.params} for m in members]
+        self.everyone = list(range(len(members)))
+        # Which rollout parameters exist, and where (which stage offset b) their training tensors live.
+        self.needed_stage: dict[str, int] = {}
+        for need in needed:
+            owners = [j for j in self.everyone if need in self.by_name[j]]
+            if not owners:
+                raise ValueError(f"no member of the micro-DP group holds {need}")
+            self.needed_stage[need] = members[owners[0]].pp - self.pp0
+        self.regions: dict[str, list[Region]] = {}
+        self.offsets: dict[str, int] = {}
+        _held_regions(members, self.regions, self.offsets, alignment)
 
-    regions: dict[str, list[Region]] = {}
-    offsets: dict[str, int] = {}
-    _held_regions(members, regions, offsets, alignment)
+    def wanted(self, p: ParamInfo) -> bool:
+        return p.name in self.needed_stage and p.held is None  # held tensors travel with their buffer
 
-    def add_region(dtype: str, kind: RegionKind, group: list[int], per_member: dict[int, list[ParamInfo]],
+    def add_region(self, dtype: str, kind: RegionKind, group: list[int], per_member: dict[int, list[ParamInfo]],
                    owner: Optional[int] = None) -> None:
         sizes = {j: sum(p.numel for p in ps) for j, ps in per_member.items()}
-        slot = _align(max(sizes.values()), (alignment or {}).get(dtype, 1))
+        slot = _align(max(sizes.values()), self.alignment.get(dtype, 1))
         if kind != RegionKind.BROADCAST and len(set(sizes.values())) != 1:
             raise AssertionError(f"uneven {kind} slots {sizes}")
-        reg = Region(kind, offsets.get(dtype, 0), slot, group, owner)
+        reg = Region(kind, self.offsets.get(dtype, 0), slot, group, owner)
         for j, ps in per_member.items():
             off = reg.slot_offset(j)
             for p in ps:
                 reg.slices.append(Slice(j, p.name, off, p.numel, p.shape))
                 off += p.numel
-        regions.setdefault(dtype, []).append(reg)
-        offsets[dtype] = reg.offset + reg.numel
+        self.regions.setdefault(dtype, []).append(reg)
+        self.offsets[dtype] = reg.offset + reg.numel
 
-    everyone = list(range(len(members)))
-    # 1. gather regions: TP shards with a counterpart on every member, bucketed.
-    even: dict[int, list[ParamInfo]] = {}
-    for j, m in enumerate(members):
-        even[j] = [p for p in m.params if p.sharded and wanted(p)
-                   and (q == 1 or _pair_key(p, m.layers_per_stage)[0] == "layer")]
-    keys = {j: [(_pair_key(p, members[j].layers_per_stage), p.numel, p.dtype) for p in ps] for j, ps in even.items()}
-    if len({tuple(v) for v in keys.values()}) != 1:
-        raise ValueError("the micro-DP members' tensor-parallel parameters do not correspond one to one; "
-                         "every pipeline stage must hold the same number of identical layers")
-    # Strided regions need the members in shard order (member a holds shard a), as Megatron's rank order gives.
-    if strided and q == 1 and u == 1 and k > 1 and all(at.get((a, 0, 0)) == a for a in range(k)):
-        first = even[0]
-        direct = {i for i, p in enumerate(first) if p.dim == 0 and p.stride > 1 and p.numel % p.stride == 0
-                  and p.numel * k >= STACKED_MIN_NUMEL}
-        for i in sorted(direct):
-            p = first[i]
-            slot = p.numel
-            reg = Region(RegionKind.STRIDED, offsets.get(p.dtype, 0), slot, everyone, tensor=p.name, stride=p.stride)
-            regions.setdefault(p.dtype, []).append(reg)
-            # Padded to whole granules, so that the region's pages are its own (released with it).
-            offsets[p.dtype] = reg.offset + _align(reg.numel, (alignment or {}).get(p.dtype, 1))
-        even = {j: [p for i, p in enumerate(ps) if i not in direct] for j, ps in even.items()}
-    _bucketed(even, None if bucket_per_layer else bucket_numel,
-              lambda dtype, per: add_region(dtype, RegionKind.GATHER, everyone, per),
-              alone=lambda p: _stacks_whole(p, k, (alignment or {}).get(p.dtype, 1)),
-              group=(lambda p: _pair_key(p, members[0].layers_per_stage)[:2]) if bucket_per_layer else None)
+    def gather_regions(self, bucket_numel: Union[int, dict[str, int]], *, strided: bool,
+                       bucket_per_layer: bool) -> None:
+        """1. gather regions: TP shards with a counterpart on every member, bucketed (``strided``: interleaved
+        dim-0 shards straight into the rollout tensor's layout)."""
+        members, k, q, u = self.members, self.k, self.q, self.u
+        even: dict[int, list[ParamInfo]] = {}
+        for j, m in enumerate(members):
+            even[j] = [p for p in m.params if p.sharded and self.wanted(p)
+                       and (q == 1 or _pair_key(p, m.layers_per_stage)[0] == "layer")]
+        keys = {j: [(_pair_key(p, members[j].layers_per_stage), p.numel, p.dtype) for p in ps]
+                for j, ps in even.items()}
+        if len({tuple(v) for v in keys.values()}) != 1:
+            raise ValueError("the micro-DP members' tensor-parallel parameters do not correspond one to one; "
+                             "every pipeline stage must hold the same number of identical layers")
+        # Strided regions need the members in shard order (member a holds shard a), as Megatron's rank order gives.
+        if strided and q == 1 and u == 1 and k > 1 and all(self.at.get((a, 0, 0)) == a for a in range(k)):
+            first = even[0]
+            direct = {i for i, p in enumerate(first) if p.dim == 0 and p.stride > 1 and p.numel % p.stride == 0
+                      and p.numel * k >= STACKED_MIN_NUMEL}
+            for i in sorted(direct):
+                p = first[i]
+                reg = Region(RegionKind.STRIDED, self.offsets.get(p.dtype, 0), p.numel, self.everyone,
+                             tensor=p.name, stride=p.stride)
+                self.regions.setdefault(p.dtype, []).append(reg)
+                # Padded to whole granules, so that the region's pages are its own (released with it).
+                self.offsets[p.dtype] = reg.offset + _align(reg.numel, self.alignment.get(p.dtype, 1))
+            even = {j: [p for i, p in enumerate(ps) if i not in direct] for j, ps in even.items()}
+        _bucketed(even, None if bucket_per_layer else bucket_numel,
+                  lambda dtype, per: self.add_region(dtype, RegionKind.GATHER, self.everyone, per),
+                  alone=lambda p: _stacks_whole(p, k, self.alignment.get(p.dtype, 1)),
+                  group=(lambda p: _pair_key(p, members[0].layers_per_stage)[:2]) if bucket_per_layer else None)
 
-    if q > 1 or u > 1:
-        # 2. stage_gather regions: TP-replicated layer tensors, exchanged within a TP column: the other stages'
-        # layers, and (u > 1) the other expert-parallel ranks' experts (a routed expert's replicated tensor, say
-        # its fc2 bias, is the same on every expert-TP rank but each expert's own).
-        for a in range(k):
-            group = sorted(at[(a, b, c)] for b in range(q) for c in range(u))
-            rep = {j: [p for p in members[j].params if not p.sharded and wanted(p)
-                       and _pair_key(p, members[j].layers_per_stage)[0] == "layer"] for j in group}
+    def stage_gather_regions(self, bucket_numel: Union[int, dict[str, int]]) -> None:
+        """2. stage_gather regions: TP-replicated layer tensors, exchanged within a TP column: the other stages'
+        layers, and (u > 1) the other expert-parallel ranks' experts (a routed expert's replicated tensor, say its
+        fc2 bias, is the same on every expert-TP rank but each expert's own)."""
+        for a in range(self.k):
+            group = sorted(self.at[(a, b, c)] for b in range(self.q) for c in range(self.u))
+            rep = {j: [p for p in self.members[j].params if not p.sharded and self.wanted(p)
+                       and _pair_key(p, self.members[j].layers_per_stage)[0] == "layer"] for j in group}
             _bucketed(rep, bucket_numel,
-                      lambda dtype, per, group=group: add_region(dtype, RegionKind.STAGE_GATHER, group, per))
-    if q > 1:
-        # 3. tensors of one stage only (embedding, output layer, final norm). TP-sharded ones go to every member:
-        # when every member holds the same number of elements of them (untied embedding and output layer of equal
-        # size), one gather region moves them all; otherwise each owner broadcasts its own. Replicated ones go
-        # to the owner's cross-stage group.
-        def stage_only(j: int, sharded: bool, dtype: str) -> list[ParamInfo]:
-            m = members[j]
-            return [p for p in m.params if _pair_key(p, m.layers_per_stage)[0] == "stage" and p.sharded == sharded
-                    and wanted(p) and p.dtype == dtype]
+                      lambda dtype, per, group=group: self.add_region(dtype, RegionKind.STAGE_GATHER, group, per))
 
+    def _stage_only(self, j: int, sharded: bool, dtype: str) -> list[ParamInfo]:
+        m = self.members[j]
+        return [p for p in m.params if _pair_key(p, m.layers_per_stage)[0] == "stage" and p.sharded == sharded
+                and self.wanted(p) and p.dtype == dtype]
+
+    def stage_only_regions(self, tied: Optional[tuple[str, str]]) -> None:
+        """3. tensors of one stage only (embedding, output layer, final norm). TP-sharded ones go to every member:
+        when every member holds the same number of elements of them (untied embedding and output layer of equal
+        size), one gather region moves them all; otherwise each owner broadcasts its own. Replicated ones go to the
+        owner's cross-stage group."""
+        members, everyone = self.members, self.everyone
         dtypes = sorted({p.dtype for m in members for p in m.params})
         for dtype in dtypes:
-            per = {j: stage_only(j, True, dtype) for j in everyone}
+            per = {j: self._stage_only(j, True, dtype) for j in everyone}
             sizes = {sum(p.numel for p in ps) for ps in per.values()}
             if len(sizes) == 1 and sizes != {0} and all(per.values()):
-                add_region(dtype, RegionKind.GATHER, everyone, per)
+                self.add_region(dtype, RegionKind.GATHER, everyone, per)
             else:
                 for j, ps in per.items():
-                    if not ps:
-                        continue
-                    group = everyone
-                    if tied is not None and any(p.name == tied[1] for p in ps):
-                        # Not to the last stage's rank of the same TP column: it holds this shard already.
-                        twin = at[(members[j].tp - tp0, q - 1, 0)]
-                        group = [i for i in everyone if i != twin]
-                        if len(ps) > 1:
-                            raise AssertionError(f"tied embedding shares a broadcast with {[p.name for p in ps]}")
-                    add_region(dtype, RegionKind.BROADCAST, group, {j: ps}, owner=j)
+                    if ps:
+                        self._broadcast_stage_shards(dtype, j, ps, tied)
             if tied is not None:
                 # The tied output layer, placed in its rank's own slot (no collective): it serves the embedding.
                 for j, m in enumerate(members):
                     out = [p for p in m.params if p.name == tied[0] and p.dtype == dtype and p.held is None]
                     if out:
-                        add_region(dtype, RegionKind.BROADCAST, [j], {j: out}, owner=j)
+                        self.add_region(dtype, RegionKind.BROADCAST, [j], {j: out}, owner=j)
         for j, m in enumerate(members):
-            cross = [at[(m.tp - tp0, b, m.ep - ep0)] for b in range(q)]
+            cross = [self.at[(m.tp - self.tp0, b, m.ep - self.ep0)] for b in range(self.q)]
             for dtype in dtypes:
-                replicated = stage_only(j, False, dtype)
+                replicated = self._stage_only(j, False, dtype)
                 if replicated:
-                    add_region(dtype, RegionKind.BROADCAST, cross, {j: replicated}, owner=j)
-    return GroupPlan(members, regions, needed_stage, at, k, by_name, tied, q)
+                    self.add_region(dtype, RegionKind.BROADCAST, cross, {j: replicated}, owner=j)
+
+    def _broadcast_stage_shards(self, dtype: str, j: int, ps: list[ParamInfo],
+                                tied: Optional[tuple[str, str]]) -> None:
+        """Member ``j`` broadcasts its TP shards of one-stage tensors; a tied embedding's not to the last stage's
+        rank of the same TP column, which holds it already."""
+        group = self.everyone
+        if tied is not None and any(p.name == tied[1] for p in ps):
+            twin = self.at[(self.members[j].tp - self.tp0, self.q - 1, 0)]
+            group = [i for i in self.everyone if i != twin]
+            if len(ps) > 1:
+                raise AssertionError(f"tied embedding shares a broadcast with {[p.name for p in ps]}")
+        self.add_region(dtype, RegionKind.BROADCAST, group, {j: ps}, owner=j)
 
 
 def _held_regions(members: list[MemberInfo], regions: dict[str, list[Region]], offsets: dict[str, int],
