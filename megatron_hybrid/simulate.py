@@ -392,125 +392,155 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
         raise ValueError(f"weight_mode ({weight_mode!r}) must be one of {SIMULATED_MODES} (the last: canonical with "
                          "FP8 rollout weights)")
     lay = validate(arch, training, rollout, weight_mode=weight_mode, chunks=chunks, expert_parallel=expert_parallel)
+    world = _SimulatedWorld(arch, training, rollout, lay, weight_mode=weight_mode, seed=seed, chunks=chunks,
+                            bucket_size_mb=bucket_size_mb, expert_parallel=expert_parallel)
     t, p, d = training
-    moe = arch.num_experts is not None
-    e, et = expert_sizes(training, expert_parallel, moe=moe)
-    experts = None
-    if moe:
-        experts = ExpertLayout(et=et, e=e, edp=t * d // (e * et), p=p, et_g=rollout.expert_tp,
-                               e_g=rollout.expert_model_parallel_size, p_g=lay.p_g, exchange=lay.exchange)
-    specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training model's padding
-    for name, (shape, spec) in specs.items():
-        sizes = (et, experts.et_g) if expert_of(name) is not None else (t, lay.t_g)
-        for size in sizes:
-            if spec.sharded and shape[spec.dim] % (spec.stride * size):
-                raise ValueError(f"{name} {shape}: dimension {spec.dim} does not split into {spec.stride} x {size} "
-                                 "pieces")
-    full = unsharded_model(specs, seed=seed)
-    tied = not arch.untie_embeddings_and_output_weights
-    if tied:
-        full[OUTPUT] = full[EMBEDDING].clone()
-    # As HybridEngine: with p_g = 1 < p the last stage's tied output layer serves the rollout embedding in place.
-    plan_tied = (OUTPUT, EMBEDDING) if tied and lay.p_g == 1 < p and not lay.widens and not lay.exchange else None
-    grid = Grid.megatron_default(t, p, d)
-    coords = dict(grid.coords())
-    per_chunk = arch.num_layers // (p * chunks)
-    arrangement = None
-    if lay.exchange:  # every rank's rollout coordinate, as create_rollout_groups takes it from the arrangement
-        arrangement = arrange(lay, grid, num_layers=arch.num_layers, chunks=chunks)
-        rollout_coord = arrangement.coords
-        micro: dict[int, list[int]] = {}
-    else:
-        rollout_coord = {r: lay.rollout_coords(c) for r, c in coords.items()}
-        micro = {r: g for g in lay.micro_dp_groups(grid) for r in g}
-    expert_coord: dict[int, Any] = {}
-    rollout_expert: dict[int, tuple[int, int]] = {}
-    micro_ep: dict[int, list[int]] = {}
-    if experts is not None:  # the expert grid in megatron-core's order, its micro-EP groups (the engine's)
-        egrid = ExpertGrid.megatron_default(experts.et, experts.e, experts.edp, p)
-        expert_coord = dict(egrid.items())
-        if arrangement is not None:
-            rollout_expert = {r: c[:2] for r, c in arrangement.expert_coords(experts.et_g, experts.e_g).items()}
+    ranks = InProcessWorld(t * p * d).run(lambda transport: world.rank_body(transport, switches, update))
+    if update is not None:  # after the ranks cut their shards from it: the model the last switch must deliver
+        with torch.no_grad():
+            for name, tensor in world.full.items():
+                update(name, tensor)
+    return SimulatedSwitch(lay, arch, chunks, world.specs, world.full, ranks, world.experts)
+
+
+class _SimulatedWorld:
+    """Everything the ranks of one simulated switch share: the unsharded model, every rank's training and rollout
+    coordinates (dense and expert), the micro groups; and what each rank runs (:meth:`rank_body`)."""
+
+    def __init__(self, arch: GPTArchitecture, training: tuple[int, int, int], rollout: RolloutLayout,
+                 lay: ParallelLayout, *, weight_mode: str, seed: int, chunks: int, bucket_size_mb: float,
+                 expert_parallel: Optional[tuple[int, int]]) -> None:
+        self.arch, self.lay, self.weight_mode, self.chunks = arch, lay, weight_mode, chunks
+        t, p, d = self.training = training
+        moe = arch.num_experts is not None
+        e, et = expert_sizes(training, expert_parallel, moe=moe)
+        self.experts = experts = None if not moe else ExpertLayout(
+            et=et, e=e, edp=t * d // (e * et), p=p, et_g=rollout.expert_tp, e_g=rollout.expert_model_parallel_size,
+            p_g=lay.p_g, exchange=lay.exchange)
+        self.specs = specs = gpt_parameters(arch, vocab_size=arch.padded_vocab_size(t))  # the training padding
+        for name, (shape, spec) in specs.items():
+            sizes = (et, experts.et_g) if expert_of(name) is not None else (t, lay.t_g)
+            for size in sizes:
+                if spec.sharded and shape[spec.dim] % (spec.stride * size):
+                    raise ValueError(f"{name} {shape}: dimension {spec.dim} does not split into {spec.stride} x "
+                                     f"{size} pieces")
+        self.full = full = unsharded_model(specs, seed=seed)
+        self.tied = not arch.untie_embeddings_and_output_weights
+        if self.tied:
+            full[OUTPUT] = full[EMBEDDING].clone()
+        # As HybridEngine: with p_g = 1 < p the last stage's tied output layer serves the rollout embedding in place.
+        self.plan_tied = (OUTPUT, EMBEDDING) if self.tied and lay.p_g == 1 < p and not lay.widens \
+            and not lay.exchange else None
+        grid = Grid.megatron_default(t, p, d)
+        self.coords = dict(grid.coords())
+        self.per_chunk = arch.num_layers // (p * chunks)
+        arrangement = None
+        self.micro: dict[int, list[int]] = {}
+        if lay.exchange:  # every rank's rollout coordinate, as create_rollout_groups takes it from the arrangement
+            arrangement = arrange(lay, grid, num_layers=arch.num_layers, chunks=chunks)
+            self.rollout_coord = arrangement.coords
         else:
-            rollout_expert = {r: experts.rollout_coords(c)[:2] for r, c in expert_coord.items()}
-            micro_ep = {r: g for g in experts.micro_ep_groups(egrid) for r in g}
-    names = list(specs)
-    probe = SimulatedSwitch(lay, arch, chunks, specs, full, [], experts)
+            self.rollout_coord = {r: lay.rollout_coords(c) for r, c in self.coords.items()}
+            self.micro = {r: g for g in lay.micro_dp_groups(grid) for r in g}
+        self.expert_coord: dict[int, Any] = {}
+        self.rollout_expert: dict[int, tuple[int, int]] = {}
+        self.micro_ep: dict[int, list[int]] = {}
+        if experts is not None:  # the expert grid in megatron-core's order, its micro-EP groups (the engine's)
+            egrid = ExpertGrid.megatron_default(experts.et, experts.e, experts.edp, p)
+            self.expert_coord = dict(egrid.items())
+            if arrangement is not None:
+                self.rollout_expert = {r: c[:2] for r, c in
+                                       arrangement.expert_coords(experts.et_g, experts.e_g).items()}
+            else:
+                self.rollout_expert = {r: experts.rollout_coords(c)[:2] for r, c in self.expert_coord.items()}
+                self.micro_ep = {r: g for g in experts.micro_ep_groups(egrid) for r in g}
+        self.probe = SimulatedSwitch(lay, arch, chunks, specs, full, [], experts)
+        self.bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
+                             for name, dt in DTYPES.items()}
 
-    def stand_in(rank: int) -> RankResult:  # the rank's coordinates, as the names and cuts read them
-        return RankResult(rank, coords[rank], rollout_coord[rank], {}, [], None, expert_coord.get(rank),
-                          rollout_expert.get(rank))
+    def stand_in(self, rank: int) -> RankResult:
+        """The rank's coordinates, as the names and cuts read them."""
+        return RankResult(rank, self.coords[rank], self.rollout_coord[rank], {}, [], None,
+                          self.expert_coord.get(rank), self.rollout_expert.get(rank))
 
-    def shards_of(rank: int) -> dict[str, torch.Tensor]:
-        who = stand_in(rank)
-        return {n: shard(full[n], specs[n][1], *probe.cut(n, who, rollout=False)) for n in probe.training_names(who)}
+    def shards_of(self, rank: int) -> dict[str, torch.Tensor]:
+        who = self.stand_in(rank)
+        return {n: shard(self.full[n], self.specs[n][1], *self.probe.cut(n, who, rollout=False))
+                for n in self.probe.training_names(who)}
 
-    def member_info(rank: int, own: dict[str, Any], plane: Optional[PlaneSpec]) -> MemberInfo:
-        per_rank = 1 if experts is None else arch.num_experts // experts.e
-        params = tuple(ParamInfo(n, local_name(n, per_chunk=per_chunk, experts_per_rank=per_rank), tuple(v.shape),
-                                 DTYPE_NAMES[v.dtype], specs[n][1].sharded, specs[n][1].dim, specs[n][1].stride)
+    def member_info(self, rank: int, own: dict[str, Any], plane: Optional[PlaneSpec]) -> MemberInfo:
+        arch, specs, p = self.arch, self.specs, self.training[1]
+        per_rank = 1 if self.experts is None else arch.num_experts // self.experts.e
+        params = tuple(ParamInfo(n, local_name(n, per_chunk=self.per_chunk, experts_per_rank=per_rank),
+                                 tuple(v.shape), DTYPE_NAMES[v.dtype], specs[n][1].sharded, specs[n][1].dim,
+                                 specs[n][1].stride)
                        for n, v in own.items() if plane is None or plane.holds(n))
         if plane is None:  # every tensor (an exchange layout's description)
-            return MemberInfo(rank, coords[rank][0], coords[rank][1], params, arch.num_layers // p)
+            return MemberInfo(rank, self.coords[rank][0], self.coords[rank][1], params, arch.num_layers // p)
         return MemberInfo(rank, plane.tp_rank, plane.pp_rank, params, arch.num_layers // p, ep=plane.ep_rank)
 
-    bucket_numel = {name: max(1, int(bucket_size_mb * 2**20) // torch.empty((), dtype=dt).element_size())
-                    for name, dt in DTYPES.items()}
-
-    def planes(rank: int) -> list[PlaneSpec]:
+    def planes(self, rank: int) -> list[PlaneSpec]:
         """As HybridEngine._plane_specs: the dense plane over micro-DP, the routed experts over micro-EP."""
-        i, s, _ = coords[rank]
-        out = [PlaneSpec("dense", "micro_dp", t, lay.t_g, lay.k, lay.q, 1, i, s)]
+        lay, experts = self.lay, self.experts
+        i, s, _ = self.coords[rank]
+        out = [PlaneSpec("dense", "micro_dp", self.training[0], lay.t_g, lay.k, lay.q, 1, i, s)]
         if experts is not None and not lay.exchange:
-            ei, ej, _, es = expert_coord[rank]
+            ei, ej, _, es = self.expert_coord[rank]
             out.append(PlaneSpec("experts", "micro_ep", experts.et, experts.et_g, experts.ke, experts.q, experts.ue,
                                  ei, es, ej))
         return out
 
-    def place(transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str], groups: InProcessGroups,
-              tp_g: int) -> list[tuple[Any, Any, PlaneSpec]]:
+    def place_exchange(self, transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str],
+                       groups: InProcessGroups, tp_g: int) -> list[tuple[Any, Any, PlaneSpec]]:
+        """As make_exchange_plan and HybridEngine._place_exchange (tied: the output layer is the embedding)."""
+        rank, cpu, lay, experts = transport.rank, torch.device("cpu"), self.lay, self.experts
+        keys = keys_of([*params, *needed], tied=self.tied)
+        held: dict[str, ParamInfo] = {}
+        for info in self.member_info(rank, params, None).params:
+            held.setdefault(keys[info.name], dataclasses.replace(info, name=keys[info.name]))
+        ei, ei_g = (self.expert_coord[rank][0], self.rollout_expert[rank][0]) if experts is not None else (0, 0)
+        mine = RankTensors(rank, self.coords[rank][0], tp_g, tuple(held.values()), tuple(keys[n] for n in needed),
+                           ei, ei_g)
+        xplan = build_exchange_plan(transport.all_gather_object(mine, groups.world), t=self.training[0],
+                                    t_g=lay.t_g, et=experts.et if experts else 1, et_g=experts.et_g if experts else 1,
+                                    is_expert=lambda key: expert_of(key) is not None)
+        return [(ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
+                 ExchangeExecutor(xplan, rank, groups, training_params=params, keys={n: keys[n] for n in params},
+                                  device=cpu), self.planes(rank)[0])]
+
+    def place(self, transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str],
+              groups: InProcessGroups, tp_g: int) -> list[tuple[Any, Any, PlaneSpec]]:
         """The placement and executor of this rank for each plane, built as the engine builds them."""
-        rank, cpu = transport.rank, torch.device("cpu")
-        i, s, _ = coords[rank]
-        if lay.exchange:  # as make_exchange_plan and HybridEngine._place_exchange (tied: the output layer is the
-            # embedding)
-            keys = keys_of([*params, *needed], tied=tied)
-            held: dict[str, ParamInfo] = {}
-            dense = planes(rank)[0]
-            for info in member_info(rank, params, None).params:
-                held.setdefault(keys[info.name], dataclasses.replace(info, name=keys[info.name]))
-            ei, ei_g = (expert_coord[rank][0], rollout_expert[rank][0]) if experts is not None else (0, 0)
-            mine = RankTensors(rank, i, tp_g, tuple(held.values()), tuple(keys[n] for n in needed), ei, ei_g)
-            xplan = build_exchange_plan(transport.all_gather_object(mine, groups.world), t=t, t_g=lay.t_g,
-                                        et=experts.et if experts else 1, et_g=experts.et_g if experts else 1,
-                                        is_expert=lambda key: expert_of(key) is not None)
-            return [(ExchangePlacement(xplan, rank, params, lay, keys=keys, rollout_tp_rank=tp_g, device=cpu),
-                     ExchangeExecutor(xplan, rank, groups, training_params=params,
-                                      keys={n: keys[n] for n in params}, device=cpu), dense)]
-        out = []
-        for plane in planes(rank):
+        if self.lay.exchange:
+            return self.place_exchange(transport, params, needed, groups, tp_g)
+        rank, cpu, out = transport.rank, torch.device("cpu"), []
+        for plane in self.planes(rank):
             plan, index = None, 0
             if plane.gathers:  # as make_group_plan: the members' descriptions gathered, the same plan on each
-                members = transport.all_gather_object(member_info(rank, params, plane), groups.groups[plane.group])
+                members = transport.all_gather_object(self.member_info(rank, params, plane),
+                                                      groups.groups[plane.group])
                 members.sort(key=lambda m: m.rank)
                 index = [m.rank for m in members].index(rank)
                 plan = build_group_plan(members, [n for n in needed if plane.holds(n)], k=plane.k, q=plane.q,
-                                        u=plane.u, bucket_numel=bucket_numel,
-                                        tied=plan_tied if plane.name == "dense" else None,
-                                        strided=weight_mode != WeightMode.ALIASED, bucket_per_layer=plane.name == "experts")
-            placement = Placement(plan, index, params, lay, rollout_tp_rank=tp_g, device=cpu)
+                                        u=plane.u, bucket_numel=self.bucket_numel,
+                                        tied=self.plan_tied if plane.name == "dense" else None,
+                                        strided=self.weight_mode != WeightMode.ALIASED,
+                                        bucket_per_layer=plane.name == "experts")
+            placement = Placement(plan, index, params, self.lay, rollout_tp_rank=tp_g, device=cpu)
             out.append((placement, None if plan is None else PlanExecutor(plan, index, groups, plane=plane.name,
                                                                           training_params=params, device=cpu), plane))
         return out
 
-    def body(transport: Any) -> RankResult:
+    def rank_body(self, transport: Any, switches: int, update: Optional[Any]) -> RankResult:
+        """One rank: its training shards placed, ``switches`` switches (``update`` before the last), its rollout
+        tensors (and FP8 weights) read back."""
         rank = transport.rank
-        who = stand_in(rank)
+        who = self.stand_in(rank)
         tp_g = who.rollout_coord[0]
-        params = {n: _parameter(v, specs[n][1]) for n, v in shards_of(rank).items()}
-        needed = probe.rollout_names(who)
-        placed = place(transport, params, needed, InProcessGroups(transport, micro.get(rank, [rank]),
-                                                          micro_ep.get(rank, ())), tp_g)
+        params = {n: _parameter(v, self.specs[n][1]) for n, v in self.shards_of(rank).items()}
+        needed = self.probe.rollout_names(who)
+        placed = self.place(transport, params, needed, InProcessGroups(transport, self.micro.get(rank, [rank]),
+                                                                       self.micro_ep.get(rank, ())), tp_g)
         received = []
         for n in range(switches):
             if n:
@@ -534,7 +564,7 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
 
         rollout_tensors = {n: blocks(n).materialize() for n in needed}
         quantized = {}
-        if weight_mode == RolloutWeights.FP8:  # as the binding's WeightQuantizer: straight from the blocks, not materialised
+        if self.weight_mode == RolloutWeights.FP8:  # as the binding's WeightQuantizer: from the blocks
             for n in needed:
                 if is_target(n):
                     shape = rollout_tensors[n].shape
@@ -544,13 +574,6 @@ def simulate_switch(arch: GPTArchitecture, training: tuple[int, int, int], rollo
                     quantized[n] = (out, scale)
         return dataclasses.replace(who, rollout=rollout_tensors, bytes_received=received, fp8=quantized,
                                    placement=by_plane["dense"], expert_placement=by_plane.get("experts"))
-
-    ranks = InProcessWorld(t * p * d).run(body)
-    if update is not None:  # after the ranks cut their shards from it: the model the last switch must deliver
-        with torch.no_grad():
-            for name, tensor in full.items():
-                update(name, tensor)
-    return SimulatedSwitch(lay, arch, chunks, specs, full, ranks, experts)
 
 
 def _quantized(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,6 @@ OVER = {
     "megatron_hybrid/rl/arguments.py:add_megatron_args": 132,
     "megatron_hybrid/rl/arguments.py:add_hybrid_args": 110,
     "megatron_hybrid/rl/arguments.py:validate_args": 165,
-    "megatron_hybrid/simulate.py:simulate_switch": 178,
 }
 
 
