@@ -23,9 +23,6 @@ OVER = {
     "megatron_hybrid/inference/generator.py:RolloutGenerator.generate": 126,
     "megatron_hybrid/inference/replica.py:ReplicaGenerator": 403,
     "megatron_hybrid/inference/runner.py:StageRunner": 584,
-    "megatron_hybrid/rl/arguments.py:add_megatron_args": 132,
-    "megatron_hybrid/rl/arguments.py:add_hybrid_args": 110,
-    "megatron_hybrid/rl/arguments.py:validate_args": 165,
 }
 
 

@@ -63,7 +63,19 @@ def moe_layer_freq(text: str) -> int | list[int]:
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's model, parallelism, training, checkpoint and tokenizer flags (the subset we use)."""
-    # Unset (None) unless given: validate_args fills them from --pretrained-checkpoint, else from TINY_MODEL.
+    _add_model_args(parser)
+    _add_moe_args(parser)
+    _add_parallel_args(parser)
+    _add_training_args(parser)
+    _add_optimizer_args(parser)
+    _add_checkpoint_args(parser)
+    _add_tokenizer_args(parser)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model's shape. Unset (None) unless given: :func:`validate_args` fills them from
+    ``--pretrained-checkpoint``, else from :data:`TINY_MODEL`."""
     g = parser.add_argument_group("model (Megatron-LM names; default: --pretrained-checkpoint's, else the built-in "
                                   "tiny model's)")
     g.add_argument("--num-layers", type=int, default=None, help="tiny model: 2")
@@ -79,6 +91,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="tiny model: 256")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="tiny model: 8")
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    """The mixture-of-experts flags; unset unless given, like the model's: :func:`validate_args` fills them from
+    ``--pretrained-checkpoint``, else (with ``--num-experts``) from :data:`MOE_DEFAULTS`."""
     g = parser.add_argument_group("mixture of experts (Megatron-LM names; default: --pretrained-checkpoint's, else "
                                   "a dense model; the values in brackets are Megatron-LM's defaults)")
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (unset: dense)")
@@ -103,6 +120,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="[aux_loss]; a training setting, like --moe-aux-loss-coeff")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default=None,
                    help="[allgather]; alltoall needs NCCL on megatron-core 0.16.1; a training setting")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """The training layout, the device, the process groups' timeout, sequence parallelism, the core attention, and
+    the distributed optimizer with its overlaps and CPU offload."""
     g = parser.add_argument_group("parallelism (Megatron-LM names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=2)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -149,6 +171,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "Transformer Engine's FusedAdam unless --optimizer-cpu-offload)")
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", help="with --optimizer-cpu-offload: "
                    "overlap the host optimizer's copies with its step")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    """The batch sizes, the iterations, the seed, bf16 and activation recompute."""
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="pack the training passes' "
@@ -161,6 +187,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
     add_recompute_args(g)
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    """Adam's settings, gradient clipping and the learning-rate schedule."""
     g = parser.add_argument_group("optimizer and learning-rate schedule (Megatron-LM names: megatron-core's Adam "
                                   "and OptimizerParamScheduler)")
     g.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate (the actor's)")
@@ -175,6 +205,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """The pretrained model to start from, the Hugging Face export, and the checkpoints to load and save."""
     g = parser.add_argument_group("checkpoints (Megatron-LM names)")
     g.add_argument("--pretrained-checkpoint", default=None, help="start from this converted Hugging Face model "
                    "(tools/convert_checkpoint.py hf-to-megatron): architecture, vocabulary, tokenizer and weights of "
@@ -187,12 +221,15 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save", default=None, help="write checkpoints here")
     g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the "
                    "end only)")
+
+
+def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    """The tokenizer and, for the synthetic one, the vocabulary size."""
     g = parser.add_argument_group("tokenizer (Megatron-LM names)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="NullTokenizer")
     g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a directory; "
                    "SentencePieceTokenizer: a .model file")
     g.add_argument("--vocab-size", type=int, default=16, help="NullTokenizer: the synthetic vocabulary size")
-    return parser
 
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
@@ -265,7 +302,24 @@ def recompute_config(args: argparse.Namespace) -> dict:
 
 
 def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The rollout layout and the RL settings (Megatron-LM's ``extra_args_provider`` convention)."""
+    """The rollout layout and the RL settings (Megatron-LM's ``extra_args_provider`` convention). The data group
+    is made between the reinforcement-learning group's task and sampling flags, where ``--help``'s usage line lists
+    its flags."""
+    _add_engine_args(parser)
+    g = parser.add_argument_group("reinforcement learning")
+    _add_task_args(g)
+    _add_data_args(parser)
+    _add_sampling_args(g)
+    _add_loss_args(g)
+    _add_logging_args(g)
+    add_partial_rollout_args(parser)
+    add_filter_and_env_args(parser)
+    return parser
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The rollout layout and weights (FP8 among them), the rollout's KV cache and memory, and the optimizer's
+    offload while generating."""
     g = parser.add_argument_group("hybrid engine")
     g.add_argument("--rollout-tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--rollout-pipeline-model-parallel-size", type=int, default=1)
@@ -311,7 +365,11 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "where the rollout does not fit)")
     g.add_argument("--no-offload-optimizer", dest="offload_optimizer", action="store_const", const="never",
                    help="the same as --offload-optimizer never (kept for older command lines)")
-    g = parser.add_argument_group("reinforcement learning")
+
+
+def _add_task_args(g) -> None:
+    """The algorithm, the reward function or model, and the built-in task and prompts, on the reinforcement-learning
+    group ``g``."""
     g.add_argument("--algorithm", choices=["ppo", "grpo"], default="ppo")
     g.add_argument("--reward-fn", default=None, help="module:function(prompts, responses) -> list[float] on token "
                    "lists (with an 'answers' parameter: also given the ground truths), or verl's "
@@ -323,6 +381,10 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--prompt-length", type=int, default=4, help="built-in prompts: tokens per prompt")
     g.add_argument("--prompt-file", default=None, help="one prompt per line (tokenised), instead of the "
                    "built-in random prompts")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    """The prompt data sets with ground truths, the built-in rewards and the evaluation."""
     d = parser.add_argument_group("data and rewards (file formats and answer rules: megatron_hybrid/rl/data.py, "
                                   "rewards.py)")
     d.add_argument("--prompt-data", default=None, help="prompts with ground truths: JSONL ({\"prompt\": text or "
@@ -335,6 +397,11 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "as --prompt-data), generated greedily every --eval-interval steps: eval_accuracy")
     d.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations on "
                    "--eval-prompt-data")
+
+
+def _add_sampling_args(g) -> None:
+    """The responses per prompt, their length and how they are sampled, on the reinforcement-learning group
+    ``g``."""
     g.add_argument("--num-samples-per-prompt", type=int, default=1, help="responses per prompt (GRPO's group)")
     g.add_argument("--max-new-tokens", type=int, default=8)
     g.add_argument("--stop-token-ids", type=int, nargs="+", default=[], help="tokens that also end a response "
@@ -342,6 +409,12 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=0.0)
+
+
+def _add_loss_args(g) -> None:
+    """The update's epochs, clipping, discounting, KL terms and loss weights, the critic's rate, the reference's
+    offload, and the corrections for the rollout's log-probs and experts, on the reinforcement-learning group
+    ``g``."""
     g.add_argument("--ppo-epochs", type=int, default=2, help="optimizer steps over each rollout batch")
     g.add_argument("--clip-ratio", type=float, default=0.2)
     g.add_argument("--clip-ratio-high", type=float, default=None, help="upper clip (default: --clip-ratio)")
@@ -367,13 +440,14 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-enable-routing-replay", action="store_true", help="MoE actors (Megatron-LM's flag): the "
                    "rollout records every token's top-k experts per MoE layer and the actor's log-prob and update "
                    "passes route each token to them (megatron-core's RouterReplay); logs moe/routing_mismatch_tokens")
+
+
+def _add_logging_args(g) -> None:
+    """Where the metrics go, and the progress bar, on the reinforcement-learning group ``g``."""
     g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here")
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events go here (needs the tensorboard "
                    "package)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    add_partial_rollout_args(parser)
-    add_filter_and_env_args(parser)
-    return parser
 
 
 def add_filter_and_env_args(parser: argparse.ArgumentParser) -> None:
@@ -530,14 +604,50 @@ _RANGES: dict[str, dict] = {
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no collective; ``ValueError`` with the values and the arithmetic. Fills the model
     flags left unset from ``--pretrained-checkpoint`` (a contradicting one is an error) or :data:`TINY_MODEL`."""
+    _fill_model_args(args)
+    # Ranges first: the arithmetic below divides by several of these.
+    _validate_ranges(args)
+    _validate_seed_and_schedule(args)
+    _validate_distributed_training(args)
+    _validate_vocabulary(args)
+    _validate_sequence_length(args)
+    d = _validate_batches(args, world_size)
+    _validate_partial_rollout(args, t=args.tensor_model_parallel_size, p=args.pipeline_model_parallel_size, d=d)
+    _validate_env(args)
+    _validate_filter(args)
+    _validate_training_layout(args)
+    _validate_rollout_fp8(args)
+    _validate_rollout_layout(args, world_size)
+    _validate_experts(args, data_parallel_size=d)
+    _validate_routing_replay(args)
+    _validate_tokenizer(args)
+    _validate_reward_source(args)
+    _validate_paths(args)
+    _validate_data_and_rewards(args)
+    _validate_device_and_attention(args)
+    _validate_packing(args)
+    check_fraction(args.inference_memory_fraction)
+
+
+def _fill_model_args(args: argparse.Namespace) -> None:
+    """The model flags left unset: ``--pretrained-checkpoint``'s (a contradicting one is an error), else
+    :data:`TINY_MODEL`'s."""
     model_args_from_checkpoint(args)
     for name, value in TINY_MODEL.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    # Ranges first: the arithmetic below divides by several of these. None is an optional flag left unset.
+
+
+def _validate_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range (:data:`_RANGES`); None is an optional flag left unset."""
     for name, bounds in _RANGES.items():
         if getattr(args, name) is not None:
             check_number(flag_name(name), getattr(args, name), **bounds)
+
+
+def _validate_seed_and_schedule(args: argparse.Namespace) -> None:
+    """``--seed`` in Megatron-LM's range, and the learning-rate schedule as megatron-core's
+    ``OptimizerParamScheduler`` asserts it."""
     # Megatron-LM seeds numpy with --seed (+ 100 × the pipeline rank), which takes [0, 2**32). Within it every seed
     # derived from it fits the int64 that torch's generators and megatron-core's RNG tracker take, with room to
     # spare: the prompts' seed × 1,000,003 + step, generation's seed × 7919 + step + 1,000,003 × replica, the
@@ -553,36 +663,56 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.lr_warmup_iters >= decay_iters:
         raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be less than --lr-decay-iters "
                          f"({decay_iters}{', from --train-iters' if args.lr_decay_iters is None else ''})")
-    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
-    if args.sequence_parallel and t == 1:  # as Megatron-LM does: warned and turned off
+
+
+def _validate_distributed_training(args: argparse.Namespace) -> None:
+    """``--sequence-parallel`` (turned off, with a warning, at TP 1), the overlap of the distributed optimizer's
+    parameter gather, and the optimizer's CPU offload (:func:`_validate_optimizer_offload`)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:  # as Megatron-LM does: warned and turned off
         warnings.warn("--sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1 (it is 1)",
-                      stacklevel=2)
+                      stacklevel=3)
         args.sequence_parallel = False
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         missing = [f for f, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
                                    ("--overlap-grad-reduce", args.overlap_grad_reduce)) if not on]
         raise ValueError(f"--overlap-param-gather needs {' and '.join(missing)} (as in Megatron-LM)")
     _validate_optimizer_offload(args)
-    if args.tokenizer_type == "NullTokenizer":  # the only vocabulary whose size is known before loading
-        V = args.vocab_size
-        if args.top_k > V:
-            raise ValueError(f"--top-k ({args.top_k}) must be at most --vocab-size ({V})")
-        bad = [t for t in args.stop_token_ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"--stop-token-ids ({bad[0]}) must be tokens of the vocabulary, in [0, {V - 1}] "
-                             f"(--vocab-size {V})")
-        if args.reward_fn is None and args.reward_model_load is None and args.target_token >= V:
-            raise ValueError(f"--target-token ({args.target_token}) must be a token of the vocabulary, in "
-                             f"[0, {V - 1}] (--vocab-size {V})")
+
+
+def _validate_vocabulary(args: argparse.Namespace) -> None:
+    """The tokens the flags name (``--top-k``, ``--stop-token-ids``, the built-in task's ``--target-token``) inside
+    the vocabulary, where its size is known before loading: NullTokenizer's ``--vocab-size``."""
+    if args.tokenizer_type != "NullTokenizer":
+        return
+    V = args.vocab_size
+    if args.top_k > V:
+        raise ValueError(f"--top-k ({args.top_k}) must be at most --vocab-size ({V})")
+    bad = [t for t in args.stop_token_ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"--stop-token-ids ({bad[0]}) must be tokens of the vocabulary, in [0, {V - 1}] "
+                         f"(--vocab-size {V})")
+    if args.reward_fn is None and args.reward_model_load is None and args.target_token >= V:
+        raise ValueError(f"--target-token ({args.target_token}) must be a token of the vocabulary, in "
+                         f"[0, {V - 1}] (--vocab-size {V})")
+
+
+def _validate_sequence_length(args: argparse.Namespace) -> None:
+    """The prompt and the response within ``--max-position-embeddings`` (a file's prompts are measured once
+    tokenised: here they only need a position besides the response)."""
     n_pos, n_new = args.max_position_embeddings, args.max_new_tokens
     from_file = args.prompt_file is not None or args.prompt_data is not None
     if not from_file and n_pos < args.prompt_length + n_new:
         raise ValueError(f"--max-position-embeddings ({n_pos}) must be at least --prompt-length "
                          f"({args.prompt_length}) + --max-new-tokens ({n_new}) = {args.prompt_length + n_new}")
-    if from_file and n_pos <= n_new:  # the file's prompts are measured once tokenised
+    if from_file and n_pos <= n_new:
         raise ValueError(f"--max-position-embeddings ({n_pos}) must exceed --max-new-tokens ({n_new}): the prompt "
                          "takes positions too")
+
+
+def _validate_batches(args: argparse.Namespace, world_size: int) -> int:
+    """The world size against the training layout, and the global batch against the micro-batches and the GRPO
+    groups of every data-parallel replica; returns the data-parallel size."""
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (t * p):
         raise ValueError(f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size ({t}) × "
                          f"--pipeline-model-parallel-size ({p}) = {t * p}")
@@ -596,9 +726,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"--num-samples-per-prompt ({args.num_samples_per_prompt}) × data-parallel size ({d})")
     if args.algorithm == "grpo" and args.num_samples_per_prompt < 2:
         raise ValueError(f"--algorithm grpo needs --num-samples-per-prompt ≥ 2 (got {args.num_samples_per_prompt})")
-    _validate_partial_rollout(args, t=t, p=p, d=d)
-    _validate_env(args)
-    _validate_filter(args)
+    return d
+
+
+def _validate_training_layout(args: argparse.Namespace) -> None:
+    """The model's shape against the training layout (the attention heads and the feed-forward split over TP, the
+    layers over PP) and the recompute flags against the layers per pipeline stage."""
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
                          f"({args.hidden_size})")
@@ -617,6 +751,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
                     layers_per_stage=args.num_layers // p,
                     layers_from=f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({p})")
+
+
+def _validate_rollout_fp8(args: argparse.Namespace) -> None:
+    """``--rollout-fp8`` with what it needs (the HybridEngine's rollout, canonical weights), and the bf16 layers
+    at its ends."""
     if args.rollout_fp8 and args.no_hybrid_rollout:
         raise ValueError("--rollout-fp8 needs the HybridEngine's rollout (it is off with --no-hybrid-rollout)")
     if args.rollout_fp8 and args.hybrid_weight_mode != WeightMode.CANONICAL:
@@ -630,7 +769,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if start < 0 or end < 0 or start + end > args.num_layers:
             raise ValueError(f"--num-layers-at-start-in-bf16 ({start}) and --num-layers-at-end-in-bf16 ({end}) must "
                              f"be ≥ 0 and sum to at most --num-layers ({args.num_layers})")
-    # Any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP gathers cannot serve).
+
+
+def _validate_rollout_layout(args: argparse.Namespace, world_size: int) -> None:
+    """The rollout layout: any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP
+    gathers cannot serve)."""
+    t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
     if world_size % (t_g * p_g):
         raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) × --rollout-pipeline-model-parallel-size "
                          f"({p_g}) = {t_g * p_g} must divide the world size ({world_size})")
@@ -640,7 +784,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads % t_g:
         raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --num-attention-heads "
                          f"({args.num_attention_heads})")
-    _validate_experts(args, data_parallel_size=d)
+
+
+def _validate_routing_replay(args: argparse.Namespace) -> None:
+    """``--moe-enable-routing-replay`` on an MoE model, without full recompute."""
     if args.moe_enable_routing_replay and not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-enable-routing-replay needs an MoE model (--num-experts: "
                          f"{getattr(args, 'num_experts', None)})")
@@ -650,6 +797,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--recompute-granularity full reruns the MoE routers in the backward pass, where "
                          "--moe-enable-routing-replay does not replay the rollout's experts yet: use "
                          "--recompute-granularity selective, or leave out one of the two")
+
+
+def _validate_tokenizer(args: argparse.Namespace) -> None:
+    """``--tokenizer-model`` as ``--tokenizer-type`` needs it: none for NullTokenizer, else a directory
+    (HuggingFaceTokenizer) or a file (SentencePieceTokenizer) that exists."""
     if args.tokenizer_type == "NullTokenizer":
         if args.tokenizer_model is not None:
             raise ValueError("--tokenizer-model is given but --tokenizer-type is NullTokenizer (the synthetic "
@@ -662,6 +814,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     elif args.tokenizer_type == "SentencePieceTokenizer" and not os.path.isfile(args.tokenizer_model):
         raise ValueError(f"--tokenizer-model ({args.tokenizer_model!r}) is not a file (SentencePieceTokenizer "
                          "loads a .model file)")
+
+
+def _validate_reward_source(args: argparse.Namespace) -> None:
+    """At most one of ``--reward-fn`` (which must load) and ``--reward-model-load`` (a saved value model)."""
     if args.reward_fn is not None and args.reward_model_load is not None:
         raise ValueError("pass --reward-fn or --reward-model-load, not both")
     if args.reward_fn is not None:
@@ -669,6 +825,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.reward_model_load is not None and not os.path.isfile(os.path.join(args.reward_model_load,
                                                                               "value_model.json")):
         raise ValueError(f"--reward-model-load ({args.reward_model_load!r}) has no value_model.json")
+
+
+def _validate_paths(args: argparse.Namespace) -> None:
+    """The checkpoint to resume and the prompt file exist; the log and TensorBoard directories can be made, and
+    the tensorboard package is there for the latter."""
     if args.load is not None and not os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
         raise ValueError(f"--load ({args.load!r}) has no latest_checkpointed_iteration.txt")
     if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
@@ -682,7 +843,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         # torch.utils.tensorboard needs it; without it the SummaryWriter would fail on rank 0 only, mid-run.
         raise ValueError(f"--tensorboard-dir ({args.tensorboard_dir!r}) needs the tensorboard package "
                          "(pip install tensorboard)")
-    _validate_data_and_rewards(args)
+
+
+def _validate_device_and_attention(args: argparse.Namespace) -> None:
+    """The device the ranks train on (:func:`~.initialize.select_device`), and ``--attention-backend`` on it
+    (its default: sdpa on a GPU, local on the CPU)."""
     device_type = select_device(args)
     if args.attention_backend is None:  # the GPU's fast path; the CPU keeps megatron-core's (the goldens' numerics)
         args.attention_backend = "sdpa" if device_type == "cuda" else "local"
@@ -690,8 +855,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         check_attention_backend(args.attention_backend, device_type=device_type)
     except ValueError as error:
         raise ValueError(with_flag_names(str(error), vars(args))) from None
-    _validate_packing(args)
-    check_fraction(args.inference_memory_fraction)
 
 
 def _validate_optimizer_offload(args: argparse.Namespace) -> None:
