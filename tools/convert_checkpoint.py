@@ -41,7 +41,8 @@ they are).
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_doc_blocks.py parses the documented commands with it)."""
     parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.splitlines()[0],
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="direction", required=True)
@@ -77,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_numbers(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
+    """The checks beyond the parser's (``ValueError``; ``main`` reports it as a usage error)."""
     from megatron_hybrid.checks import check_number
 
     if args.direction == "hf-to-megatron":
@@ -94,10 +96,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 0 on success; 2 for a bad flag (as argparse), 1 for an unusable input or a failed write, each
     with a one-line message (outputs are written whole or not at all)."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        _check_numbers(args)
+        check_args(args)
     except ValueError as e:
         parser.error(str(e))
     from megatron_hybrid.convert import CheckpointError, describe_os_error, hf_to_megatron, megatron_to_hf

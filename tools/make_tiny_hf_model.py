@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_hybrid.convert.tiny import FAMILIES, save_random_model_like, save_tiny_hf_model  # noqa: E402
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_doc_blocks.py parses the documented commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-dir", required=True, help="output directory (must not exist, or be empty)")
@@ -48,9 +49,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
     ap.add_argument("--like", default=None, help="a Hugging Face directory: its config and tokenizer, random weights, "
                     "instead of the tiny model")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checks beyond the parser's (``ValueError``; ``main`` reports it as a usage error). Whether --hf-dir is
+    empty is ``main``'s: it depends on the moment, not on the command."""
     if args.like is not None and args.family is not None:
-        ap.error(f"--family ({args.family}) and --like ({args.like}) exclude each other: the family is --like's")
+        raise ValueError(f"--family ({args.family}) and --like ({args.like}) exclude each other: the family is "
+                         "--like's")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     family = args.family or "qwen2"
     target = Path(args.hf_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):

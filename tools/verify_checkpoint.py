@@ -26,7 +26,8 @@ fp32 in this machine's memory (about 8 bytes per parameter, plus activations).
 """
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_doc_blocks.py parses the documented commands with it)."""
     from megatron_hybrid.convert.verify import DEFAULT_ATOL
 
     parser = argparse.ArgumentParser(prog="verify_checkpoint.py", description=__doc__.splitlines()[0], epilog=EPILOG,
@@ -44,18 +45,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checks beyond the parser's (``ValueError``; ``main`` reports it as a usage error)."""
     from megatron_hybrid.checks import check_number
 
+    check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)
+    check_number("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, ge=1)
+    check_number("--expert-model-parallel-size", args.expert_model_parallel_size, ge=1)
+    if args.expert_tensor_parallel_size is not None:
+        check_number("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, ge=1)
+    check_number("--batch-size", args.batch_size, ge=1)
+    check_number("--seq-length", args.seq_length, ge=1)
+    check_number("--atol", args.atol, ge=0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        check_number("--tensor-model-parallel-size", args.tensor_model_parallel_size, ge=1)
-        check_number("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, ge=1)
-        check_number("--expert-model-parallel-size", args.expert_model_parallel_size, ge=1)
-        if args.expert_tensor_parallel_size is not None:
-            check_number("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, ge=1)
-        check_number("--batch-size", args.batch_size, ge=1)
-        check_number("--seq-length", args.seq_length, ge=1)
-        check_number("--atol", args.atol, ge=0)
+        check_args(args)
     except ValueError as e:
         parser.error(str(e))
 
