@@ -124,13 +124,16 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
         history = []
         with rl.initialize(parsed):
             trainer = recipe["Trainer"](parsed, task)
-            print(f"built: {_memory_line()}", flush=True)
-            built = {f"{k}_after_build": v for k, v in _memory().items()}
+            mem = _memory()
+            print(f"built: {_memory_line(mem)}", flush=True)
+            built = {f"{k}_after_build": v for k, v in mem.items()}
             for step in range(args.warmup + args.steps):
-                metrics = {**trainer.train_step(), **_memory(), **built}
+                step_metrics = trainer.train_step()
+                mem = _memory()  # after the step: its peak host memory, the card as the step left it
+                metrics = {**step_metrics, **mem, **built}
                 history.append(metrics)
                 print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics['reward_mean']:.3f}, "
-                      f"response length {metrics['response_length']:.0f}; {_memory_line()}", flush=True)
+                      f"response length {metrics['response_length']:.0f}; {_memory_line(mem)}", flush=True)
                 if on_step is not None and step >= args.warmup:
                     on_step(_rows(args, argv, history))
             compared = [compare_generation(trainer, args, argv)] if args.compare_generation else []
@@ -178,9 +181,8 @@ def _memory() -> dict[str, float]:
     return out
 
 
-def _memory_line() -> str:
-    """:func:`_memory` (and PyTorch's allocated memory) as a line of the log."""
-    mem = _memory()
+def _memory_line(mem: dict[str, float]) -> str:
+    """:func:`_memory`'s reading (and PyTorch's allocated memory) as a line of the log."""
     host = f"host peak RSS {mem['memory/host_peak_rss_gib']:.1f} GiB"
     if "memory/device_used_gib" not in mem:
         return host
