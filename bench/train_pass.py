@@ -22,6 +22,7 @@ activations' memory for a rerun of the forward: the model FLOPs (and so MFU) cou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -113,9 +114,9 @@ def run_method(method: str, arch, model_by_backend: dict, pairs: list[tuple[int,
 
 
 def profile(method: str, arch, model_by_backend: dict, pairs: list[tuple[int, int]], args,
-            device: torch.device) -> None:
-    """One step of ``method`` under torch.profiler: ``args.profile``/profile_<method>.txt lists the operators and
-    kernels by their device time (the top 60)."""
+            device: torch.device, tag: Optional[str] = None) -> None:
+    """One step of ``method`` under torch.profiler: ``args.profile``/profile_<tag>.txt (``tag``: the method's name
+    by default) lists the operators and kernels by their device time (the top 60)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -123,7 +124,7 @@ def profile(method: str, arch, model_by_backend: dict, pairs: list[tuple[int, in
         run_method(method, arch, model_by_backend, pairs, args, device, runs=1, warmup=0)
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     os.makedirs(args.profile, exist_ok=True)
-    path = os.path.join(args.profile, f"profile_{method}.txt")
+    path = os.path.join(args.profile, f"profile_{tag or method}.txt")
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
     print(f"{method}: profile in {path}", flush=True)
@@ -162,6 +163,7 @@ def table(rows: list[dict]) -> str:
         else:
             speed, ratio, mfu, peak = "out of memory", "—", "—", "—"
         method = f"{r['method']} ({r['packed_kernel']})" if r.get("packed_kernel") else r["method"]
+        method += ", megatron-core's packed RoPE" if r.get("packed_rope") == "megatron" else ""
         lines.append(f"| {r.get('shape')} | {r.get('response_max')} | {r.get('max_tokens_per_micro_batch')} | "
                      f"{method} | {speed} | {ratio} | {mfu} | {peak} | {r.get('longest_fit', '—')} |")
     return "\n".join(lines)
@@ -186,6 +188,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--packed-kernel", choices=["auto", "loop"], default="auto",
                         help="packed sdpa on a GPU: one varlen flash call a pack where torch has it (auto), or one "
                         "causal SDPA call per sequence (loop)")
+    parser.add_argument("--packed-rope", choices=["ours", "megatron", "both"], default="ours",
+                        help="packed sequences' rotary embeddings: ours (megatron_hybrid.megatron.patches.rope, no "
+                        "host syncs; what the models get), megatron-core's own (a loop over the sequences, two host "
+                        "reads a layer), or both, one after the other (rows tagged packed_rope)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="also profile one step of each method "
                         "(torch.profiler): DIR/profile_<method>.txt, the kernels by device time")
     parser.add_argument("--out", default=None, help="JSON file the rows are appended to")
@@ -237,9 +243,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                     json.dump(existing + rows, f, indent=1)
                 os.replace(args.out + ".tmp", args.out)
 
-        for method in args.methods:
-            row = run_method(method, arch, models, pairs, args, device, runs=args.runs, warmup=args.warmup)
-            row.update(shape=args.shape, prompt_range=list(args.prompt_range), response_max=args.response_max,
+        from megatron_hybrid.megatron.patches.rope import megatron_packed_rope
+
+        ropes = ["ours", "megatron"] if args.packed_rope == "both" else [args.packed_rope]
+        for method, rope in ((m, r) for m in args.methods for r in ropes):
+            with megatron_packed_rope() if rope == "megatron" else contextlib.nullcontext():
+                row = run_method(method, arch, models, pairs, args, device, runs=args.runs, warmup=args.warmup)
+            row.update(packed_rope=rope, shape=args.shape, prompt_range=list(args.prompt_range), response_max=args.response_max,
                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                        micro_batch_size=args.micro_batch_size, device=name, torch=torch.__version__,
                        packed_kernel=args.packed_kernel if method == "packed-sdpa" else None,
@@ -248,7 +258,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             save()
             print(json.dumps({k: v for k, v in row.items() if k not in ("times", "command")}), flush=True)
             if args.profile and "oom" not in row:
-                profile(method, arch, models, pairs, args, device)
+                with megatron_packed_rope() if rope == "megatron" else contextlib.nullcontext():
+                    profile(method, arch, models, pairs, args, device, tag=f"{method}-{rope}-rope")
             if args.longest:
                 row["longest_fit"] = longest_fit(method, arch, models, args, device, args.longest)
                 row["longest_probed"] = args.longest

@@ -304,8 +304,11 @@ class GPTArchitecture:
         """Build this rank's GPTModel stage. ``config`` defaults to :meth:`transformer_config`; the core attention
         is ``attention_backend``'s (:meth:`layer_spec`).
 
-        With experts it applies :func:`megatron_hybrid.megatron.patches.moe.moe_router_without_te` first; with dense and
-        MoE layers mixed (``moe_layer_freq``) the stage's layers come from megatron-core's decoder block spec.
+        With rotary embeddings it applies :func:`megatron_hybrid.megatron.patches.rope.packed_rope_without_host_syncs`
+        (packed sequences' rotary embeddings, the same bits, without reading ``cu_seqlens`` to the host in every
+        layer). With experts it applies :func:`megatron_hybrid.megatron.patches.moe.moe_router_without_te` first;
+        with dense and MoE layers mixed (``moe_layer_freq``) the stage's layers come from megatron-core's decoder
+        block spec.
         """
         from ..core_attention import with_core_attention
         from .compat import build_gpt_model, gpt_decoder_block_spec  # megatron-core only where a model is built
@@ -316,6 +319,10 @@ class GPTArchitecture:
                                              expert_model_parallel_size=expert_model_parallel_size,
                                              expert_tensor_parallel_size=expert_tensor_parallel_size)
         spec = self.layer_spec(transformer_impl, attention_backend=attention_backend)
+        if self.position_embedding_type == "rope":  # packed passes' rotary embeddings without host syncs
+            from .patches.rope import packed_rope_without_host_syncs
+
+            packed_rope_without_host_syncs()
         if self.num_experts is not None:
             from .patches.moe import moe_router_without_te
 

@@ -11,6 +11,9 @@ function or a context manager the caller chooses to use. Each states the megatro
   megatron-core 0.16.1 fails on; applied by ``megatron_hybrid.rl.checkpoint.load_checkpoint``.
 - :func:`~megatron_hybrid.megatron.patches.moe.moe_router_without_te` (``moe.py``): the MoE router's gating GEMM without
   Transformer Engine (a ``NameError`` on 0.16.1); applied by ``GPTArchitecture.build`` for a model with experts.
+- :func:`~megatron_hybrid.megatron.patches.rope.packed_rope_without_host_syncs` (``rope.py``): rotary embeddings of
+  packed (``thd``) sequences without reading ``cu_seqlens`` to the host in every layer and without a loop over the
+  sequences, the same bits; applied by ``GPTArchitecture.build`` for a model with rotary embeddings.
 """
 
 from .cpu import cpu_gloo, cpu_gloo_active
