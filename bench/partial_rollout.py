@@ -6,9 +6,11 @@
 
 Two runs of the recipe's own Trainer through bench/rl_step.py (each in its own process: one model on the card at a
 time), same seeds and workload: GRPO on the 1.5B-like shape, ``--prompts`` prompts of 32-512 random tokens a step,
-4 samples each, at most 4,096 new tokens, ended by a stop token the random model samples about once in
-``--vocab-size`` tokens (response lengths geometric, long-tailed, cut at 4,096); ``--warmup`` steps, then
-``--steps`` measured. The first run is synchronous (a step waits for its longest sample); the second adds
+4 samples each, at most 4,096 new tokens, ended by stop-token sets drawn per request (``--stop-sets`` K: each
+prompt's own set of k tokens besides the end token, k log-uniform in [1, K], so a response ends after about
+``--vocab-size`` / k tokens of the random model: most short, a long tail up to 4,096; 0: the end token alone,
+geometric lengths); ``--warmup`` steps, then ``--steps`` measured. The first run is synchronous (a step waits
+for its longest sample); the second adds
 ``--partial-rollout --max-staleness 1 --tis-imp-ratio-cap 2`` (a step trains once its quota of groups finished,
 the rest resume in the next step), with twice the step's prompts in flight. Per run: effective tokens/s (the
 response tokens trained per second of whole steps, the median over measured steps), the share of decode steps with
@@ -49,6 +51,7 @@ def run(mode: str, args: argparse.Namespace, extra: list[str]) -> list[dict[str,
         cmd = [sys.executable, os.path.join(ROOT, "bench", "rl_step.py"), "--shape", args.shape,
                "--vocab-size", str(args.vocab_size), "--prompts", str(args.prompts), "--prompt-range",
                *map(str, args.prompt_range), "--max-new-tokens", str(args.max_new_tokens),
+               "--stop-sets", str(args.stop_sets),
                "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--inference-max-requests",
                str(args.inference_max_requests), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--out", out, "--", *extra]
@@ -79,6 +82,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step (4 samples each)")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--max-new-tokens", type=int, default=4096)
+    parser.add_argument("--stop-sets", type=int, default=64, metavar="K",
+                        help="stop-token sets drawn per request, k in [1, K] tokens (bench/rl_step.py --stop-sets)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     parser.add_argument("--inference-max-requests", type=int, default=None,
                         help="cache slots (default: one step's samples, 4 x --prompts, so that 'half the slots busy' "
@@ -96,6 +101,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.smoke:
         args.shape, args.vocab_size, args.prompts, args.prompt_range = "cpu-tiny", 16, 4, (4, 12)
         args.max_new_tokens, args.max_tokens_per_micro_batch, args.warmup, args.steps = 24, 256, 1, 2
+        args.stop_sets = min(args.stop_sets, 4)
         args.inference_max_requests = 8
     if args.inference_max_requests is None:
         args.inference_max_requests = 4 * args.prompts

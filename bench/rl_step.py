@@ -69,14 +69,25 @@ PHASES = ("generation", "switch", "reward", "actor_log_probs", "reference_log_pr
           "step")
 
 
-def prompt_file(path: str, *, count: int, lo: int, hi: int, vocab: int, seed: int) -> None:
+def prompt_file(path: str, *, count: int, lo: int, hi: int, vocab: int, seed: int, stop_sets: int = 0,
+                target: int = 5) -> None:
     """``count`` prompts of ``lo``-``hi`` random token ids (NullTokenizer text: ids separated by spaces), none the
-    end token 0."""
+    end token 0. ``stop_sets`` K > 0: JSONL rows (``--prompt-data``), each with its own ``stop_token_ids``: k - 1
+    random tokens besides the end token (never the reward's ``target``), k log-uniform in [1, K], so that a response
+    ends after about vocab / k tokens: most short, a long tail of those with few stop tokens."""
+    import math
+
     g = torch.Generator().manual_seed(seed)
     with open(path, "w") as f:
         for _ in range(count):
             n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-            f.write(" ".join(map(str, torch.randint(1, vocab, (n,), generator=g).tolist())) + "\n")
+            text = " ".join(map(str, torch.randint(1, vocab, (n,), generator=g).tolist()))
+            if not stop_sets:
+                f.write(text + "\n")
+                continue
+            k = min(stop_sets, int(math.exp(float(torch.rand((), generator=g)) * math.log(stop_sets + 1))))
+            others = [t for t in torch.randperm(vocab - 1, generator=g).add(1).tolist() if t != target][: k - 1]
+            f.write(json.dumps({"prompt": text, "answer": "", "stop_token_ids": sorted(others)}) + "\n")
 
 
 def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
@@ -87,7 +98,8 @@ def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
             "--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "1",
             "--algorithm", "grpo", "--num-samples-per-prompt", str(args.num_samples_per_prompt),
             "--global-batch-size", str(per_step), "--max-new-tokens", str(args.max_new_tokens),
-            "--prompt-file", prompts, "--train-iters", str(args.warmup + args.steps), "--no-progress",
+            *(["--prompt-data", prompts, "--reward-type", "target-token"] if args.stop_sets else
+              ["--prompt-file", prompts]), "--train-iters", str(args.warmup + args.steps), "--no-progress",
             "--attention-backend", "sdpa", "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
             "--inference-max-requests", str(args.inference_max_requests), "--offload-optimizer", args.offload_optimizer,
             "--target-token", "5", "--lr", str(args.lr)]
@@ -114,9 +126,9 @@ def run(args: argparse.Namespace, on_step: Optional[Callable[[list[dict[str, Any
         os.environ.setdefault(key, value)
     recipe = runpy.run_path(RECIPE, run_name="recipe")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "prompts.txt")
+        path = os.path.join(tmp, "prompts.jsonl" if args.stop_sets else "prompts.txt")
         prompt_file(path, count=args.prompts * (args.warmup + args.steps), lo=args.prompt_range[0],
-                    hi=args.prompt_range[1], vocab=args.vocab_size, seed=args.seed)
+                    hi=args.prompt_range[1], vocab=args.vocab_size, seed=args.seed, stop_sets=args.stop_sets)
         argv = recipe_argv(args, path)
         parsed = recipe["parse_args"](argv)
         task = rl.load_task(parsed)
@@ -308,6 +320,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--num-samples-per-prompt", type=int, default=4)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(128, 1024))
     parser.add_argument("--max-new-tokens", type=int, default=4096)
+    parser.add_argument("--stop-sets", type=int, default=0, metavar="K",
+                        help="stop-token sets drawn per request (issue 46's ragged workload): each prompt a data row "
+                        "with its own stop_token_ids, k - 1 random tokens besides the end token, k log-uniform in "
+                        "[1, K]; responses then end after about vocabulary / k tokens (0: the end token alone)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     parser.add_argument("--inference-max-requests", type=int, default=256)
     parser.add_argument("--offload-optimizer", choices=["auto", "always", "never"], default="auto")

@@ -480,7 +480,8 @@ class HybridEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), seed: int = 0, config: Any = None,
                  tempered_log_probs: bool = False, budget: Any = None, resume: Sequence[Any] = (),
-                 keep: bool = False, continued: Sequence[Any] = (), turns: Any = None) -> list:
+                 keep: bool = False, continued: Sequence[Any] = (), turns: Any = None, request_stop_token_ids=None
+                 ) -> list:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order.
 
         Called on every rank of the training layout (the generator switches to rollout first if needed, through
@@ -496,8 +497,7 @@ class HybridEngine:
         (:class:`~megatron_hybrid.inference.Budget`): stop early, the unfinished sequences returned with their tokens
         so far (``finished`` False); every token carries :attr:`num_switches` (``weight_versions``). ``resume``:
         such unfinished results, generated on after a re-prefill with the current weights (returned first).
-        ``keep`` and ``continued``: multi-turn sequences whose KV caches are kept between calls; ``turns``:
-        multi-turn inside one call (the generator's).
+        ``keep``, ``continued``, ``turns``: multi-turn (the generator's); ``request_stop_token_ids``: per prompt.
         """
         if self.mode == "closed":
             raise RuntimeError("the engine was closed")
@@ -505,10 +505,10 @@ class HybridEngine:
             if self._generator is not None:
                 self._generator.close()
             self._generator = RolloutGenerator(self, config)
-        return self._generator.generate(prompts, sampling_params, vocab_size=vocab_size,
-                                        stop_token_ids=stop_token_ids, seed=seed,
-                                        tempered_log_probs=tempered_log_probs, budget=budget, resume=resume,
-                                        keep=keep, continued=continued, turns=turns)
+        return self._generator.generate(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                        seed=seed, tempered_log_probs=tempered_log_probs, budget=budget, resume=resume,
+                                        keep=keep, continued=continued, turns=turns,
+                                        request_stop_token_ids=request_stop_token_ids)
 
     def release_kept(self, kept: Sequence[Any]) -> None:
         """Free the KV-cache slots of kept prefixes (``generate(keep=True)``'s ``result.kept``) no later call will

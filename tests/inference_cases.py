@@ -505,3 +505,51 @@ def uneven_stages_case(state: dict, fields: dict) -> Optional[str]:
     except ValueError as error:
         return str(error)
     return None
+
+
+def request_stops_case(state: dict, rollout: tuple[int, int], count: int, slots: int, budget: bool = True) -> dict:
+    """Issue 46's workload (stop-token sets drawn per request): greedy generation of ``count`` prompts per training
+    DP rank, first with no stop token at all, then with each prompt's own stop set (``request_stop_token_ids``:
+    tokens the stopless run makes at different depths, and none for some prompts), whole, and under a budget of 5
+    decode steps with the unfinished sequences resumed by a later call that passes no stop sets (they keep their
+    own; not with ``budget`` False: a widening layout takes no budget). Per rank: the prompts, their stop sets, each
+    run's tokens and finished flags, and the messages of bad stop sets."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+    from megatron_hybrid.inference import Budget, GenerationConfig, RolloutGenerator
+
+    model = _training_model(state)
+    engine = HybridEngine(model, RolloutLayout(*rollout))
+    generator = RolloutGenerator(engine, GenerationConfig(max_batch_size=slots, max_sequence_length=MAX_LEN))
+    dp = ps.get_data_parallel_rank()
+    prompts = prompts_for(dp, count)
+    greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS)
+    free = [r.generated_tokens for r in generator.generate(prompts, greedy, vocab_size=VOCAB)]
+    # Prompt i stops on the token its stopless run makes at depth 3 + 5i (none for every third prompt), and on one
+    # token it never makes.
+    never = [next(t for t in range(VOCAB) if t not in seq) for seq in free]
+    own = [[] if i % 3 == 2 else [seq[min(3 + 5 * i, len(seq) - 1)], never[i]] for i, seq in enumerate(free)]
+    kw = dict(vocab_size=VOCAB, request_stop_token_ids=own)
+    whole = generator.generate(prompts, greedy, **kw)
+    part = generator.generate(prompts, greedy, **kw, budget=Budget(decode_steps=5)) if budget else whole
+    unfinished = [i for i, r in enumerate(part) if not r.finished]
+    resumed = generator.generate([], greedy, vocab_size=VOCAB, resume=[part[i] for i in unfinished]) \
+        if unfinished else []
+    joined = list(part)
+    for i, r in zip(unfinished, resumed):
+        joined[i] = r
+    refusals = {}
+    for name, bad in {"length": own[:-1], "not_a_list": 5, "float": [[1]] * (count - 1) + [[2.0]],
+                      "outside": [[]] * (count - 1) + [[VOCAB + 3]]}.items():
+        try:
+            generator.generate(prompts, greedy, vocab_size=VOCAB, request_stop_token_ids=bad)
+            refusals[name] = None
+        except ValueError as e:
+            refusals[name] = str(e)
+    engine.switch_to_training()
+    return {"dp": dp, "free": free, "own": own, "refusals": refusals,
+            "whole": [(r.generated_tokens, r.finished) for r in whole],
+            "kept": [r.stop_token_ids for r in whole], "unfinished": unfinished,
+            "joined": [(r.generated_tokens, r.finished, r.stop_token_ids) for r in joined]}

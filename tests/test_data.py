@@ -413,3 +413,26 @@ def test_recipe_with_prompt_data_and_held_out_accuracy(tokenizer_dir, tmp_path, 
     errors = run_distributed(data_cases.before_initialize_case, 2, argv)
     assert errors == [f"ValueError: --prompt-data {tmp_path / 'latin1.jsonl'} line 2: not UTF-8 text (byte 0xe9 at "
                       "offset 52 of the file: invalid continuation byte); save the file as UTF-8"] * 2, errors
+
+
+def test_rows_carry_their_own_stop_tokens(tmp_path):
+    """A row's ``stop_token_ids`` (issue 46's per-request stop sets): kept on its example, in JSONL and parquet;
+    a bad one names the file, the line and the entry."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "1 2", "answer": "3", "stop_token_ids": [7, 9]}, {"prompt": "4", "answer": "4"},
+            {"prompt": "5", "answer": "5", "stop_token_ids": None}]
+    task = _task("--prompt-data", _jsonl(tmp_path / "s.jsonl", rows))
+    assert [e.stop_token_ids for e in task.prompts.examples] == [(7, 9), (), ()] and task.prompts.has_stop_tokens
+    assert not _task("--prompt-data", _jsonl(tmp_path / "n.jsonl", rows[1:])).prompts.has_stop_tokens
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "s.parquet")
+    assert [e.stop_token_ids for e in _task("--prompt-data", str(tmp_path / "s.parquet")).prompts.examples] == \
+        [(7, 9), ()]
+    for bad, message in [(5, "'stop_token_ids' must be a list of token ids, not int"),
+                         ([3, 2.0], r"'stop_token_ids'\[1\] \(2.0\) must be an integer token id"),
+                         ([True], r"'stop_token_ids'\[0\] \(True\) must be an integer token id"),
+                         ([96], r"'stop_token_ids'\[0\] is 96, outside the vocabulary \[0, 96\)")]:
+        path = _jsonl(tmp_path / "bad.jsonl", [rows[1], {"prompt": "1", "answer": "1", "stop_token_ids": bad}])
+        with pytest.raises(ValueError, match=rf"^--prompt-data \S+bad.jsonl line 2: {message}"):
+            _task("--prompt-data", path)

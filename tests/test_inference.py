@@ -607,3 +607,48 @@ def test_multi_token_prediction_is_refused_before_any_collective(state):
     message = run_distributed(cases.uneven_stages_case, 1, state, {"mtp_num_layers": 1})[0]
     assert message is not None and message.startswith("the model's config sets mtp_num_layers (1): multi-token "
                                                        "prediction layers are not resharded")
+
+
+def _cut_at(tokens: list[int], stops: set[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token (all of them where there is none)."""
+    for i, tok in enumerate(tokens):
+        if tok in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+# (t, p, d) -> (t_g, p_g), prompts per training DP rank, slots: one rank; TP 2 -> TP 1 (the stop sets cut with the
+# prompts between two micro-DP replicas); PP 2 -> PP 2 (the last stage's tokens, every stage's stops); DP 2 -> TP 2
+# (one rollout replica gathers both training replicas' prompts and stop sets; a widening layout takes no budget).
+REQUEST_STOP_LAYOUTS = [((1, 1, 1), (1, 1), 7, 3), pytest.param((2, 1, 1), (1, 1), 8, 3, marks=pytest.mark.slow),
+                        pytest.param((1, 2, 1), (1, 2), 7, 3, marks=pytest.mark.slow),
+                        pytest.param((1, 1, 2), (2, 1), 4, 3, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("training, rollout, count, slots", REQUEST_STOP_LAYOUTS,
+                         ids=["one-rank", "micro-dp", "pp2", "widening"])
+def test_each_request_stops_on_its_own_stop_tokens(state, training, rollout, count, slots):
+    """Issue 46's ragged workload: a prompt's own stop tokens (``request_stop_token_ids``) end its sequence exactly
+    where the stopless greedy run first makes one of them, and no other prompt's; a sequence a budget left
+    unfinished keeps its stop set when resumed (the resuming call passes none) and ends at the same place."""
+    t, p, d = training
+    runs = run_distributed(cases.request_stops_case, t * p * d, state, rollout, count, slots,
+                           rollout[0] <= t, tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+    for out in runs:
+        assert any(out["own"]) and not all(out["own"])
+        cut_somewhere = 0
+        for i, (free, own) in enumerate(zip(out["free"], out["own"])):
+            expected = _cut_at(free, set(own))
+            tokens, finished = out["whole"][i]
+            assert tokens == expected and finished and out["kept"][i] == own
+            cut_somewhere += len(expected) < len(free)
+            assert out["joined"][i] == (expected, True, own)
+        assert cut_somewhere >= 2 and (out["unfinished"] or rollout[0] > t)  # the stop sets and the budget acted
+        # A bad stop set is a ValueError naming the argument, the entry and the value, before generating.
+        n = len(out["own"])
+        rank = "request_stop_token_ids (rank 0)"  # every rank's call is bad: the first one's message, everywhere
+        for name, text in {"length": f"{rank} has {n - 1} entries for {n} prompts",
+                           "not_a_list": f"{rank} (5, of type int) must hold one sequence of stop token ids",
+                           "float": f"{rank}[{n - 1}][0] (2.0, of type float) must be an integer token id",
+                           "outside": f"{rank}[{n - 1}] holds stop token {cases.VOCAB + 3}, outside"}.items():
+            assert out["refusals"][name] is not None and text in out["refusals"][name], (name, out["refusals"])

@@ -27,11 +27,12 @@ def _buffer(**kw) -> PartialRollout:
 
 def _generated(request: GenerationResult, tokens: list[int], finished: bool) -> GenerationResult:
     """What a generate call returns for a resumed ``request``: its tokens so far, then ``tokens`` (engine switch
-    count 99 on the new ones, which the buffer replaces by the step's version)."""
+    count 99 on the new ones, which the buffer replaces by the step's version), its own stop tokens kept."""
     return GenerationResult(request.prompt_tokens, request.generated_tokens + tokens,
                             request.generated_log_probs + [-1.0] * len(tokens),
                             request.generated_tempered_log_probs + [-2.0] * len(tokens), finished=finished,
-                            weight_versions=request.weight_versions + [99] * len(tokens))
+                            weight_versions=request.weight_versions + [99] * len(tokens),
+                            stop_token_ids=list(request.stop_token_ids))
 
 
 def test_the_buffer_admits_generates_parks_takes_and_drops():
@@ -98,14 +99,23 @@ def test_ppo_units_are_single_samples():
 
 
 def test_the_buffer_round_trips_through_its_state_and_refuses_another_run():
+    from megatron_hybrid.rl.data import Example
+
     buf, counts = _buffer(), Counts()
-    buf.admit(PROMPTS.__getitem__, counts)
+    # Prompts with stop tokens of their own (a data row's): each sample keeps them until it finishes, across a save.
+    buf.admit(lambda i: Example(PROMPTS[i], stop_token_ids=(i, 40) if i % 2 else ()), counts)
+    assert [[s.stop_token_ids for s in u.samples] for u in buf.units] == [[[1, 40]] * 2, [[3, 40]] * 2, [[5, 40]] * 2]
     requests, _ = buf.requests(counts)
     buf.absorb([_generated(r, [i], i % 2 == 0) for i, r in enumerate(requests)], version=0)
+    assert [s.stop_token_ids for u in buf.units for s in u.samples if not s.finished] == [[1, 40], [3, 40], [5, 40]]
     state = buf.state_dict()
     again = _buffer()
     again.load_state_dict(state)
     assert again.state_dict() == state and again.units == buf.units
+    older = {**state, "units": [{**u, "samples": [{k: v for k, v in s.items() if k != "stops"} for s in u["samples"]]}
+                                for u in state["units"]]}  # a checkpoint written before samples kept stop tokens
+    again.load_state_dict(older)
+    assert all(s.stop_token_ids == [] for u in again.units for s in u.samples)
     saved = {"dp_size": 2, "vocab_size": 50, "ranks": [state, state]}
     check_resumable(saved, dp_size=2, vocab_size=50)
     with pytest.raises(ValueError, match="written at data-parallel size 2; this run has data-parallel size 4"):

@@ -107,6 +107,9 @@ class Trainer:
         self.reports = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         self.env = None  # --env: the multi-turn environments' runner (rl.envs)
         self.admitted = 0  # --filter-groups: prompts this rank admitted (the data position)
+        if a.env is not None and self.prompts.has_stop_tokens:  # every rank reads the same rows: no collective
+            raise ValueError("--env: the environments end each turn themselves; rows of --prompt-data with "
+                             "'stop_token_ids' are for single-turn runs (drop the field, or --env)")
         self.reward_model = None if a.reward_model_load is None else \
             rl.load_value_model(a.reward_model_load, device=self.device)
 
@@ -183,7 +186,9 @@ class Trainer:
             if self.args.offload_reference:
                 self.reference.to("cpu")
 
-    def generate(self, prompts: list[list[int]], seed: int, *, greedy: bool = False, **partial: Any) -> rl.Rollout:
+    def generate(self, prompts: list[list[int]], seed: int, *, greedy: bool = False,
+                 stops: Optional[list[list[int]]] = None, **partial: Any) -> rl.Rollout:
+        """``stops``: per prompt, its own stop tokens (the data rows' ``stop_token_ids``), besides the run's."""
         from megatron.core.inference.sampling_params import SamplingParams
 
         a = self.args
@@ -191,6 +196,8 @@ class Trainer:
                                 top_p=0.0 if greedy else a.top_p, num_tokens_to_generate=a.max_new_tokens)
         kwargs = dict(vocab_size=self.tokenizer.vocab_size, seed=seed,
                       stop_token_ids=([] if self.tokenizer.eod is None else [self.tokenizer.eod]) + a.stop_token_ids)
+        if stops is not None and any(stops):
+            kwargs["request_stop_token_ids"] = stops
         if self.engine is None:
             return rl.generate_in_training_layout(self.actor.model, prompts, params, **kwargs,
                                                   rollout_layout=self.rollout_layout,
@@ -204,7 +211,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy exact-match accuracy on --eval-prompt-data, and its seconds (not in the step's ``time/step``)."""
         start = time.perf_counter()
-        accuracy = rl.evaluate_accuracy(lambda p: self.generate(p, 0, greedy=True).responses, self.eval_prompts,
+        accuracy = rl.evaluate_accuracy(lambda p, s=None: self.generate(p, 0, greedy=True, stops=s).responses,
+                                        self.eval_prompts,
                                         self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                         dp_group=self.dp_group)
         return {"eval_accuracy": accuracy, "time/eval": time.perf_counter() - start}
@@ -233,7 +241,7 @@ class Trainer:
 
         def rounds(call: Any) -> rl.filtering.FilteredSamples:
             out = rl.filtering.filter_groups(
-                admit, lambda prompts, r: call(prompts, a.seed * 7919 + step + 15_485_863 * r), score,
+                admit, lambda prompts, r, **kw: call(prompts, a.seed * 7919 + step + 15_485_863 * r, **kw), score,
                 quota=a.global_batch_size // self.dp_size // a.num_samples_per_prompt,
                 group_size=a.num_samples_per_prompt, max_rounds=a.max_filter_rounds)
             return out
@@ -274,7 +282,7 @@ class Trainer:
         a, step, buffer = self.args, self.step, self.partial
         counts = rl.partial.Counts()
         buffer.drop_stale(step, counts)
-        buffer.admit(lambda index: self.prompts.example(index).tokens, counts)
+        buffer.admit(self.prompts.example, counts)  # each sample keeps its prompt's own stop tokens
         resume, budget = buffer.requests(counts)
         with timer.peak("generation"):  # nothing to generate when finished units already make the quota
             rollout = self.generate([], seed=a.seed * 7919 + step, budget=budget, resume=resume)
@@ -328,6 +336,7 @@ class Trainer:
             examples = [e for e in base for _ in range(a.num_samples_per_prompt)]
             with timer.peak("generation"):  # the switch's and the rollout's seconds are measured inside
                 rollout = self.generate([e.tokens for e in examples], seed=a.seed * 7919 + step,
+                                        stops=[list(e.stop_token_ids) for e in examples],
                                         **self.env_driver(examples, step))
             generated, episodes = rollout.num_tokens, rollout.episodes
         else:  # finished samples of this step and earlier ones

@@ -91,8 +91,8 @@ class RolloutGenerator:
                  stop_token_ids: Sequence[int] = (), seed: int = 0,
                  tempered_log_probs: bool = False, budget: Optional[Budget] = None,
                  resume: Sequence[GenerationResult] = (), keep: bool = False,
-                 continued: Sequence[Optional[KeptPrefix]] = (), turns: Optional[Turns] = None
-                 ) -> list[GenerationResult]:
+                 continued: Sequence[Optional[KeptPrefix]] = (), turns: Optional[Turns] = None,
+                 request_stop_token_ids: Optional[Sequence[Sequence[int]]] = None) -> list[GenerationResult]:
         """Generate for this training rank's prompts on the rollout layout; results in prompt order (after the
         resumed ones, when ``resume`` has any).
 
@@ -102,6 +102,9 @@ class RolloutGenerator:
                 termination_id).
             vocab_size: the real vocabulary; the output layer's padded rows are never sampled (default: all rows).
             stop_token_ids: tokens that end a sequence (kept in its output), besides ``termination_id``.
+            request_stop_token_ids: per prompt, its own stop tokens besides ``stop_token_ids`` (as a request's
+                ``stop_token_ids`` in vLLM's sampling parameters; e.g. an environment's turn-ending tokens, or a data
+                row's), kept in its result's ``stop_token_ids``; a resumed sequence keeps its own. None: none.
             seed: sampling seed in [0, 2**64); each rollout replica draws from its own stream derived from it.
             tempered_log_probs: also return each token's log-prob at the sampling temperature
                 (``generated_tempered_log_probs``); the same on every rank.
@@ -139,32 +142,17 @@ class RolloutGenerator:
         """
         groups = self.groups
         resume, continued = list(resume), list(continued)
-        if continued and len(continued) != len(prompts):
-            raise ValueError(f"continued has {len(continued)} entries for {len(prompts)} prompts: one per prompt "
-                             "(None where a prompt continues nothing)")
-        if any(k is not None and not isinstance(k, KeptPrefix) for k in continued):
-            raise ValueError("continued takes KeptPrefix entries (an earlier result's kept) or None")
-        continuing = any(k is not None for k in continued)
-        if continuing and (resume or budget is not None):
-            raise ValueError("continued (kept prefixes) cannot be combined with resume or a budget in one call")
-        if turns is not None:
-            turn_share(self.engine, len(prompts))  # the layout's refusal, on every rank alike
-            if resume or budget is not None or continuing:
-                raise ValueError("turns cannot be combined with resume, a budget or continued in one call")
-        unfinished_only = [i for i, r in enumerate(resume) if not isinstance(r, GenerationResult) or r.finished]
-        if unfinished_only:
-            raise ValueError(f"resume takes unfinished GenerationResults (finished False); item {unfinished_only[0]} "
-                             "is not one")
-        if budget is not None and budget.groups is not None and len(budget.groups) != len(resume) + len(prompts):
-            raise ValueError(f"Budget.groups has {len(budget.groups)} labels for {len(resume)} resumed sequences "
-                             f"and {len(prompts)} prompts: one per sequence")
+        continuing = _check_call_shape(self.engine, prompts, resume, continued, budget, turns)
         with groups.errors("generate", "the ranks' agreement on the inputs"):
             # The resumed sequences' own prompts: the fit and vocabulary checks of their first call.
             given = [r.prompt_tokens for r in resume] + list(prompts) if resume else prompts  # (raw: checked)
             call = check_generate_call(given, sampling_params,
                                        vocab_size=vocab_size, stop_token_ids=stop_token_ids, seed=seed,
-                                       limits=self.replica.limits, group=groups.world)
+                                       limits=self.replica.limits, group=groups.world,
+                                       request_stop_token_ids=_request_stops(resume, request_stop_token_ids,
+                                                                             len(given)))
         prompts, params = call.prompts, call.params
+        own = call.request_stop_token_ids  # None, or per sequence (resumed ones first) its own stop tokens
         lay = self.layout
         if (budget is not None or resume or keep or continuing) and \
                 (lay.exchange or lay.widens):
@@ -183,21 +171,22 @@ class RolloutGenerator:
         with self.memory.backed():
             kwargs["weight_version"] = int(getattr(self.engine, "num_switches", 0))  # after the switch it made
             if lay.exchange:
-                return self._generate_exchanged(prompts, params, kwargs)
+                return self._generate_exchanged(prompts, params, kwargs, own)
             if lay.widens:
                 # This rollout replica spans m training replicas: generate for all of their prompts at once.
                 tp = groups.groups["tp"]
                 mine: list[Any] = [None] * tp.size()
                 with groups.errors("generate", "the rollout tensor-parallel group's gather of the prompts"):
-                    dist.all_gather_object(mine, (self.dp_rank, prompts), group=tp)
-                by_dp = dict(sorted(mine))
-                batch = [p for dp in by_dp for p in by_dp[dp]]
-                results = self.replica.generate(batch, params, **kwargs)
-                start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
+                    dist.all_gather_object(mine, (self.dp_rank, prompts, own), group=tp)
+                by_dp = {dp: (part, stops) for dp, part, stops in sorted(mine, key=lambda x: x[0])}
+                batch = [p for part, _ in by_dp.values() for p in part]
+                stops = _joined_stops(by_dp.values())
+                results = self.replica.generate(batch, params, **kwargs, request_stops=stops)
+                start = sum(len(by_dp[dp][0]) for dp in by_dp if dp < self.dp_rank)
                 return results[start: start + len(prompts)]
             replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
             if continuing and lay.d_g > 1:
-                return self._generate_continued(prompts, params, kwargs, continued, keep, replica)
+                return self._generate_continued(prompts, params, kwargs, continued, keep, replica, own)
             kwargs.update(keep=keep, continued=continued or None)
             parts = split_evenly(len(prompts), lay.d_g) if budget is None else budget.split(len(prompts), lay.d_g)
             lo, hi = parts[replica]
@@ -206,7 +195,8 @@ class RolloutGenerator:
             # A budget of finished sequences (or groups: each on one replica) is shared out with the prompts (each
             # micro-DP replica stops on its own share, no collective per step); decode steps are every replica's.
             share = None if budget is None else budget.share(lo, hi, len(prompts))
-            results = self.replica.generate(inputs[lo:hi], params, **kwargs, budget=share, limits=limits[lo:hi])
+            results = self.replica.generate(inputs[lo:hi], params, **kwargs, budget=share, limits=limits[lo:hi],
+                                            request_stops=None if own is None else own[lo:hi])
         if lay.d_g > 1:
             gathered: list[Any] = [None] * lay.d_g
             with groups.errors("generate", "the micro-DP gather of the results"):
@@ -215,7 +205,7 @@ class RolloutGenerator:
         return _joined(resume, results)
 
     def _generate_continued(self, prompts: list, params, kwargs: dict, continued: list, keep: bool,
-                            replica: int) -> list[GenerationResult]:
+                            replica: int, own: Optional[list]) -> list[GenerationResult]:
         """Micro-DP replicas with kept prefixes: each continued prompt goes to the replica that holds its prefix
         (:func:`assign_kept`), the others even out the counts; results gathered back in prompt order."""
         lay, groups = self.layout, self.groups
@@ -225,7 +215,8 @@ class RolloutGenerator:
                               for k in continued])
         mine = [i for i, r in enumerate(owners) if r == replica]
         results = self.replica.generate([prompts[i] for i in mine], params, **kwargs, keep=keep,
-                                        continued=[continued[i] for i in mine])
+                                        continued=[continued[i] for i in mine],
+                                        request_stops=None if own is None else [own[i] for i in mine])
         gathered: list[Any] = [None] * lay.d_g
         with groups.errors("generate", "the micro-DP gather of the results"):
             dist.all_gather_object(gathered, (mine, results), group=groups.groups["micro_dp"])
@@ -240,7 +231,7 @@ class RolloutGenerator:
         with the same list; no communication."""
         self.replica.release(list(kept))
 
-    def _generate_exchanged(self, prompts: list, params, kwargs: dict) -> list[GenerationResult]:
+    def _generate_exchanged(self, prompts: list, params, kwargs: dict, own: Optional[list]) -> list[GenerationResult]:
         """An exchange layout's data flow: its rollout replicas need not lie inside training replicas, so every
         training replica's prompts are gathered, rollout replica r takes the r-th of
         ``num_replicas`` even parts of them all in training-replica order, and the results come back the same way
@@ -248,21 +239,23 @@ class RolloutGenerator:
         groups = self.groups
         sent: list[Any] = [None] * dist.get_world_size()
         with groups.errors("generate", "the world's gather of the prompts"):
-            dist.all_gather_object(sent, (self.dp_rank, prompts), group=groups.world)
-        by_dp: dict[int, list] = {}
-        for dp, part in sent:  # every rank of a training replica holds its prompts: the first one stands for it
-            by_dp.setdefault(dp, part)
+            dist.all_gather_object(sent, (self.dp_rank, prompts, own), group=groups.world)
+        by_dp: dict[int, tuple] = {}
+        for dp, part, stops in sent:  # every rank of a training replica holds its prompts: the first stands for it
+            by_dp.setdefault(dp, (part, stops))
         by_dp = dict(sorted(by_dp.items()))
-        batch = [p for dp in by_dp for p in by_dp[dp]]
+        batch = [p for part, _ in by_dp.values() for p in part]
+        stops = _joined_stops(by_dp.values())
         replicas = groups.arrangement.num_replicas
         lo, hi = split_evenly(len(batch), replicas)[groups.replica]
-        results = self.replica.generate(batch[lo:hi], params, **kwargs)
+        results = self.replica.generate(batch[lo:hi], params, **kwargs,
+                                        request_stops=None if stops is None else stops[lo:hi])
         first_of_replica = groups.tp_rank == 0 and groups.pp_rank == 0
         back: list[Any] = [None] * dist.get_world_size()
         with groups.errors("generate", "the world's gather of the results"):
             dist.all_gather_object(back, (groups.replica, results) if first_of_replica else None, group=groups.world)
         everything = [r for _, part in sorted((x for x in back if x is not None), key=lambda x: x[0]) for r in part]
-        start = sum(len(by_dp[dp]) for dp in by_dp if dp < self.dp_rank)
+        start = sum(len(by_dp[dp][0]) for dp in by_dp if dp < self.dp_rank)
         return everything[start: start + len(prompts)]
 
     def report(self) -> dict[str, Any]:
@@ -316,6 +309,53 @@ def assign_kept(n: int, parts: int, held_by: Sequence[Optional[int]]) -> list[in
     return owners
 
 
+def _check_call_shape(engine: RolloutEngine, prompts: Sequence, resume: list, continued: list,
+                      budget: Optional[Budget], turns: Optional[Turns]) -> bool:
+    """``ValueError`` for arguments of :meth:`RolloutGenerator.generate` that do not go together (the same on
+    every rank: no collective); whether any prompt continues a kept prefix."""
+    if continued and len(continued) != len(prompts):
+        raise ValueError(f"continued has {len(continued)} entries for {len(prompts)} prompts: one per prompt "
+                         "(None where a prompt continues nothing)")
+    if any(k is not None and not isinstance(k, KeptPrefix) for k in continued):
+        raise ValueError("continued takes KeptPrefix entries (an earlier result's kept) or None")
+    continuing = any(k is not None for k in continued)
+    if continuing and (resume or budget is not None):
+        raise ValueError("continued (kept prefixes) cannot be combined with resume or a budget in one call")
+    if turns is not None:
+        turn_share(engine, len(prompts))  # the layout's refusal, on every rank alike
+        if resume or budget is not None or continuing:
+            raise ValueError("turns cannot be combined with resume, a budget or continued in one call")
+    unfinished_only = [i for i, r in enumerate(resume) if not isinstance(r, GenerationResult) or r.finished]
+    if unfinished_only:
+        raise ValueError(f"resume takes unfinished GenerationResults (finished False); item {unfinished_only[0]} "
+                         "is not one")
+    if budget is not None and budget.groups is not None and len(budget.groups) != len(resume) + len(prompts):
+        raise ValueError(f"Budget.groups has {len(budget.groups)} labels for {len(resume)} resumed sequences "
+                         f"and {len(prompts)} prompts: one per sequence")
+    return continuing
+
+
+def _request_stops(resume: list[GenerationResult], asked: Any, count: int) -> Any:
+    """The call's per-sequence stop tokens as :func:`~.validation.check_generate_call` checks them (``count``
+    sequences, the resumed ones first, each keeping its own): None where no sequence has any; ``asked`` as given
+    where it is not a list or tuple (the check names it)."""
+    if asked is not None and not isinstance(asked, (list, tuple)):
+        return asked
+    asked = list(asked or [])
+    if resume:
+        mine = [r.stop_token_ids for r in resume]
+        return mine + (asked or [[]] * (count - len(resume))) if any(mine) or asked else None
+    return asked or None
+
+
+def _joined_stops(parts) -> Optional[list]:
+    """Several ranks' ``(prompts, per-prompt stops or None)`` as one per-prompt list (None where none has any)."""
+    parts = list(parts)
+    if all(stops is None for _, stops in parts):
+        return None
+    return [s for part, stops in parts for s in (stops if stops is not None else [[]] * len(part))]
+
+
 def _joined(resume: list[GenerationResult], results: list[GenerationResult]) -> list[GenerationResult]:
     """``results``, the first ``len(resume)`` of which continue ``resume``'s sequences, each joined onto its earlier
     tokens, log-probs and weight versions (its prompt the original one)."""
@@ -325,14 +365,16 @@ def _joined(resume: list[GenerationResult], results: list[GenerationResult]) -> 
                 list(old.prompt_tokens), old.generated_tokens + new.generated_tokens,
                 old.generated_log_probs + new.generated_log_probs,
                 old.generated_tempered_log_probs + new.generated_tempered_log_probs, finished=new.finished,
-                weight_versions=old.weight_versions + new.weight_versions, routed_experts=new.routed_experts)
+                weight_versions=old.weight_versions + new.weight_versions, routed_experts=new.routed_experts,
+                stop_token_ids=list(old.stop_token_ids))
     return results
 
 
 def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]], sampling_params, *, tp_group,
                         pp_group, config: Optional[GenerationConfig] = None, vocab_size: Optional[int] = None,
                         stop_token_ids: Sequence[int] = (), seed: int = 0,
-                        tempered_log_probs: bool = False) -> list[GenerationResult]:
+                        tempered_log_probs: bool = False,
+                        request_stop_token_ids: Optional[Sequence[Sequence[int]]] = None) -> list[GenerationResult]:
     """One-shot KV-cache generation with any GPTModel stage on its own groups (e.g. the training-layout model).
 
     Called on every rank (the checks agree over the world); the ranks of one model replica pass the same prompts.
@@ -347,7 +389,8 @@ def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]]
     with collective_errors("generate", "the ranks' agreement on the inputs", timeout=timeout,
                            whose="the world process group's"):
         call = check_generate_call(prompts, sampling_params, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                                   seed=seed, limits=limits, group=world)
+                                   seed=seed, limits=limits, group=world,
+                                   request_stop_token_ids=_request_stops([], request_stop_token_ids, 0))
     prompts = call.prompts
     if not prompts:
         return []
@@ -359,6 +402,6 @@ def generate_with_model(chunk: torch.nn.Module, prompts: Sequence[Sequence[int]]
     try:
         return replica.generate(prompts, call.params, vocab_size=call.vocab_size,
                                 stop_token_ids=call.stop_token_ids, seed=call.seed,
-                                tempered_log_probs=tempered_log_probs)
+                                tempered_log_probs=tempered_log_probs, request_stops=call.request_stop_token_ids)
     finally:
         replica.close()

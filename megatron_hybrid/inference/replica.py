@@ -68,6 +68,9 @@ class GenerationResult:
     kept: Optional["KeptPrefix"] = None
     """With ``keep``: where the ended sequence's KV cache is kept for a continuation (multi-turn); None when it
     was not kept (or not asked to be)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """The request's own stop tokens, besides the call's (``request_stop_token_ids``): a resumed sequence stops on
+    them as it would have in its first call."""
     routed_experts: Optional[torch.Tensor] = None
     """With ``GenerationConfig.record_routing`` (an MoE model): ``[P + n - 1, M, k]`` int16 on the host (int32 past
     32,767 experts), the top-k experts each of the model's M MoE layers chose for every token the rollout ran
@@ -207,6 +210,8 @@ class _Call:
     results: list[GenerationResult]
     schedule: CallSchedule
     stops: set[int]
+    own_stops: list[frozenset]
+    """Per sequence, its request's own stop tokens (empty for most)."""
     limit: list[int]
     """Per sequence, the tokens this call may generate at most."""
     closed: list[bool]
@@ -236,6 +241,13 @@ class _Call:
     routed: dict[int, torch.Tensor] = field(default_factory=dict)
     """With a routing record: per sequence, its slot's rows copied out when it closed (``[positions, M, k]``, this
     stage's MoE layers; trimmed to the tokens it ran once its length is known)."""
+
+
+#: :class:`ReplicaGenerator`'s counters (``report()``). busy_steps: decode steps with at least half of the slots
+#: decoding; kept_continued: prompts run on from a kept prefix; kept_evicted: kept prefixes given to waiting prompts.
+COUNTERS = ("prefill_forwards", "prefill_graph_forwards", "decode_steps", "busy_steps", "idle_slot_steps",
+            "max_active_slots", "dropped_rows", "calls", "mixed_steps", "slot_moves", "lockstep_steps",
+            "lockstep_idle_steps", "lockstep_padded_rows", "kept_continued", "kept_evicted", "turns")
 
 
 class ReplicaGenerator:
@@ -281,12 +293,7 @@ class ReplicaGenerator:
         self.kept: dict[int, int] = {}
         """Held slots (kept prefixes of ended sequences), oldest first: slot -> the weight version they hold."""
         self.replica_index = 0  # what KeptPrefix.replica says (the engine's generator sets its replica's)
-        # busy_steps: decode steps with at least half of the slots decoding.
-        self.stats = {"prefill_forwards": 0, "prefill_graph_forwards": 0, "decode_steps": 0, "busy_steps": 0,
-                      "idle_slot_steps": 0, "max_active_slots": 0, "dropped_rows": 0, "calls": 0, "mixed_steps": 0,
-                      "slot_moves": 0, "lockstep_steps": 0, "lockstep_idle_steps": 0, "lockstep_padded_rows": 0,
-                      "kept_continued": 0, "kept_evicted": 0, "turns": 0}
-        # kept_continued: prompts run on from a kept prefix; kept_evicted: kept prefixes given to waiting prompts.
+        self.stats = dict.fromkeys(COUNTERS, 0)
 
     # The runner's state, under the names tests and tools read it by.
     @property
@@ -320,14 +327,15 @@ class ReplicaGenerator:
     def generate(self, prompts: Sequence[list[int]], params, *, vocab_size: int, stop_token_ids: Sequence[int] = (),
                  seed: int = 0, tempered_log_probs: bool = False, budget: Optional[Budget] = None,
                  weight_version: int = 0, limits: Optional[Sequence[int]] = None, keep: bool = False,
-                 continued: Optional[Sequence[Optional[KeptPrefix]]] = None,
-                 turns: Optional["Turns"] = None) -> list[GenerationResult]:
+                 continued: Optional[Sequence[Optional[KeptPrefix]]] = None, turns: Optional["Turns"] = None,
+                 request_stops: Optional[Sequence[Sequence[int]]] = None) -> list[GenerationResult]:
         """Generate for ``prompts`` (checked: non-empty, ids below ``vocab_size``, each fits a slot); every rank of
         the replica gets every result (``tempered_log_probs``, the same on every rank: also fill
         ``generated_tempered_log_probs``). ``budget``: stop early (:class:`Budget`; every rank of the replica
         decides alike, from the same tokens). Each generated token is tagged with ``weight_version``. ``limits``:
         per prompt, the tokens to generate at most (default: ``num_tokens_to_generate`` each; a resumed sequence
-        has what it had left).
+        has what it had left). ``request_stops``: per prompt, its own stop tokens besides ``stop_token_ids``
+        (checked by the caller; kept in each result's ``stop_token_ids``).
 
         Multi-turn: with ``keep`` an ended sequence keeps its slot's cache (``result.kept``) until a later call
         continues it, :meth:`release` frees it, the weights change, or waiting prompts need the slot.
@@ -344,7 +352,8 @@ class ReplicaGenerator:
                                   self.lockstep_group is not None or self.runner.records_routing or budget):
             raise ValueError("generate(turns=) needs a rollout replica of one rank, without a budget or a routing "
                              "record")
-        results = [GenerationResult(list(p)) for p in prompts]
+        own = [()] * len(prompts) if request_stops is None else [tuple(r) for r in request_stops]
+        results = [GenerationResult(list(p), stop_token_ids=list(r)) for p, r in zip(prompts, own)]
         if self.kept and weight_version != next(iter(self.kept.values())):
             self.kept.clear()  # other weights: the kept caches are stale
         if not prompts and self.lockstep_group is None:  # in lockstep, a replica without prompts steps idle
@@ -359,7 +368,8 @@ class ReplicaGenerator:
             del self.kept[slot]
         self.stats["kept_continued"] += len(resumed)
         schedule = self.planner.schedule(prompts, signature=signature, continued=resumed, held=held)
-        call = _Call(results, schedule, stops, keep=keep or turns is not None, turns=turns,
+        call = _Call(results, schedule, stops, [frozenset(r) for r in own], keep=keep or turns is not None,
+                     turns=turns,
                      limit=[int(params.num_tokens_to_generate)] * len(prompts) if limits is None else list(limits),
                      closed=[False] * len(prompts),
                      ended=[False] * len(prompts), base=[0] * len(prompts))
@@ -581,7 +591,7 @@ class ReplicaGenerator:
                     continue
                 out = call.results[seq].generated_tokens
                 out.append(tok)
-                if tok in call.stops or len(out) - call.base[seq] == call.limit[seq]:
+                if tok in call.stops or tok in call.own_stops[seq] or len(out) - call.base[seq] == call.limit[seq]:
                     call.ended[seq] = True
                     if not call.closed[seq]:
                         self._close(call, seq)

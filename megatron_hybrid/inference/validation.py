@@ -62,6 +62,8 @@ class CheckedCall:
     """The vocabulary generation samples from."""
     stop_token_ids: list[int]
     seed: int
+    request_stop_token_ids: Optional[list[list[int]]] = None
+    """Per prompt, its own stop tokens (None: no prompt has any)."""
 
 
 class _Refused(Exception):
@@ -181,9 +183,32 @@ def _check_prompts(prompts: Any, vocab: int, num_tokens: int, limits: Limits, ra
     return out
 
 
+def _check_request_stops(given: Any, count: int, vocab: int, rank: int) -> Optional[list[list[int]]]:
+    """``request_stop_token_ids``: None, or one sequence of token ids in ``[0, vocab)`` per prompt (``count``);
+    None also when every prompt's is empty. Raises ``_Refused``."""
+    if given is None:
+        return None
+    name = f"request_stop_token_ids (rank {rank})"
+    if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
+        raise _Refused(f"{name} ({_shown(given)}) must hold one sequence of stop token ids per prompt")
+    if len(given) != count:
+        raise _Refused(f"{name} has {len(given)} entries for {count} prompts: one per prompt (() for none)")
+    out = []
+    for i, stops in enumerate(given):
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise _Refused(f"{name}[{i}] ({_shown(stops)}) must be a sequence of token ids (() for none)")
+        ids = [_int_arg(f"{name}[{i}][{j}]", s, "an integer token id") for j, s in enumerate(stops)]
+        bad = [s for s in ids if not 0 <= s < vocab]
+        if bad:
+            raise _Refused(f"{name}[{i}] holds stop token {bad[0]}, outside [0, {vocab})")
+        out.append(ids)
+    return out if any(out) else None
+
+
 def check_generate_call(prompts: Any, params, *, vocab_size: Any, stop_token_ids: Any, seed: Any, limits: Limits,
-                        group=None) -> CheckedCall:
+                        group=None, request_stop_token_ids: Any = None) -> CheckedCall:
     """Check one generate call on every rank of ``group`` (default: the world) and agree on the outcome.
+    ``request_stop_token_ids``: None, or per prompt its own stop tokens (besides ``stop_token_ids``).
 
     Returns the call's arguments as plain ints and floats; raises the same ``ValueError`` on every rank when any
     rank's call is bad. One all-reduce of ``MESSAGE_BYTES × world`` bytes, nothing else.
@@ -195,7 +220,8 @@ def check_generate_call(prompts: Any, params, *, vocab_size: Any, stop_token_ids
     try:
         params, vocab, stops, seed = _check_arguments(params, vocab_size, stop_token_ids, seed, limits)
         clean = _check_prompts(prompts, vocab, params.num_tokens_to_generate, limits, rank)
-        checked = CheckedCall(clean, params, vocab, stops, seed)
+        own = _check_request_stops(request_stop_token_ids, len(clean), vocab, rank)
+        checked = CheckedCall(clean, params, vocab, stops, seed, own)
     except _Refused as refused:
         problem = str(refused)
     device = collective_device(group)

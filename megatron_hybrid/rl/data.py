@@ -4,7 +4,8 @@ recipe's ``--prompt-file`` lines and its built-in synthetic prompts, cut into ea
 A data file holds one prompt a row:
 
 - **JSONL** (``.jsonl`` or ``.json``): one JSON object a line (blank lines skipped), ``{"prompt": ..., "answer":
-  "42"}``;
+  "42"}``, optionally with ``"stop_token_ids": [...]``: token ids that end this prompt's responses besides the
+  tokenizer's end token and ``--stop-token-ids`` (as a request's ``stop_token_ids`` in vLLM's sampling parameters);
 - **parquet** (``.parquet``, read with ``pyarrow``), as verl writes it: a ``prompt`` column of chat messages and
   the ground truth in ``reward_model.ground_truth``, with optional ``data_source`` and ``extra_info``.
 
@@ -51,6 +52,8 @@ class Example:
     """verl's ``data_source`` (which task the row is from), for ``compute_score`` functions."""
     extra_info: dict = field(default_factory=dict)
     """verl's ``extra_info``, for ``compute_score`` functions."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end this prompt's responses, besides the run's (a data row's ``stop_token_ids``)."""
 
 
 def _text_lines(path: str, flag: str) -> Iterator[tuple[int, str]]:
@@ -161,7 +164,23 @@ def _example(row: Any, where: str, tokenizer: Tokenizer) -> Example:
     tokens = _prompt_tokens(row["prompt"], where, tokenizer)
     if not tokens:
         raise ValueError(f"{where}: 'prompt' tokenises to no tokens")
-    return Example(tokens, answer, data_source, extra_info)
+    return Example(tokens, answer, data_source, extra_info, _stop_tokens(row, where, tokenizer.vocab_size))
+
+
+def _stop_tokens(row: dict, where: str, vocab: int) -> tuple[int, ...]:
+    """A row's ``stop_token_ids`` (absent or null: none), each an integer token id below ``vocab``."""
+    given = row.get("stop_token_ids")
+    if given is None:
+        return ()
+    if not isinstance(given, (list, tuple)) and not hasattr(given, "tolist"):  # parquet gives numpy arrays
+        raise ValueError(f"{where}: 'stop_token_ids' must be a list of token ids, not {type(given).__name__}")
+    ids = given.tolist() if hasattr(given, "tolist") else list(given)
+    for i, tok in enumerate(ids):
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise ValueError(f"{where}: 'stop_token_ids'[{i}] ({tok!r}) must be an integer token id")
+        if not 0 <= tok < vocab:
+            raise ValueError(f"{where}: 'stop_token_ids'[{i}] is {tok}, outside the vocabulary [0, {vocab})")
+    return tuple(ids)
 
 
 def check_fits(tokens: list[int], where: str, *, max_new_tokens: int, max_positions: int) -> None:
@@ -221,6 +240,11 @@ class Prompts:
     def has_answers(self) -> bool:
         """Whether the prompts come with ground truths (``--prompt-data``)."""
         return self.args.prompt_data is not None
+
+    @property
+    def has_stop_tokens(self) -> bool:
+        """Whether some prompt has stop tokens of its own (a data row's ``stop_token_ids``)."""
+        return any(e.stop_token_ids for e in self.examples or ())
 
     @property
     def max_length(self) -> int:

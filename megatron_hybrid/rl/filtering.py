@@ -44,7 +44,8 @@ def filter_groups(next_prompt: Callable[[], Any], generate: Callable[[list[list[
                   score: Callable[[list[Any], list[list[int]], list[list[int]]], torch.Tensor], *, quota: int,
                   group_size: int, max_rounds: int) -> FilteredSamples:
     """``quota`` groups of ``group_size`` samples with some spread in their rewards (module docstring).
-    ``next_prompt()``: the next admitted example (with ``.tokens``); ``generate(prompts, round)``: the results
+    ``next_prompt()``: the next admitted example (with ``.tokens``, maybe ``.stop_token_ids``); ``generate(prompts,
+    round)`` (with ``request_stop_token_ids=`` where the examples have stop tokens of their own): the results
     (``generated_tokens``, ``generated_tempered_log_probs``); ``score(examples, prompts, responses)``: the
     rewards (a collective: every rank calls it every round)."""
     from ..reshard.communication import agree_max
@@ -65,7 +66,8 @@ def filter_groups(next_prompt: Callable[[], Any], generate: Callable[[list[list[
             break
         examples = [e for e in (next_prompt() for _ in range(count)) for _ in range(group_size)]
         prompts = [list(e.tokens) for e in examples]
-        results = generate(prompts, round_)
+        stops = [list(getattr(e, "stop_token_ids", ())) for e in examples]  # a data row's own stop tokens
+        results = generate(prompts, round_, **({"request_stop_token_ids": stops} if any(stops) else {}))
         responses = [list(r.generated_tokens) for r in results]
         scores = score(examples, prompts, responses)
         out.counts["rounds"] += 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..inference import Budget, GenerationResult
+from .data import Example
 
 
 @dataclass
@@ -108,16 +109,19 @@ class PartialRollout:
         self.dropped += len(self.units) - len(keep)
         self.units = keep
 
-    def admit(self, prompt: Callable[[int], list[int]], counts: Counts) -> None:
+    def admit(self, prompt: Callable[[int], Any], counts: Counts) -> None:
         """Admit prompts until ``in_flight`` prompts' units are held: ``prompt(index)`` gives the data set's
-        prompt ``index`` (this rank's k-th admission is index k · DP + rank)."""
+        prompt ``index`` (this rank's k-th admission is index k · DP + rank): its token ids, or its
+        :class:`~.data.Example` (whose own ``stop_token_ids`` its samples keep until they finish)."""
         per_prompt = self.samples_per_prompt // self.unit_size
         while len(self.units) < self.in_flight * per_prompt:
             index = self.admitted * self.dp_size + self.dp_rank
-            tokens = prompt(index)
+            given = prompt(index)
+            tokens, stops = (given.tokens, list(given.stop_token_ids)) if isinstance(given, Example) else (given, [])
             for _ in range(per_prompt):
-                self.units.append(Unit(self._labels, index, [GenerationResult(list(tokens), finished=False)
-                                                             for _ in range(self.unit_size)]))
+                self.units.append(Unit(self._labels, index, [
+                    GenerationResult(list(tokens), finished=False, stop_token_ids=list(stops))
+                    for _ in range(self.unit_size)]))
                 self._labels += 1
             self.admitted += 1
             counts.admitted += 1
@@ -175,13 +179,14 @@ class PartialRollout:
             {"label": u.label, "index": u.index, "samples": [
                 {"prompt": s.prompt_tokens, "tokens": s.generated_tokens, "log_probs": s.generated_log_probs,
                  "tempered_log_probs": s.generated_tempered_log_probs, "versions": s.weight_versions,
-                 "finished": s.finished} for s in u.samples]} for u in self.units]}
+                 "finished": s.finished, "stops": s.stop_token_ids} for s in u.samples]} for u in self.units]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admitted, self.dropped, self._labels = state["admitted"], state["dropped"], state["labels"]
         self.units = [Unit(u["label"], u["index"], [
             GenerationResult(list(s["prompt"]), list(s["tokens"]), list(s["log_probs"]),
-                             list(s["tempered_log_probs"]), finished=s["finished"], weight_versions=list(s["versions"]))
+                             list(s["tempered_log_probs"]), finished=s["finished"], weight_versions=list(s["versions"]),
+                             stop_token_ids=list(s.get("stops", ())))
             for s in u["samples"]]) for u in state["units"]]
 
 

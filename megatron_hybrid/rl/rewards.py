@@ -237,13 +237,15 @@ def accuracy(tokenizer: Tokenizer, responses: Sequence[Sequence[int]], examples:
 def evaluate_accuracy(generate: Callable[[list[list[int]]], list[list[int]]], examples: Sequence[Example],
                       tokenizer: Tokenizer, *, dp_rank: int, dp_size: int, dp_group: Any) -> float:
     """The exact-match accuracy over all of ``examples`` (held-out prompts with answers) of the responses
-    ``generate`` gives (the recipe generates greedily); called on every rank. Each DP replica generates an even,
+    ``generate`` gives (the recipe generates greedily; ``generate(prompts, stops)`` where the rows have stop
+    tokens of their own); called on every rank. Each DP replica generates an even,
     contiguous share of the examples (an empty one when there are fewer examples than replicas: generation
     takes empty lists on every layout); the counts are summed over ``dp_group``, so every rank returns the same
     value, that of the whole set."""
     lo, hi = split_evenly(len(examples), dp_size)[dp_rank]
     mine = examples[lo:hi]
-    responses = generate([e.tokens for e in mine])
+    stops = [list(e.stop_token_ids) for e in mine]  # a data row's own stop tokens, as in training
+    responses = generate([e.tokens for e in mine], stops) if any(stops) else generate([e.tokens for e in mine])
     correct = sum(exact_match(decode_response(tokenizer, r), e.answer) for r, e in zip(responses, mine))
     counts: list[Any] = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(counts, (correct, len(mine)), group=dp_group)
