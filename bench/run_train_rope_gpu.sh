@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 t0=$SECONDS
-timeout 240 python3 bench/train_pass.py --shape qwen2.5-1.5b --methods packed-sdpa --packed-rope both \
+timeout "${TRAIN_LIMIT:-150}" python3 bench/train_pass.py --shape qwen2.5-1.5b --methods packed-sdpa --packed-rope both \
   --sequences 64 --prompt-range 32 512 --response-max 4096 --max-tokens-per-micro-batch 8192 --longest \
   --runs 3 --warmup 1 --profile "$OUT" --out "$OUT/train_pass_$gpu.json" > "$OUT/train_pass.txt" 2>&1
 echo "train_pass: rc=$? $((SECONDS - t0)) s"
