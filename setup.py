@@ -217,8 +217,9 @@ setup(
                     "real-model": ["gguf", "accelerate"],
                     # tools/plot_metrics.py: the accuracy curves of bench/results/.
                     "plot": ["matplotlib"],
-                    # mkdocs.yml: the site in docs/ (python -m mkdocs build --strict; tests/test_docs.py builds it).
-                    "docs": ["mkdocs==1.6.1"]},
+                    # mkdocs.yml: the site in docs/ (python -m mkdocs build --strict; tests/test_docs.py builds it),
+                    # and tools/make_doc_figures.py, its figures (tests/test_docs.py draws them).
+                    "docs": ["mkdocs==1.6.1", "matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -229,6 +229,7 @@ def bad_inputs_case():
     """Each bad input must raise ValueError before the engine runs any collective."""
     import pytest
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_hybrid import HybridEngine, RolloutLayout
 
@@ -263,15 +264,60 @@ def bad_inputs_case():
         with pytest.raises(ValueError, match=r"rollout pipeline_model_parallel_size \(2\) must divide num_layers "
                                              r"\(3\)"):
             HybridEngine(arch(num_layers=3).build(tensor_model_parallel_size=tp), rollout=RolloutLayout(1, 2))
-        # Heads that the rollout TP size cannot split (6 heads, 2 query groups; t=2 -> t_g=4 over DP).
-        with pytest.raises(ValueError):
-            odd = arch(num_attention_heads=6, num_query_groups=2)
-            HybridEngine(odd.build(tensor_model_parallel_size=tp), rollout=RolloutLayout(4, 1))
+        # What the rollout TP size cannot split (t=2 -> t_g=4 over DP, a widening layout): 6 heads, an FFN of 98,
+        # 2 query groups; each a ValueError naming the size and the value.
+        for arch_kw, expected in [
+                (dict(num_attention_heads=6, num_query_groups=2),
+                 "rollout tensor_model_parallel_size (4) must divide num_attention_heads (6)"),
+                (dict(ffn_hidden_size=98), "rollout tensor_model_parallel_size (4) must divide ffn_hidden_size (98)"),
+                (dict(num_query_groups=2), "rollout tensor_model_parallel_size (4) must divide num_query_groups (2)")]:
+            with pytest.raises(ValueError) as err:
+                HybridEngine(arch(**arch_kw).build(tensor_model_parallel_size=tp), rollout=RolloutLayout(4, 1))
+            assert str(err.value) == expected, (expected, str(err.value))
+            messages.append(str(err.value))
+        # Aliased mode on a linear without a block-wise twin (standing for the Transformer Engine spec's linears):
+        # refused, naming the parameter and its module.
+        class OtherLinear(ColumnParallelLinear):
+            pass
+
+        other = arch().build(tensor_model_parallel_size=tp)
+        other.decoder.layers[1].mlp.linear_fc1.__class__ = OtherLinear
+        with pytest.raises(ValueError) as err:
+            HybridEngine(other, rollout=RolloutLayout(1, 1))
+        expected = ("weight_mode='aliased' cannot run decoder.layers.1.mlp.linear_fc1.weight (OtherLinear) on "
+                    "blocks; use weight_mode='canonical' for this model")
+        assert str(err.value) == expected, (expected, str(err.value))
+        messages.append(str(err.value))
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
     return messages
 
+
+def context_parallel_case() -> str:
+    """The engine on Megatron's groups with context parallelism (tp 1 × cp 2 on 2 ranks, so dp 1): refused by
+    the layout check before any collective; returns the message."""
+    import pytest
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran before the input was validated")
+
+    model = arch().build(tensor_model_parallel_size=1)  # before the groups change: the build reads the TP rank
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2)
+    saved = {n: getattr(dist, n) for n in ("all_gather_object", "new_group", "all_gather_into_tensor", "broadcast")}
+    try:
+        for n in saved:
+            setattr(dist, n, no_collective)
+        with pytest.raises(ValueError) as err:
+            HybridEngine(model, rollout=RolloutLayout(1, 1))
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return str(err.value)
 
 def resident_bytes_in(spans: list[tuple[int, int]]) -> int:
     """Resident bytes (``/proc/self/smaps``) of the mappings that overlap the address ranges ``spans``."""

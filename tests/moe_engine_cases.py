@@ -265,6 +265,32 @@ def moe_bad_input_cases(rollout_kws: list[dict]) -> list[str]:
             setattr(dist, n, f)
 
 
+def grouped_experts_case() -> str:
+    """The engine on an MoE model whose experts are megatron-core's ``GroupedMLP`` (what ``moe_grouped_gemm=True``
+    builds; the class swapped onto built ``SequentialMLP`` experts, since GroupedMLP needs the CUDA-only
+    grouped_gemm package): refused before any collective; returns the message."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    from megatron_hybrid import HybridEngine, RolloutLayout
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran before the input was validated")
+
+    model = moe_arch().build()
+    for layer in model.decoder.layers:
+        layer.mlp.experts.__class__ = GroupedMLP
+    saved = {n: getattr(dist, n) for n in ("all_gather_object", "new_group", "all_gather_into_tensor", "broadcast")}
+    try:
+        for n in saved:
+            setattr(dist, n, no_collective)
+        HybridEngine(model, RolloutLayout(1, 1))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return ""
+
 def _full_state(chunks) -> dict[str, torch.Tensor]:
     """Every training weight as a full tensor by global name (routed experts by global index), on every rank: the
     ranks' shards, gathered over the world as objects (tiny models only)."""

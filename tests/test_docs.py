@@ -4,6 +4,9 @@ warning, and every relative link of a page points at a file that exists.
 The flags page is checked twice: by the tool's own ``--check`` (the page is byte for byte what the tool writes), and
 independently of the tool, by walking the parser's actions (every option string has a row, and no row names a flag
 the parser does not have).
+
+The figures (docs/img/) are tools/make_doc_figures.py's: it is run into a temporary folder, and every image a page
+shows must be one it writes there, under the same name, and committed in docs/img/.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ DOCS = ROOT / "docs"
 FLAGS_PAGE = DOCS / "flags.md"
 RECIPE = ROOT / "examples" / "ppo" / "train_ppo.py"
 TOOL = ROOT / "tools" / "make_flags_page.py"
+FIGURES_TOOL = ROOT / "tools" / "make_doc_figures.py"
+IMG = DOCS / "img"
 #: A markdown link or image, ``[text](target "title")``, not one written with escaped brackets.
 LINK = re.compile(r"(?<!\\)\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 #: A target with a scheme (https:, mailto:) points outside the site.
@@ -115,3 +120,49 @@ def test_link_walk(tmp_path):
     page.write_text('See [a](a.md#part), ![b](img/b.png "B"), [c](https://example.com/c.md), [d](#here),\n'
                     "`[e](e.md)`, \\[f\\](f.md) and [g](../g.md?x=1).\n\n```\n[h](h.md)\n```\n")
     assert relative_links(page) == ["a.md", "img/b.png", "../g.md"]
+
+
+# -- the figures ---------------------------------------------------------------------------------------------------
+
+#: A markdown image, ``![alt](target "title")``.
+IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def shown_images(page: Path) -> list[Path]:
+    """The local images a markdown page shows, outside code blocks and code spans, as resolved paths."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return [(page.parent / t).resolve() for t in IMAGE.findall(text) if not EXTERNAL.match(t)]
+
+
+@pytest.fixture(scope="module")
+def figures_tool() -> dict:
+    return runpy.run_path(str(FIGURES_TOOL))  # as test_doc_blocks loads a tool (its dataclasses need a module)
+
+
+def test_every_figure_shown_is_the_tools(figures_tool, tmp_path, capsys):
+    """The tool writes its figures from bench/results/ (Agg, about 3 s); every image the pages and the README show
+    is in docs/img/ and is one of them, and docs/img/ holds nothing else. matplotlib missing is a failure, as
+    mkdocs is: the docs extra installs both."""
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.fail('matplotlib is not installed; install the docs extra: pip install -e ".[docs]"')
+    written = figures_tool["main"](["--out", str(tmp_path)])
+    names = {p.name for p in written}
+    assert names == set(figures_tool["FIGURES"]) and all(p.stat().st_size > 1000 for p in written), written
+    shown = {img for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))] for img in shown_images(page)}
+    assert len(shown) >= 5, f"the image walk found {sorted(shown)}"
+    outside = sorted(str(p) for p in shown if p.parent != IMG.resolve())
+    assert not outside, f"images shown from outside docs/img/: {outside}"
+    shown_names = {p.name for p in shown}
+    assert not shown_names - names, f"images shown that the tool does not write: {sorted(shown_names - names)}"
+    committed = {p.name for p in IMG.iterdir()}
+    assert shown_names <= committed, f"images shown but not in docs/img/: {sorted(shown_names - committed)}"
+    assert committed <= shown_names, f"docs/img/ files no page shows: {sorted(committed - shown_names)}"
+
+
+def test_figures_tool_names_a_missing_results_file(figures_tool, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        figures_tool["main"](["--results", str(tmp_path), "--out", str(tmp_path / "img"), "--only", "train_pass.svg"])
+    assert exit_.value.code == 2
+    assert f"train_pass.svg reads {tmp_path / 'train_pass_h100.json'}, which is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "img").exists()  # nothing written before the check

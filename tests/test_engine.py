@@ -149,8 +149,20 @@ def test_bf16_ddp():
 
 
 def test_bad_inputs_fail_before_any_collective():
+    """Each a ValueError naming the sizes or the argument, before any collective (bad_inputs_case replaces them by
+    a failure): layouts that do not divide the world, a bad weight mode, bucket size or layout object, what the
+    rollout TP size cannot split (heads, FFN, query groups), and aliased mode on a linear without a block twin."""
     messages = run_distributed(cases.bad_inputs_case, 4, tensor_model_parallel_size=2)
-    assert all(len(m) == 5 for m in messages)
+    assert all(m == messages[0] for m in messages)  # the same on every rank
+    assert len(messages[0]) == 9 and "OtherLinear" in messages[0][-1], messages[0]
+
+
+def test_context_parallelism_is_refused_before_any_collective():
+    """The reshard plan knows tensor, pipeline and data parallelism only: with a context-parallel group the
+    training groups do not cover the world, a ValueError naming the sizes (tp 1 × cp 2: dp 1 on 2 ranks)."""
+    for message in run_distributed(cases.context_parallel_case, 2):
+        assert message == ("tensor (1) × pipeline (1) × data (1) parallel sizes must cover the world (2 ranks); "
+                           "context/expert parallelism is not supported yet"), message
 
 
 @pytest.mark.parametrize("mode", ["aliased", "canonical"])

@@ -163,6 +163,13 @@ def test_bad_expert_layouts_are_value_errors_before_any_collective():
         RolloutLayout(1, 1, **_BAD[-1][0])
 
 
+def test_experts_other_than_sequential_mlp_are_refused():
+    """Only SequentialMLP's per-expert tensors are planned: grouped experts (``moe_grouped_gemm``, Transformer
+    Engine's) are a ValueError naming the module and its class, before any collective."""
+    (message,) = run_distributed(cases.grouped_experts_case, 1)
+    assert message == ("decoder.layers.0.mlp.experts is a GroupedMLP; the HybridEngine moves SequentialMLP experts "
+                       "(megatron-core's local spec, moe_grouped_gemm=False)"), message
+
 @pytest.mark.slow
 def test_distributed_optimizer_buffers_are_the_own_slots_of_both_planes():
     """DDP with the distributed optimizer keeps a routed expert's parameters in buffers of their own (over the
