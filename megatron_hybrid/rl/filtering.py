@@ -47,7 +47,7 @@ def filter_groups(next_prompt: Callable[[], Any], generate: Callable[[list[list[
     ``next_prompt()``: the next admitted example (with ``.tokens``); ``generate(prompts, round)``: the results
     (``generated_tokens``, ``generated_tempered_log_probs``); ``score(examples, prompts, responses)``: the
     rewards (a collective: every rank calls it every round)."""
-    from ..reshard.communication import agree_max
+    from ..reshard import agree_max
 
     kept: list[tuple] = []
     dropped: list[tuple] = []
