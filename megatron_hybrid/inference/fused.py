@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from ..kernels.triton_helpers import HAVE_TRITON, next_pow2, use_triton
-from ..quant.fp8_kernels import FP8_DTYPE, FP8_MAX
+from ..kernels import HAVE_TRITON, next_pow2, use_triton
+from ..quant import FP8_DTYPE, FP8_MAX
 from . import kernels
 from .attention import KVCacheSelfAttention
 
@@ -58,7 +58,7 @@ Quantized = tuple[torch.Tensor, torch.Tensor]  # FP8 values [T, K] and fp32 row 
 
 
 def _quantize(y_TK: torch.Tensor) -> Quantized:
-    from ..quant.fp8 import quantize_activations
+    from ..quant import quantize_activations
 
     return quantize_activations(y_TK.reshape(-1, y_TK.shape[-1]))
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.triton_helpers import HAVE_TRITON, next_pow2, num_sms, use_triton, warn_cuda_fallback
+from ..kernels import HAVE_TRITON, next_pow2, num_sms, use_triton, warn_cuda_fallback
 
 if HAVE_TRITON:
     import triton

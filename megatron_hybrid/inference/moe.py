@@ -54,7 +54,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
-from ..reshard.communication import gather_rows, reduce_scatter_rows
+from ..reshard import gather_rows, reduce_scatter_rows
 from .context import KVStep, StepContext
 
 __all__ = ["ExpertStack", "StepMoELayer", "grouped_experts", "grouped_mm_supported", "install_step_moe",

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.triton_helpers import HAVE_TRITON
+from ..kernels import HAVE_TRITON
 from . import kernels
 from .context import StepContext
 

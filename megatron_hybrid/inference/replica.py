@@ -36,7 +36,7 @@ import torch
 
 from ..groups import RolloutGroups
 from ..memory import RolloutBuffer, RolloutMemoryProvider
-from ..reshard.communication import agree_max
+from ..reshard import agree_max
 from .config import GenerationConfig
 from .graphs import StepGraphs
 from .kv_cache import CacheGeometry, KVCache

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ..groups import RolloutGroups
 from ..memory import PerCallRolloutMemory, RolloutBuffer, RolloutMemoryProvider
-from ..reshard.communication import broadcast_from_last, gather_vocab, pipeline_peers, recv_from_previous, send_to_next
+from ..reshard import broadcast_from_last, gather_vocab, pipeline_peers, recv_from_previous, send_to_next
 from .attention import install_kv_attention
 from .config import GenerationConfig
 from .context import KVStep, stage_context

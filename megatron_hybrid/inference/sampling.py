@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.triton_helpers import use_triton
+from ..kernels import use_triton
 from .topp_kernel import top_p_race
 
 

@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from megatron_hybrid.kernels.triton_helpers import HAVE_TRITON, use_triton, warn_cuda_fallback
+from megatron_hybrid.kernels import HAVE_TRITON, use_triton, warn_cuda_fallback
 
 if HAVE_TRITON:
     import triton

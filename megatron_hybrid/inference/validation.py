@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..reshard.communication import collective_device
+from ..reshard import collective_device
 
 # SamplingParams fields that would change what generate returns: refused rather than silently ignored.
 UNSUPPORTED_FIELDS = ("num_tokens_total", "top_n_logprobs", "return_prompt_top_n_logprobs", "return_segments",

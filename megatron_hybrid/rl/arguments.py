@@ -21,7 +21,7 @@ import warnings
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
 from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
 from ..layout import ParallelLayout, RolloutLayout
-from ..megatron.models import GPTArchitecture
+from ..megatron import GPTArchitecture
 from ..modes import WeightMode
 from ..validation import check_expert_layout
 from .data import data_file_error

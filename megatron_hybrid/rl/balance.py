@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..reshard.communication import collective_device
+from ..reshard import collective_device
 from .batch import Batch
 
 

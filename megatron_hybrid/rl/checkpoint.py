@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from ..megatron.compat import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
-from ..megatron.patches.distrib_optimizer import distributed_optimizer_loading
+from ..megatron import ddp_finish_param_sync, megatron_expert_ranks, megatron_groups, unwrap_model
+from ..megatron.patches import distributed_optimizer_loading
 from .faults import errors_on_every_rank
 from .optimizer import TrainedModel
 from .phases import recorded

@@ -210,7 +210,7 @@ class EnvRunner:
         (or took ``max_turns`` turns). Called on every rank: the world runs as many turns as its longest
         replica (a replica with nothing left generates for no prompts), and every rank of a replica returns the
         same episodes. With ``keep_prefix``, ``release(kept)`` frees the kept caches of the samples that end."""
-        from ..reshard.communication import agree_max
+        from ..reshard import agree_max
 
         envs: dict[int, Any] = {}
         n = len(examples)

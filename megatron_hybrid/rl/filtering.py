@@ -48,7 +48,7 @@ def filter_groups(next_prompt: Callable[[], Any], generate: Callable[[list[list[
     round)`` (with ``request_stop_token_ids=`` where the examples have stop tokens of their own): the results
     (``generated_tokens``, ``generated_tempered_log_probs``); ``score(examples, prompts, responses)``: the
     rewards (a collective: every rank calls it every round)."""
-    from ..reshard.communication import agree_max
+    from ..reshard import agree_max
 
     kept: list[tuple] = []
     dropped: list[tuple] = []

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..reshard.communication import agree_max
+from ..reshard import agree_max
 
 if TYPE_CHECKING:
     from ..inference import GenerationConfig

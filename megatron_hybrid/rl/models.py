@@ -17,9 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..megatron.compat import megatron_expert_ranks, unwrap_model
-from ..megatron.models import GPTArchitecture
-from ..megatron.sharding import full_state_dict, load_full_state_dict
+from ..megatron import GPTArchitecture, full_state_dict, load_full_state_dict, megatron_expert_ranks, unwrap_model
 
 VALUE_MODEL_CONFIG = "value_model.json"
 VALUE_MODEL_WEIGHTS = "model.safetensors"

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..megatron.compat import megatron_groups, unwrap_model
+from ..megatron import megatron_groups, unwrap_model
 from .faults import Flags, check_finite
 from .metrics import clear_moe_aux_losses, moe_aux_losses
 from .models import wrap_ddp

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from ..megatron.compat import megatron_groups
-from ..reshard.communication import agree_max
+from ..megatron import megatron_groups
+from ..reshard import agree_max
 from . import ppo
 from .batch import Batch, make_batch  # noqa: F401  (make_batch: the passes' batch, re-exported)
 from .packing import first_fit_decreasing, in_batch_order, packed_micro_batches, sequence_lengths, split_to

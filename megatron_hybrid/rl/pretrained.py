@@ -44,9 +44,8 @@ from ..convert import CheckpointError, MegatronCheckpoint, load_megatron_checkpo
 from ..convert.layout import ITERATION_DIR as RELEASE
 from ..convert.layout import (ASSETS_DIR, WEIGHTS_FILE, CheckpointMeta, check_parallel_sizes, expert_of,
                               expert_rank_dir_name, megatron_lm_args, rank_dir_name, read_meta, write_meta)
-from ..megatron.compat import (ddp_finish_param_sync, megatron_expert_groups, megatron_expert_ranks, megatron_groups,
-                               unwrap_model)
-from ..megatron.models import GPTArchitecture
+from ..megatron import (GPTArchitecture, ddp_finish_param_sync, megatron_expert_groups, megatron_expert_ranks,
+                        megatron_groups, unwrap_model)
 from .faults import errors_on_every_rank
 from .models import architecture_from_args
 from .phases import recorded

@@ -12,7 +12,7 @@ import torch
 from ..inference import GenerationConfig, generate_with_model, replica_seed, split_evenly
 from ..inference.planner import MIXED_TOKENS
 from ..layout import ParallelLayout
-from ..megatron.compat import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
+from ..megatron import ddp_finish_param_sync, megatron_groups, sequence_parallel_off, unwrap_model
 from .phases import phase, recorded
 
 

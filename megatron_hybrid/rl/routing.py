@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..inference.moe import moe_layer_ordinals, route
-from ..megatron.compat import unwrap_model
-from ..reshard.communication import collective_device
+from ..megatron import unwrap_model
+from ..reshard import collective_device
 
 __all__ = ["TrainingRouting", "moe_routers", "replays_routing", "routed_experts_BSMk"]
 

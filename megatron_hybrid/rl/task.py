@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..inference import GenerationConfig
-from ..megatron.models import GPTArchitecture
+from ..megatron import GPTArchitecture
 from .data import Example, Prompts, eval_prompts
 from .pretrained import model_architecture
 from .rewards import Reward, build_reward
