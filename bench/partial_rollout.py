@@ -11,8 +11,9 @@ prompt's own set of k tokens besides the end token, k log-uniform in [1, K], so 
 ``--vocab-size`` / k tokens of the random model: most short, a long tail up to 4,096; 0: the end token alone,
 geometric lengths); ``--warmup`` steps, then ``--steps`` measured. The first run is synchronous (a step waits
 for its longest sample); the second adds
-``--partial-rollout --max-staleness 1 --tis-imp-ratio-cap 2`` (a step trains once its quota of groups finished,
-the rest resume in the next step), with twice the step's prompts in flight. Per run: effective tokens/s (the
+``--partial-rollout --max-staleness 1 --tis-imp-ratio-cap 2`` (a step trains once its quota of groups finished
+and the groups at their staleness bound finished too; the rest resume in the next step), with
+``--in-flight-factor`` (4) times the step's prompts in flight. Per run: effective tokens/s (the
 response tokens trained per second of whole steps, the median over measured steps), the share of decode steps with
 at least half the slots decoding, the generation and step seconds, the staleness of the trained tokens, and the
 parked, resumed and dropped counts; then the ratio of the two effective rates. Rows (every measured step, a
@@ -41,6 +42,7 @@ KEYS = (("throughput/effective_tokens_per_second", "effective tok/s", ".0f"),
         ("throughput/generation_tokens_per_second", "generation tok/s", ".0f"),
         ("response_length", "mean trained response tokens", ".0f"),
         ("partial/resumed", "samples resumed", ".0f"), ("partial/parked", "groups parked", ".0f"),
+        ("partial/due", "groups finished at their staleness bound", ".0f"),
         ("partial/dropped", "groups dropped", ".0f"))
 
 
@@ -84,6 +86,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--stop-sets", type=int, default=64, metavar="K",
                         help="stop-token sets drawn per request, k in [1, K] tokens (bench/rl_step.py --stop-sets)")
+    parser.add_argument("--in-flight-factor", type=int, default=4,
+                        help="the partial run's --partial-rollout-in-flight, in step's prompts (default 4)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     parser.add_argument("--inference-max-requests", type=int, default=None,
                         help="cache slots (default: one step's samples, 4 x --prompts, so that 'half the slots busy' "
@@ -108,7 +112,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     write = rows_writer(args.out)  # the file's earlier rows, then this run's so far
     rows: list[dict[str, Any]] = []
     for mode in args.modes:
-        rows += run(mode, args, PARTIAL if mode == "partial" else [])
+        extra = PARTIAL + ["--partial-rollout-in-flight", str(args.in_flight_factor * args.prompts)]
+        rows += run(mode, args, extra if mode == "partial" else [])
         write(rows)
     summaries = {r["mode"]: r for r in rows if r.get("kind") == "summary"}
     if len(summaries) == 2:

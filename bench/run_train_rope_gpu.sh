@@ -4,7 +4,8 @@
 #  1. bench/train_pass.py on the 1.5B shape at RL lengths (prompts 32-512, responses long-tailed up to 4,096, packs of
 #     8,192 tokens), packed sdpa with our packed RoPE and with megatron-core's, side by side, each profiled
 #     -> $OUT/train_pass_<gpu>.json, $OUT/train_pass.txt, $OUT/profile_*.txt
-#  2. with PARENT: bench/generate.py on gpu-1b, this tree against the parent's, twice each, alternating
+#  2. with PARENT: bench/generate.py on gpu-1b, this tree against the parent's, ROUNDS (2) times each, alternating
+#     (SKIP_TRAIN set: step 2 alone)
 #     -> $OUT/generate_parity_<gpu>.json, $OUT/generate_parity.txt
 set -u
 OUT=${OUT:-/tmp/out}
@@ -13,15 +14,15 @@ mkdir -p "$OUT"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 t0=$SECONDS
-timeout "${TRAIN_LIMIT:-150}" python3 bench/train_pass.py --shape qwen2.5-1.5b --methods packed-sdpa --packed-rope both \
+[ -z "${SKIP_TRAIN:-}" ] && timeout "${TRAIN_LIMIT:-150}" python3 bench/train_pass.py --shape qwen2.5-1.5b --methods packed-sdpa --packed-rope both \
   --sequences 64 --prompt-range 32 512 --response-max 4096 --max-tokens-per-micro-batch 8192 --longest \
   --runs 3 --warmup 1 --profile "$OUT" --out "$OUT/train_pass_$gpu.json" > "$OUT/train_pass.txt" 2>&1
-echo "train_pass: rc=$? $((SECONDS - t0)) s"
-grep -v -i "warn" "$OUT/train_pass.txt" | grep -v "^ " | tail -6
+[ -z "${SKIP_TRAIN:-}" ] && echo "train_pass: rc=$? $((SECONDS - t0)) s" && \
+  grep -v -i "warn" "$OUT/train_pass.txt" | grep -v "^ " | tail -6
 if [ -n "${PARENT:-}" ]; then
   gen=(bench/generate.py --shape gpu-1b --methods ours --variants greedy top_p --batch 128 --new-tokens 512
        --runs 3 --warmup 1)
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for tree in parent head; do
       t0=$SECONDS
       if [ $tree = parent ]; then

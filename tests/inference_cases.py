@@ -401,7 +401,11 @@ def budget_case(state: dict, stops: list[int], budgets: list[dict], *, slots: in
         return [{"tokens": r.generated_tokens, "log_probs": r.generated_log_probs, "finished": r.finished,
                  "versions": r.weight_versions} for r in results]
 
-    out = {"whole": run(None), "budgets": [run(Budget(**kw)) for kw in budgets],
+    whole = run(None)
+    longest = max(range(count), key=lambda i: len(whole[i]["tokens"]))  # required="longest": that sequence's index
+    out = {"whole": whole, "longest": longest,
+           "budgets": [run(Budget(**{**kw, "required": (longest,)} if kw.get("required") == "longest" else kw))
+                       for kw in budgets],
            "switches": engine.num_switches, "decode_steps": generator.report()["decode_steps"]}
     engine.switch_to_training()
     return out

@@ -463,7 +463,7 @@ def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed)
     from megatron_hybrid.inference import Budget
 
     budgets = [dict(finished=2), dict(decode_steps=5), dict(finished=1, decode_steps=40), dict(finished=7),
-               dict(finished=2, groups=(0, 0, 1, 1, 1, 2, 2))]
+               dict(finished=2, groups=(0, 0, 1, 1, 1, 2, 2)), dict(finished=1, required="longest")]
     out = run_distributed(cases.budget_case, 1, state, stops, budgets, mixed=mixed)[0]
     whole = out["whole"]
     assert all(r["finished"] for r in whole) and len({len(r["tokens"]) for r in whole}) > 1
@@ -476,6 +476,8 @@ def test_a_budget_returns_finished_and_unfinished_sequences(state, stops, mixed)
             assert len(finished) >= kw["finished"]
         if kw == dict(finished=7):  # all of them: the same as no budget
             assert run == whole
+        if kw.get("required"):  # the quota alone would have stopped earlier: the required sequence ends whole
+            assert run[out["longest"]] == whole[out["longest"]]
         # 3 slots, 7 prompts: a budget met early leaves prompts unadmitted (no tokens) and slots mid-sequence.
         if kw == dict(decode_steps=5):
             assert any(not r["finished"] and r["tokens"] for r in run)
@@ -511,6 +513,14 @@ def test_a_group_budget_splits_and_shares_whole_groups():
     assert Budget(finished=3).complete(ended) == 7
     with pytest.raises(ValueError, match="group 0 must be consecutive"):
         Budget(finished=1, groups=(0, 1, 0))
+    # Required sequences (partial rollout's due units): re-indexed into each share; the quota waits for them.
+    r = Budget(finished=1, groups=b.groups, required=(1, 6, 9))
+    assert r.share(0, 5, 10).required == (1,) and r.share(5, 10, 10).required == (1, 4)
+    assert r.share(5, 8, 10) == Budget(1, None, (2, 2, 2), (1,))
+    assert not r.met(ended, 0) and r.met(ended[:9] + [True], 0) and r.met(ended, 0) is False
+    assert Budget(finished=1, decode_steps=3, required=(9,)).met(ended, 3)  # decode steps still stop the call
+    with pytest.raises(ValueError, match=r"Budget.required holds -1"):
+        Budget(finished=1, required=(-1,))
 
 
 # (t, p) -> (t_g, p_g), mixed_prefill_tokens: one rank; TP 2 -> TP 1 (two micro-DP replicas per training replica,

@@ -55,9 +55,13 @@ def test_the_buffer_admits_generates_parks_takes_and_drops():
     buf.drop_stale(1, counts)
     buf.admit(PROMPTS.__getitem__, counts)
     assert counts.dropped == 0 and [u.index for u in buf.units] == [3, 7, 9]
-    requests, budget = buf.requests(counts)
+    requests, budget = buf.requests(counts, version=1)
     assert requests[0].generated_tokens == [6, 6] and counts.resumed == 1 and counts.generated == 5
     assert budget.groups == (1, 3, 3, 4, 4)  # group 1 first: the parked one resumes first
+    # Group 1 holds tokens of version 0: parked again it would be dropped at step 2 (2 behind), so this call must end
+    # it (its one unfinished sample is the call's sequence 0); without the version nothing is required.
+    assert budget.required == (0,) and counts.due == 1 and [u.index for u in buf.due(1)] == [3]
+    assert buf.requests(Counts())[1].required == () and _buffer(max_staleness=0).due(1) == []
     ends = [([1], True), ([2], False), ([], False), ([3], True), ([3], True)]
     buf.absorb([_generated(r, t, f) for r, (t, f) in zip(requests, ends)], version=1)
     resumed = buf.units[0].samples[1]

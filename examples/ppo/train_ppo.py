@@ -283,7 +283,7 @@ class Trainer:
         counts = rl.partial.Counts()
         buffer.drop_stale(step, counts)
         buffer.admit(self.prompts.example, counts)  # each sample keeps its prompt's own stop tokens
-        resume, budget = buffer.requests(counts)
+        resume, budget = buffer.requests(counts, version=step)  # the units due at this step must end in it
         with timer.peak("generation"):  # nothing to generate when finished units already make the quota
             rollout = self.generate([], seed=a.seed * 7919 + step, budget=budget, resume=resume)
         generated = buffer.absorb(rollout.results, version=step)
@@ -458,12 +458,12 @@ class Trainer:
         """--partial-rollout's counts, summed over the DP replicas (a collective of the DP group), and the share
         of the trained tokens at each staleness (0 ... --max-staleness versions)."""
         buffer = self.partial
-        keys = ("admitted", "resumed", "dropped", "waiting", "parked")
-        mine = [counts.admitted, counts.resumed, counts.dropped, counts.waiting, counts.parked, buffer.dropped,
-                buffer.admitted]
+        keys = ("admitted", "resumed", "dropped", "waiting", "parked", "due")
+        mine = [counts.admitted, counts.resumed, counts.dropped, counts.waiting, counts.parked, counts.due,
+                buffer.dropped, buffer.admitted]
         total = sum_over(mine, self.dp_group)
-        return {**{f"partial/{k}": v for k, v in zip(keys, total)}, "partial/dropped_total": total[5],
-                "partial/admitted_total": total[6], "partial/staleness": counts.staleness}
+        return {**{f"partial/{k}": v for k, v in zip(keys, total)}, "partial/dropped_total": total[6],
+                "partial/admitted_total": total[7], "partial/staleness": counts.staleness}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:  # checkpointed by name: parameters, optimizers, schedulers

@@ -332,6 +332,9 @@ def _check_call_shape(engine: RolloutEngine, prompts: Sequence, resume: list, co
     if budget is not None and budget.groups is not None and len(budget.groups) != len(resume) + len(prompts):
         raise ValueError(f"Budget.groups has {len(budget.groups)} labels for {len(resume)} resumed sequences "
                          f"and {len(prompts)} prompts: one per sequence")
+    if budget is not None and budget.required and max(budget.required) >= len(resume) + len(prompts):
+        raise ValueError(f"Budget.required names sequence {max(budget.required)} of a call of {len(resume)} resumed "
+                         f"sequences and {len(prompts)} prompts")
     return continuing
 
 

@@ -124,11 +124,16 @@ class Budget:
 
     ``groups``: per sequence of the call (the resumed ones first, then the prompts), a group label, each group's
     sequences consecutive; ``finished`` then counts the groups all of whose sequences in the call have ended (a GRPO
-    group trains once all its samples are done), and a micro-DP split keeps every group on one replica."""
+    group trains once all its samples are done), and a micro-DP split keeps every group on one replica.
+
+    ``required``: sequences (indices into the call's) that must end before ``finished`` may stop the call (partial
+    rollout: samples at their staleness bound, which would be dropped if parked again); ``decode_steps`` still
+    stops it."""
 
     finished: Optional[int] = None
     decode_steps: Optional[int] = None
     groups: Optional[tuple[int, ...]] = None
+    required: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("finished", "decode_steps"):
@@ -137,6 +142,10 @@ class Budget:
                 raise ValueError(f"Budget.{name} ({value!r}) must be a positive integer")
         if self.finished is None and self.decode_steps is None:
             raise ValueError("Budget needs finished (sequences wanted) or decode_steps")
+        object.__setattr__(self, "required", tuple(self.required))
+        bad = [i for i in self.required if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        if bad:
+            raise ValueError(f"Budget.required holds {bad[0]!r}: it takes indices of the call's sequences (ints >= 0)")
         if self.groups is not None:
             object.__setattr__(self, "groups", tuple(self.groups))
             seen: set = set()
@@ -170,12 +179,14 @@ class Budget:
         unchanged."""
         if hi == lo:
             return None
+        required = tuple(i - lo for i in self.required if lo <= i < hi)
         if self.finished is None:
             return Budget(None, self.decode_steps)
         if self.groups is None:
-            return Budget(max(1, -(-self.finished * (hi - lo) // whole)), self.decode_steps)
+            return Budget(max(1, -(-self.finished * (hi - lo) // whole)), self.decode_steps, required=required)
         mine, total = len(self._runs(hi)) - len(self._runs(lo)), len(self._runs(whole))
-        return Budget(min(mine, max(1, -(-self.finished * mine // total))), self.decode_steps, self.groups[lo:hi])
+        return Budget(min(mine, max(1, -(-self.finished * mine // total))), self.decode_steps, self.groups[lo:hi],
+                      required)
 
     def complete(self, ended: Sequence[bool]) -> int:
         """How many groups (or sequences, without ``groups``) have ended."""
@@ -188,7 +199,8 @@ class Budget:
         if self.decode_steps is not None and decode_steps >= self.decode_steps:
             return True
         # Every group has a sequence: fewer ended sequences than the quota cannot make it up.
-        return self.finished is not None and sum(ended) >= self.finished and self.complete(ended) >= self.finished
+        return self.finished is not None and sum(ended) >= self.finished and self.complete(ended) >= self.finished \
+            and all(ended[i] for i in self.required)
 
 
 @dataclass

@@ -11,7 +11,10 @@ PPO sample. Each DP rank keeps its own buffer (:class:`PartialRollout`), the sam
 3. **generate**: every unfinished sample, the oldest units first (so the parked ones resume first: their tokens
    so far are prefilled again with the current weights), under a :class:`~megatron_hybrid.inference.Budget` that
    stops once the units this rank still needs for its quota have ended (``Budget.groups``: a unit counts once all of
-   its samples ended);
+   its samples ended) and every *due* unit has ended too (``Budget.required``): a unit whose oldest token is
+   ``--max-staleness`` versions old (K ≥ 1) would be dropped if parked again, so it finishes in this step, while
+   the other units keep the generator full beside it. Only a unit that could not finish (K = 0, where a unit is
+   due as soon as it starts) is dropped, so long samples train rather than being dropped for their length;
 4. **take**: the oldest ``quota`` finished units train; the rest stay (finished ones wait, unfinished ones are
    parked).
 
@@ -65,6 +68,8 @@ class Counts:
     """Samples handed to the generator."""
     generated_tokens: int = 0
     """Tokens the step's generate call produced (:meth:`PartialRollout.absorb`)."""
+    due: int = 0
+    """Unfinished units at their staleness bound, which this step's generate call finished (``Budget.required``)."""
     waiting: int = 0
     """Finished units left for a later step, after this step's are taken (:meth:`PartialRollout.held`)."""
     parked: int = 0
@@ -130,9 +135,11 @@ class PartialRollout:
         """Units still to finish for this step's quota."""
         return max(0, self.quota - sum(u.finished for u in self.units))
 
-    def requests(self, counts: Counts) -> tuple[list[GenerationResult], Optional[Budget]]:
+    def requests(self, counts: Counts, version: Optional[int] = None
+                 ) -> tuple[list[GenerationResult], Optional[Budget]]:
         """The unfinished samples, oldest units first, to pass as a generate call's ``resume``, and its budget
-        (None when the quota is already met: nothing is generated)."""
+        (None when the quota is already met: nothing is generated). ``version``: the weights the step trains; the
+        units due at it (:meth:`due`) must end in the call (``Budget.required``)."""
         need = self.need()
         self._pending = [] if not need else [(u, i) for u in self.units for i, s in enumerate(u.samples)
                                              if not s.finished]
@@ -141,7 +148,19 @@ class PartialRollout:
         pending = [u.samples[i] for u, i in self._pending]
         counts.generated = len(pending)
         counts.resumed = sum(bool(s.generated_tokens) for s in pending)
-        return pending, Budget(finished=need, groups=tuple(u.label for u, _ in self._pending))
+        due = set() if version is None else {id(u) for u in self.due(version)}
+        counts.due = len(due)
+        return pending, Budget(finished=need, groups=tuple(u.label for u, _ in self._pending),
+                               required=tuple(j for j, (u, _) in enumerate(self._pending) if id(u) in due))
+
+    def due(self, version: int) -> list[Unit]:
+        """The unfinished units that :meth:`drop_stale` would drop at the next step if they stay unfinished now:
+        their oldest token is ``max_staleness`` versions behind ``version`` (none with ``max_staleness`` 0, where a
+        unit is due as soon as its first token exists)."""
+        if self.max_staleness < 1:
+            return []
+        return [u for u in self.units if not u.finished and u.oldest() is not None
+                and version - u.oldest() >= self.max_staleness]
 
     def absorb(self, results: list[GenerationResult], version: int) -> int:
         """Put a generate call's results (for the last :meth:`requests`' samples, in order) in their places; the
