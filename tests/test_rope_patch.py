@@ -95,7 +95,7 @@ def test_no_tensor_is_read_to_the_host(monkeypatch):
 
 
 def test_tables_follow_the_pack_and_the_dtype():
-    """Each layer of one pack reuses its tables; another pack, table or dtype gets its own."""
+    """Each layer of one pack reuses its angles; another pack or table gets its own (and any dtype works)."""
     freqs = _freqs(48, 32)
     first = torch.tensor([0, 10, 30], dtype=torch.int32)
     second = torch.tensor([0, 20, 30], dtype=torch.int32)

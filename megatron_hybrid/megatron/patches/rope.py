@@ -10,9 +10,9 @@ a micro-batch spends more time launching these kernels than the GPU spends on th
 
 :func:`packed_rope_without_host_syncs` replaces the module's ``_apply_rotary_pos_emb_thd`` (which
 ``apply_rotary_pos_emb`` calls by name) with :func:`apply_packed_rope`: each token's position in its own sequence
-comes from ``cu_seqlens`` on the device (a ``searchsorted``), ``cos`` / ``sin`` of those positions are made once per
+comes from ``cu_seqlens`` on the device (a ``searchsorted``), the angles at those positions are gathered once per
 micro-batch and reused by every layer (the same ``cu_seqlens`` and ``freqs`` tensors are passed to all of them), and
-the rotation is one set of element-wise kernels over the whole pack. The arithmetic per element is megatron-core's
+``cos``, ``sin`` and the rotation are one set of element-wise kernels over the whole pack. The arithmetic per element is megatron-core's
 (``cos(freqs) * mscale`` cast to the input's dtype, ``t * cos + rotate_half(t) * sin``), so on a GPU the output is
 the same bits. Context parallelism (cp > 1) and MLA-style interleaving keep megatron-core's own function.
 
@@ -28,8 +28,8 @@ from typing import Iterator, Optional
 import torch
 
 _ORIGINAL: list = []  # megatron-core's _apply_rotary_pos_emb_thd, once replaced
-#: The last micro-batch's tables: (cu_seqlens, freqs, dtype, mscale, cos, sin). Every layer of one pack passes the
-#: same two tensors; holding them keeps their identity meaningful (a freed tensor's id could be reused).
+#: The last micro-batch's angles: (cu_seqlens, freqs, angles). Every layer of one pack passes the same two tensors;
+#: holding them keeps their identity meaningful (a freed tensor's id could be reused).
 _LAST: list = []
 
 
@@ -76,24 +76,21 @@ def packed_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return index - cu[sequence]
 
 
-def _tables(cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int, dtype: torch.dtype,
-            mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` (``[T, 1, 1, rot_dim]``, ``dtype``) of each packed token's rotary angles, as megatron-core's
-    ``_apply_rotary_pos_emb_bshd`` computes them; cached for the layers of one pack."""
+def _angles(cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each packed token's rotary angles, ``[T, 1, 1, rot_dim]`` (broadcast over the heads); cached for the layers
+    of one pack. ``cos`` and ``sin`` are taken in each call, as megatron-core does, so that each layer keeps its own
+    for the backward (the activations each layer saves stay what they were)."""
     if _LAST:
-        cu, fr, dt, ms, cos, sin = _LAST[0]
-        if cu is cu_seqlens and fr is freqs and dt == dtype and ms == mscale and cos.size(0) == tokens:
-            return cos, sin
+        cu, fr, angles = _LAST[0]
+        if cu is cu_seqlens and fr is freqs and angles.size(0) == tokens:
+            return angles
     if freqs.size(0) == tokens:  # megatron-core's "exact mapping": freqs holds every packed position already
         angles = freqs[:tokens]
     else:  # positions restart at every sequence
         angles = freqs.index_select(0, packed_positions(cu_seqlens, tokens).to(freqs.device))
-    angles = angles.reshape(tokens, 1, 1, freqs.size(-1))  # [T, 1, 1, D]: broadcast over the heads
-    with torch.no_grad():
-        cos = (torch.cos(angles) * mscale).to(dtype)
-        sin = (torch.sin(angles) * mscale).to(dtype)
-    _LAST[:] = [(cu_seqlens, freqs, dtype, mscale, cos, sin)]
-    return cos, sin
+    angles = angles.reshape(tokens, 1, 1, freqs.size(-1)).detach()
+    _LAST[:] = [(cu_seqlens, freqs, angles)]
+    return angles
 
 
 def apply_packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
@@ -110,7 +107,9 @@ def apply_packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Te
             kwargs["mla_rotary_interleaved" if mla_rotary_interleaved is not None else "multi_latent_attention"] = True
         return _original()(t, cu_seqlens, freqs, **kwargs)
     rot_dim = freqs.size(-1)
-    cos, sin = _tables(cu_seqlens, freqs, t.size(0), t.dtype, mscale)
+    angles = _angles(cu_seqlens, freqs, t.size(0))
+    cos = (torch.cos(angles) * mscale).to(t.dtype)  # megatron-core's _apply_rotary_pos_emb_bshd, per element
+    sin = (torch.sin(angles) * mscale).to(t.dtype)
     x = t.unsqueeze(1)  # [T, 1, heads, D], as megatron-core rotates it
     x, passed = x[..., :rot_dim], x[..., rot_dim:]
     rotated = x * cos + _rope_utils()._rotate_half(x, rotary_interleaved) * sin
