@@ -7,7 +7,7 @@ A facade that sequences the pieces, each in a module of its own:
 - the checks of the arguments and the model, before any collective: :mod:`megatron_hybrid.validation`;
 - the reshard plan (which bytes move where): :mod:`megatron_hybrid.reshard.plan`, made and run by
   :mod:`megatron_hybrid.reshard.executor` (the gather of the members' parameter descriptions; one in-place collective
-  per region at each switch);
+  per region at each switch); put together per plane with its placement: :mod:`megatron_hybrid.reshard.assembly`;
 - where every tensor lives and which ranges are backed: :mod:`megatron_hybrid.reshard.placement`;
 - binding the rollout parameters, one class per weight mode: :mod:`megatron_hybrid.reshard.binding` (FP8 rollout
   weights: :mod:`megatron_hybrid.quant.fp8`);
@@ -37,15 +37,13 @@ from .groups import RolloutGroups, create_rollout_groups
 from .inference import RolloutGenerator
 from .layout import ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .megatron import compat
-from .megatron.sharding import is_expert
 from .memory import HostOffload, ReservedBuffer, optimizer_tensors
 from .modes import RolloutWeights, WeightMode, parse_mode
 from .quant.fp8 import layers_in_bf16
+from .reshard.assembly import place_exchange, place_planes
 from .reshard.binding import BINDINGS, named_parameters
-from .reshard.exchange import keys_of
-from .reshard.executor import (CollectiveRecord, ExchangeExecutor, PlaneSpec, PlanExecutor, held_buffers,
-                               make_exchange_plan, make_group_plan)
-from .reshard.placement import EngineRolloutMemory, ExchangePlacement, Placement, Placements
+from .reshard.executor import CollectiveRecord
+from .reshard.placement import EngineRolloutMemory
 from .reshard.rollout_model import ModelProvider, build_rollout_chunks
 from .validation import WEIGHT_MODES, as_timeout, check_arguments, check_experts, check_layout, check_model
 
@@ -86,6 +84,29 @@ def _serving_engine(params: list[torch.nn.Parameter]) -> Optional["HybridEngine"
     # different times on different ranks: collect now, so that every rank decides on what is reachable.
     gc.collect()
     return find()
+
+
+def _refuse_served(params: list[torch.nn.Parameter]) -> None:
+    """``ValueError`` where an open engine serves any of ``params`` (local state, the same on every rank: decided
+    before any collective)."""
+    first = _serving_engine(params)
+    if first is not None:
+        raise ValueError(f"model is already served by a HybridEngine (id {id(first):#x}, created at "
+                         f"{first.created_at}); a second engine would move its parameters away from the first's "
+                         "buffers. close() the first engine, or keep using it")
+
+
+def _serve(params: list[torch.nn.Parameter], engine: HybridEngine) -> None:
+    for prm in params:
+        _SERVED_BY[prm] = weakref.ref(engine)
+
+
+def _stop_serving(params: Iterator[torch.nn.Parameter], engine: HybridEngine) -> None:
+    """The parameters ``engine`` served are free for another engine."""
+    for prm in params:
+        ref = _SERVED_BY.get(prm)
+        if ref is not None and ref() is engine:
+            del _SERVED_BY[prm]
 
 
 def _training_groups(tp_group: Any, pp_group: Any, dp_group: Any) -> tuple[Any, Any, Any, Optional[Any]]:
@@ -158,11 +179,7 @@ class HybridEngine:
         self.modules = [compat.unwrap_model(c) for c in self.chunks]
         self.created_at = _creation_site()
         params = [p for m in self.modules for p in m.parameters()]
-        first = _serving_engine(params)  # local state, the same on every rank: decided before any collective
-        if first is not None:
-            raise ValueError(f"model is already served by a HybridEngine (id {id(first):#x}, created at "
-                             f"{first.created_at}); a second engine would move its parameters away from the first's "
-                             "buffers. close() the first engine, or keep using it")
+        _refuse_served(params)
         tp_group, pp_group, dp_group, cp_group = _training_groups(tp_group, pp_group, dp_group)
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.layout = lay = ParallelLayout.create(training=(tp_group.size(), pp_group.size(), dp_group.size()),
@@ -208,12 +225,19 @@ class HybridEngine:
         self._train_params = dict(named_parameters(self.modules))
         self.device = next(iter(self._train_params.values())).device
         self._optimizers = [optimizer] if optimizer is not None else []  # close() may add one: read at the move
-        self.plans: dict[str, tuple[Optional[Any], int]] = {}
-        self._executors: list[Any] = []  # the switch's collectives, plane by plane
+        experts = dict(expert_layout=self.expert_layout, expert_groups=expert_groups)
         if lay.exchange:
-            self.placement = self._place_exchange(tied, expert_groups)
+            reshard = place_exchange(self.modules, self.rollout_chunks, self.rollout_groups, device=self.device,
+                                     training_params=self._train_params, tp_rank=self.tp_rank, tied=tied, **experts)
+            self.exchange_plan = reshard.exchange_plan
         else:
-            self.placement = self._place_planes(expert_groups)
+            reshard = place_planes(
+                self.modules, self.rollout_chunks, self.rollout_groups, chunks=self.chunks, optimizers=self._optimizers,
+                training_params=self._train_params, device=self.device, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                num_layers=self.config.num_layers, bucket_size_mb=self.bucket_size_mb, align_slots=self.align_slots,
+                tied=self._tied, strided=weight_mode == WeightMode.CANONICAL, **experts)
+        self.placement, self.plans = reshard.placement, reshard.plans
+        self._executors: list[Any] = reshard.executors  # the switch's collectives, plane by plane
         self.plan, self.member_index = self.plans["dense"]
         self.fp8_layers_in_bf16 = layers_in_bf16(self.config) if rollout_weights == RolloutWeights.FP8 else (0, 0)
         self.binding = BINDINGS[weight_mode](self.rollout_chunks, self.placement, rollout_weights=rollout_weights,
@@ -227,60 +251,7 @@ class HybridEngine:
         self._last_report: dict[str, Any] = {"total_bytes": 0, "num_collectives": 0, "collectives": []}
         # Off by default: per-collective timing synchronises the device after every collective.
         self.profiling = False
-        for prm in params:
-            _SERVED_BY[prm] = weakref.ref(self)
-
-    def _place_planes(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> Placements:
-        """The gather plans of an in-place layout, plane by plane, their placements and executors."""
-        lay = self.layout
-        alignment = Placement.alignment(self.device) if self.align_slots else None
-        planes: dict[str, Placement] = {}
-        for spec in self._plane_specs(expert_groups):
-            dense = spec.name == "dense"
-            # DDP's parameter buffers (distributed optimizer): its expert-parallel ones are the experts plane's.
-            held, held_at = held_buffers(self.chunks, optimizers=self._optimizers,
-                                         experts=None if self.expert_layout is None else not dense)
-            plan, index = make_group_plan(
-                self.modules, self.rollout_chunks, spec, self.rollout_groups,
-                layers_per_stage=self.config.num_layers // lay.p, bucket_size_mb=self.bucket_size_mb,
-                held=held, held_at=held_at, alignment=alignment, tied=self._tied if dense else None,
-                strided=self.weight_mode == WeightMode.CANONICAL)
-            self.plans[spec.name] = (plan, index)
-            planes[spec.name] = Placement(plan, index, self._train_params, lay, rollout_tp_rank=self.rollout_tp_rank,
-                                          device=self.device, held=held if plan is not None else ())
-            if plan is not None:  # none when the micro group is one rank: every rank holds its rollout shard
-                self._executors.append(PlanExecutor(plan, index, self.rollout_groups, plane=spec.name,
-                                                    training_params=self._train_params, device=self.device))
-        return Placements(planes, lambda name: "experts" if is_expert(name) else "dense")
-
-    def _place_exchange(self, tied: bool, expert_groups: Optional[tuple[Any, Any, Any]]) -> Placements:
-        """The exchange plan of any other layout pair (:mod:`megatron_hybrid.reshard.exchange`), its placement (the
-        training tensors stay where they are; a receive buffer per dtype) and executor. An MoE model's routed
-        experts move in the same all-to-all, on their own axis (expert TP)."""
-        rank = dist.get_rank()
-        experts = None if expert_groups is None else (self.expert_layout, dist.get_rank(expert_groups[0]))
-        plan = make_exchange_plan(self.modules, self.rollout_chunks, self.rollout_groups, tp_rank=self.tp_rank,
-                                  tied=tied, experts=experts)
-        names = list(self._train_params) + [n for n, _ in named_parameters(self.rollout_chunks)]
-        keys = keys_of(names, tied=tied)
-        self.exchange_plan = plan
-        self.plans["dense"] = (None, rank)
-        placement = ExchangePlacement(plan, rank, self._train_params, self.layout, keys=keys,
-                                      rollout_tp_rank=self.rollout_tp_rank, device=self.device)
-        self._executors.append(ExchangeExecutor(plan, rank, self.rollout_groups, training_params=self._train_params,
-                                                keys={n: keys[n] for n in self._train_params}, device=self.device))
-        return Placements({"dense": placement}, lambda name: "dense")
-
-    def _plane_specs(self, expert_groups: Optional[tuple[Any, Any, Any]]) -> list[PlaneSpec]:
-        """The dense plane over the micro-DP groups, and an MoE model's routed experts over the micro-EP groups."""
-        lay = self.layout
-        specs = [PlaneSpec("dense", "micro_dp", lay.t, lay.t_g, lay.k, lay.q, 1, self.tp_rank, self.pp_rank)]
-        ex = self.expert_layout
-        if ex is not None:
-            et_rank, ep_rank, _ = (dist.get_rank(g) for g in expert_groups)
-            specs.append(PlaneSpec("experts", "micro_ep", ex.et, ex.et_g, ex.ke, ex.q, ex.ue, et_rank, self.pp_rank,
-                                   ep_rank))
-        return specs
+        _serve(params, self)
 
     # ---- the rollout groups: where this rank sits in the rollout layout -------------------------------------
     # Read from ``self.rollout_groups`` (:class:`~megatron_hybrid.groups.RolloutGroups`), the one owner.
@@ -372,8 +343,9 @@ class HybridEngine:
             raise RuntimeError("the engine was closed")
         for chunk in self.chunks:  # the distributed optimizer's last all-gather may still be pending (overlap)
             compat.ddp_finish_param_sync(chunk)
-        self._check_storage()
-        to_offload = self._offload_targets(offload_optimizer, offload_grads)  # bad input fails before collectives
+        _check_storage(self._train_params, self._train_ptrs)
+        # Bad input fails before the collectives.
+        to_offload = _offload_targets(self.chunks, offload_optimizer, offload_grads, keep=self._train_params)
         start = time.perf_counter()
         self.placement.map_rollout()  # every piece first: one access update per contiguous span
         t_map = time.perf_counter()
@@ -398,29 +370,11 @@ class HybridEngine:
         phases = {"map_seconds": t_map - start, "collectives_seconds": t_coll - t_map,
                   "canonical_seconds": t_canon - t_coll, "offload_seconds": t_off - t_canon,
                   "sync_seconds": end - t_off}
-        self._last_report = self._report(records, end - start, phases) | {"switch_peak_bytes_mapped": peak}
-
-    def _check_storage(self) -> None:
-        """The training parameters are where the rollout model was bound (in place updates only)."""
-        if [p.data_ptr() for p in self._train_params.values()] != self._train_ptrs:
-            moved = [n for (n, p), ptr in zip(self._train_params.items(), self._train_ptrs) if p.data_ptr() != ptr]
-            raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
-                               "the HybridEngine was built; the rollout model is bound to the old storage. Copy new "
-                               "values in place (param.data.copy_(...)) instead")
+        self._last_report = _switch_report(self, records, end - start, phases) | {"switch_peak_bytes_mapped": peak}
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-
-    def _offload_targets(self, optimizer: Any, grads: bool) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        if optimizer is not None:
-            out.extend(optimizer_tensors(optimizer, keep=list(self._train_params.values())))
-        if grads:
-            for c in self.chunks:
-                buffers = compat.ddp_grad_buffers(c)  # Megatron DDP: one contiguous grad buffer per dtype
-                out.extend(buffers if buffers is not None else (p.grad for p in c.parameters() if p.grad is not None))
-        return out
 
     def switch_to_training(self) -> None:
         """Release the peers' slots and the rollout-only memory; the training shards never moved.
@@ -471,10 +425,7 @@ class HybridEngine:
         self.binding.unbind()
         self.placement.close()
         self.mode = "closed"
-        for prm in (p for m in self.modules for p in m.parameters()):  # the model is free for another engine
-            ref = _SERVED_BY.get(prm)
-            if ref is not None and ref() is self:
-                del _SERVED_BY[prm]
+        _stop_serving((p for m in self.modules for p in m.parameters()), self)
 
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params, *, vocab_size: Optional[int] = None,
@@ -521,28 +472,7 @@ class HybridEngine:
         ``ReplicaGenerator.report``); empty before the first :meth:`generate`."""
         return {} if self._generator is None else self._generator.report()
 
-    # ---- reporting -----------------------------------------------------------------------------------------
-    def _report(self, records: list[CollectiveRecord], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
-        return {
-            "total_bytes": sum(r.bytes_received for r in records),
-            # An MoE model's routed experts: received over the micro-EP groups (part of total_bytes).
-            "expert_bytes": sum(r.bytes_received for r in records if r.plane == "experts"),
-            "num_collectives": len(records),
-            "switch_seconds": seconds,
-            # Where the switch's time went. Without profiling, GPU phases are launch times and the device is
-            # synchronised once at the end: the wait for the queued collectives and copies is sync_seconds.
-            "phases": dict(phases),
-            "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
-                                                     else 0.0} for r in records],
-            "groups": {k: v for k, v in self.group_ranks.items() if k != "single"},
-            **self.placement.report(),
-            "weight_mode": self.weight_mode,
-            "rollout_weights": self.rollout_weights,
-            "fp8_layers_in_bf16": list(self.fp8_layers_in_bf16),
-            "layout": dataclasses.asdict(self.layout),
-            **({"expert_layout": dataclasses.asdict(self.expert_layout)} if self.expert_layout is not None else {}),
-        }
-
+    # ---- reporting (a switch's: _switch_report) -------------------------------------------------------------
     def communication_report(self) -> dict[str, Any]:
         """What the last switch to rollout moved: ``total_bytes`` is what this rank received; ``generation``:
         the generator's counters (CUDA graph captures and replays, decode steps, KV-cache bytes), once it exists.
@@ -566,3 +496,50 @@ class HybridEngine:
         collectives are synchronous either way.
         """
         self.profiling = bool(enabled)
+
+
+def _check_storage(params: dict[str, torch.nn.Parameter], pointers: list[int]) -> None:
+    """The training parameters are where the rollout model was bound (``pointers``: in place updates only)."""
+    if [p.data_ptr() for p in params.values()] != pointers:
+        moved = [n for (n, p), ptr in zip(params.items(), pointers) if p.data_ptr() != ptr]
+        raise RuntimeError(f"training parameters {moved[:3]} were given new storage (param.data = ...) after "
+                           "the HybridEngine was built; the rollout model is bound to the old storage. Copy new "
+                           "values in place (param.data.copy_(...)) instead")
+
+
+def _offload_targets(chunks: list[torch.nn.Module], optimizer: Any, grads: bool, *,
+                     keep: dict[str, torch.nn.Parameter]) -> list[torch.Tensor]:
+    """What a switch to rollout moves to the host: ``optimizer``'s states and main parameters (not the training
+    parameters, ``keep``), and with ``grads`` the gradients of ``chunks``."""
+    out: list[torch.Tensor] = []
+    if optimizer is not None:
+        out.extend(optimizer_tensors(optimizer, keep=list(keep.values())))
+    if grads:
+        for c in chunks:
+            buffers = compat.ddp_grad_buffers(c)  # Megatron DDP: one contiguous grad buffer per dtype
+            out.extend(buffers if buffers is not None else (p.grad for p in c.parameters() if p.grad is not None))
+    return out
+
+
+def _switch_report(engine: HybridEngine, records: list[CollectiveRecord], seconds: float,
+                   phases: dict[str, float]) -> dict[str, Any]:
+    """What :meth:`HybridEngine.communication_report` tells of the switch that ran ``records`` in ``seconds``."""
+    return {
+        "total_bytes": sum(r.bytes_received for r in records),
+        # An MoE model's routed experts: received over the micro-EP groups (part of total_bytes).
+        "expert_bytes": sum(r.bytes_received for r in records if r.plane == "experts"),
+        "num_collectives": len(records),
+        "switch_seconds": seconds,
+        # Where the switch's time went. Without profiling, GPU phases are launch times and the device is
+        # synchronised once at the end: the wait for the queued collectives and copies is sync_seconds.
+        "phases": dict(phases),
+        "collectives": [dataclasses.asdict(r) | {"gbps": (r.bytes_received / r.seconds / 1e9) if r.seconds
+                                                 else 0.0} for r in records],
+        "groups": {k: v for k, v in engine.group_ranks.items() if k != "single"},
+        **engine.placement.report(),
+        "weight_mode": engine.weight_mode,
+        "rollout_weights": engine.rollout_weights,
+        "fp8_layers_in_bf16": list(engine.fp8_layers_in_bf16),
+        "layout": dataclasses.asdict(engine.layout),
+        **({"expert_layout": dataclasses.asdict(engine.expert_layout)} if engine.expert_layout is not None else {}),
+    }

@@ -480,7 +480,7 @@ class _SimulatedWorld:
         return MemberInfo(rank, plane.tp_rank, plane.pp_rank, params, arch.num_layers // p, ep=plane.ep_rank)
 
     def planes(self, rank: int) -> list[PlaneSpec]:
-        """As HybridEngine._plane_specs: the dense plane over micro-DP, the routed experts over micro-EP."""
+        """As reshard.assembly.plane_specs: the dense plane over micro-DP, the routed experts over micro-EP."""
         lay, experts = self.lay, self.experts
         i, s, _ = self.coords[rank]
         out = [PlaneSpec("dense", "micro_dp", self.training[0], lay.t_g, lay.k, lay.q, 1, i, s)]
@@ -492,7 +492,7 @@ class _SimulatedWorld:
 
     def place_exchange(self, transport: Any, params: dict[str, torch.nn.Parameter], needed: list[str],
                        groups: InProcessGroups, tp_g: int) -> list[tuple[Any, Any, PlaneSpec]]:
-        """As make_exchange_plan and HybridEngine._place_exchange (tied: the output layer is the embedding)."""
+        """As make_exchange_plan and reshard.assembly.place_exchange (tied: the output layer is the embedding)."""
         rank, cpu, lay, experts = transport.rank, torch.device("cpu"), self.lay, self.experts
         keys = keys_of([*params, *needed], tied=self.tied)
         held: dict[str, ParamInfo] = {}

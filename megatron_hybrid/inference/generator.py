@@ -154,16 +154,7 @@ class RolloutGenerator:
         prompts, params = call.prompts, call.params
         own = call.request_stop_token_ids  # None, or per sequence (resumed ones first) its own stop tokens
         lay = self.layout
-        if (budget is not None or resume or keep or continuing) and \
-                (lay.exchange or lay.widens):
-            what = ("a generate budget" if budget is not None else "resuming sequences" if resume
-                    else "keeping prefixes")
-            raise ValueError(f"{what} needs rollout replicas inside training replicas for now (micro-DP, TP or PP "
-                             f"rollout layouts); this is {'an exchange' if lay.exchange else 'a widening'} layout")
-        # A resumed sequence's prompt and tokens so far are its prefix; it may generate what its limit left.
-        n = int(params.num_tokens_to_generate)
-        inputs = [p + r.generated_tokens for p, r in zip(prompts, resume)] + prompts[len(resume):]
-        limits = [n - len(r.generated_tokens) for r in resume] + [n] * (len(prompts) - len(resume))
+        _check_layout_takes(lay, budget=budget, resume=resume, keep=keep or continuing)
         kwargs = dict(vocab_size=call.vocab_size, stop_token_ids=call.stop_token_ids,
                       seed=replica_seed(call.seed, groups.replica), tempered_log_probs=tempered_log_probs)
         # The one place a generate call switches to rollout: the engine's provider switches when entered (on every
@@ -173,36 +164,55 @@ class RolloutGenerator:
             if lay.exchange:
                 return self._generate_exchanged(prompts, params, kwargs, own)
             if lay.widens:
-                # This rollout replica spans m training replicas: generate for all of their prompts at once.
-                tp = groups.groups["tp"]
-                mine: list[Any] = [None] * tp.size()
-                with groups.errors("generate", "the rollout tensor-parallel group's gather of the prompts"):
-                    dist.all_gather_object(mine, (self.dp_rank, prompts, own), group=tp)
-                by_dp = {dp: (part, stops) for dp, part, stops in sorted(mine, key=lambda x: x[0])}
-                batch = [p for part, _ in by_dp.values() for p in part]
-                stops = _joined_stops(by_dp.values())
-                results = self.replica.generate(batch, params, **kwargs, request_stops=stops)
-                start = sum(len(by_dp[dp][0]) for dp in by_dp if dp < self.dp_rank)
-                return results[start: start + len(prompts)]
+                return self._generate_widened(prompts, params, kwargs, own)
             replica = groups.replica - self.dp_rank * lay.d_g  # index among this training replica's d_g
             if continuing and lay.d_g > 1:
                 return self._generate_continued(prompts, params, kwargs, continued, keep, replica, own)
             kwargs.update(keep=keep, continued=continued or None)
-            parts = split_evenly(len(prompts), lay.d_g) if budget is None else budget.split(len(prompts), lay.d_g)
-            lo, hi = parts[replica]
-            if turns is not None:
-                kwargs["turns"] = _Shifted(turns, lo)
-            # A budget of finished sequences (or groups: each on one replica) is shared out with the prompts (each
-            # micro-DP replica stops on its own share, no collective per step); decode steps are every replica's.
-            share = None if budget is None else budget.share(lo, hi, len(prompts))
-            results = self.replica.generate(inputs[lo:hi], params, **kwargs, budget=share, limits=limits[lo:hi],
-                                            request_stops=None if own is None else own[lo:hi])
+            results = self._generate_share(prompts, resume, params, kwargs, own, replica, budget=budget, turns=turns)
         if lay.d_g > 1:
-            gathered: list[Any] = [None] * lay.d_g
-            with groups.errors("generate", "the micro-DP gather of the results"):
-                dist.all_gather_object(gathered, (replica, results), group=groups.groups["micro_dp"])
-            results = [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+            results = self._gathered(replica, results)
         return _joined(resume, results)
+
+    def _generate_share(self, prompts: list, resume: list[GenerationResult], params, kwargs: dict,
+                        own: Optional[list], replica: int, *, budget: Optional[Budget],
+                        turns: Optional[Turns]) -> list[GenerationResult]:
+        """Rollout replicas inside training replicas: the d_g micro-DP replicas of this training replica each
+        generate a contiguous part of its prompts (even parts, or cut between a budget's groups); this one's part.
+        A resumed sequence's prompt and tokens so far are its prefix; it may generate what its limit left."""
+        n = int(params.num_tokens_to_generate)
+        inputs = [p + r.generated_tokens for p, r in zip(prompts, resume)] + prompts[len(resume):]
+        limits = [n - len(r.generated_tokens) for r in resume] + [n] * (len(prompts) - len(resume))
+        d_g = self.layout.d_g
+        lo, hi = (split_evenly(len(prompts), d_g) if budget is None else budget.split(len(prompts), d_g))[replica]
+        if turns is not None:
+            kwargs["turns"] = _Shifted(turns, lo)
+        # A budget of finished sequences (or groups: each on one replica) is shared out with the prompts (each
+        # micro-DP replica stops on its own share, no collective per step); decode steps are every replica's.
+        share = None if budget is None else budget.share(lo, hi, len(prompts))
+        return self.replica.generate(inputs[lo:hi], params, **kwargs, budget=share, limits=limits[lo:hi],
+                                     request_stops=None if own is None else own[lo:hi])
+
+    def _gathered(self, replica: int, results: list[GenerationResult]) -> list[GenerationResult]:
+        """The micro-DP replicas' results (``replica``'s are ``results``) all-gathered, in prompt order."""
+        gathered: list[Any] = [None] * self.layout.d_g
+        with self.groups.errors("generate", "the micro-DP gather of the results"):
+            dist.all_gather_object(gathered, (replica, results), group=self.groups.groups["micro_dp"])
+        return [r for _, part in sorted(gathered, key=lambda x: x[0]) for r in part]
+
+    def _generate_widened(self, prompts: list, params, kwargs: dict, own: Optional[list]) -> list[GenerationResult]:
+        """A widening layout's data flow: this rollout replica spans m training replicas and generates for all of
+        their prompts at once (gathered over the rollout tensor-parallel group); this training replica's results."""
+        tp = self.groups.groups["tp"]
+        mine: list[Any] = [None] * tp.size()
+        with self.groups.errors("generate", "the rollout tensor-parallel group's gather of the prompts"):
+            dist.all_gather_object(mine, (self.dp_rank, prompts, own), group=tp)
+        by_dp = {dp: (part, stops) for dp, part, stops in sorted(mine, key=lambda x: x[0])}
+        batch = [p for part, _ in by_dp.values() for p in part]
+        stops = _joined_stops(by_dp.values())
+        results = self.replica.generate(batch, params, **kwargs, request_stops=stops)
+        start = sum(len(by_dp[dp][0]) for dp in by_dp if dp < self.dp_rank)
+        return results[start: start + len(prompts)]
 
     def _generate_continued(self, prompts: list, params, kwargs: dict, continued: list, keep: bool,
                             replica: int, own: Optional[list]) -> list[GenerationResult]:
@@ -336,6 +346,16 @@ def _check_call_shape(engine: RolloutEngine, prompts: Sequence, resume: list, co
         raise ValueError(f"Budget.required names sequence {max(budget.required)} of a call of {len(resume)} resumed "
                          f"sequences and {len(prompts)} prompts")
     return continuing
+
+
+def _check_layout_takes(lay: ParallelLayout, *, budget: Optional[Budget], resume: list, keep: bool) -> None:
+    """``ValueError`` for a budget, resumed sequences or kept prefixes (``keep``: kept or continued) on a layout
+    whose rollout replicas are not inside training replicas (an exchange or a widening one)."""
+    if (budget is not None or resume or keep) and (lay.exchange or lay.widens):
+        what = ("a generate budget" if budget is not None else "resuming sequences" if resume
+                else "keeping prefixes")
+        raise ValueError(f"{what} needs rollout replicas inside training replicas for now (micro-DP, TP or PP "
+                         f"rollout layouts); this is {'an exchange' if lay.exchange else 'a widening'} layout")
 
 
 def _request_stops(resume: list[GenerationResult], asked: Any, count: int) -> Any:

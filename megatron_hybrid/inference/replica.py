@@ -8,7 +8,8 @@ scheduler, text-generation controller, model-inference wrapper):
 - execution, :mod:`.runner`: the stage's fixed-address inputs, forwards, CUDA graphs and pipeline exchange, which
   turn a plan into a :class:`~.runner.StepOutput`;
 - bookkeeping, here: :class:`ReplicaGenerator` runs the loop over the two, reads each step's tokens to the host
-  (stop tokens, lengths, sequences launched before the host saw their end) and collects the results and log-probs.
+  (stop tokens, lengths, sequences launched before the host saw their end) and collects the results and log-probs;
+  :class:`KeptSlots` keeps the ended sequences' caches between calls (multi-turn).
 
 Every rank of the replica plans the same steps (:class:`~.scheduler.SlotScheduler`) from the same prompts: the
 last pipeline stage samples and broadcasts each step's tokens to the other stages, and every rank reads them to the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -255,6 +256,81 @@ class _Call:
     stage's MoE layers; trimmed to the tokens it ran once its length is known)."""
 
 
+class KeptSlots:
+    """A replica's held slots: the kept prefixes of ended sequences (``generate(keep=True)``), oldest first, each
+    with the weight version its cache holds. A call's ``continued`` prompts run on from them (:meth:`take`), the
+    call books its ended sequences' (:meth:`book`), and :meth:`release` frees those no later call continues."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, int] = {}
+        """slot -> the weight version it holds."""
+
+    def __len__(self) -> int:
+        return len(self.versions)
+
+    def clear(self) -> None:
+        self.versions.clear()
+
+    def forget_stale(self, weight_version: int) -> None:
+        """Other weights than the kept caches': they are stale."""
+        if self.versions and weight_version != next(iter(self.versions.values())):
+            self.versions.clear()
+
+    def take(self, prompts: Sequence[list[int]], continued: Sequence[Optional[KeptPrefix]], *, replica: int,
+             weight_version: int, fits: Callable[[int], bool]) -> tuple[dict[int, tuple[int, int]], list[int]]:
+        """The prompts that run on from a kept prefix: sequence -> (slot, positions), those slots no longer kept;
+        and the slots still held. One whose prefix is no longer held (another replica's, other weights, evicted,
+        or continued twice) or whose new tokens do not fit a mixed step (``fits``) is prefilled whole (its held
+        slot, if any, is freed)."""
+        out: dict[int, tuple[int, int]] = {}
+        taken: set[int] = set()
+        for seq, (prompt, kept) in enumerate(zip(prompts, continued)):
+            if kept is None:
+                continue
+            if kept.replica != replica or kept.weight_version != weight_version:
+                continue
+            if self.versions.get(kept.slot) != weight_version or kept.slot in taken:
+                continue
+            if not (0 < kept.positions < len(prompt)) or not fits(len(prompt) - kept.positions):
+                self.versions.pop(kept.slot)
+                continue
+            out[seq] = (kept.slot, kept.positions)
+            taken.add(kept.slot)
+        held = [slot for slot in self.versions if slot not in {s for s, _ in out.values()}]
+        for slot, _ in out.values():
+            del self.versions[slot]
+        return out, held
+
+    def book(self, call: _Call, *, replica: int, weight_version: int, keeps_between_calls: bool) -> int:
+        """After a call: evicted slots forgotten; with ``keep``, each ended sequence whose slot is still held gets
+        its :class:`KeptPrefix` and the slot is kept (newest last). ``keeps_between_calls``: whether the cache
+        outlives the call. Returns how many kept prefixes were evicted."""
+        sched = call.schedule.scheduler
+        if call.keep and not keeps_between_calls:
+            sched.held.clear()  # the cache is given back after the call: nothing to keep
+        for slot in sched.evicted:
+            self.versions.pop(slot, None)
+        held = set(sched.held)
+        self.versions = {slot: v for slot, v in self.versions.items() if slot in held}  # earlier holds still standing
+        for seq, slot in call.holds.items():
+            result = call.results[seq]
+            if call.holder[slot] != seq:  # evicted, and taken by a later sequence
+                continue
+            if slot in held and call.ended[seq]:
+                positions = len(result.prompt_tokens) + len(result.generated_tokens) - 1
+                result.kept = KeptPrefix(replica, slot, positions, weight_version)
+                self.versions[slot] = weight_version
+            elif slot in held:  # held at close, but it did not end (a budget stopped it): free
+                sched.held.remove(slot)
+        return len(sched.evicted)
+
+    def release(self, kept: Sequence[Optional[KeptPrefix]], *, replica: int) -> None:
+        """Free the slots of these kept prefixes (``replica``'s; others and stale ones are ignored)."""
+        for k in kept:
+            if k is not None and k.replica == replica and self.versions.get(k.slot) == k.weight_version:
+                del self.versions[k.slot]
+
+
 #: :class:`ReplicaGenerator`'s counters (``report()``). busy_steps: decode steps with at least half of the slots
 #: decoding; kept_continued: prompts run on from a kept prefix; kept_evicted: kept prefixes given to waiting prompts.
 COUNTERS = ("prefill_forwards", "prefill_graph_forwards", "decode_steps", "busy_steps", "idle_slot_steps",
@@ -302,8 +378,8 @@ class ReplicaGenerator:
         self.compact = self.runner.use_graphs if config.compact_slots is None else config.compact_slots
         self.limits = Limits(padded_vocab=int(chunk.vocab_size), slot_tokens=self.geometry.slot_tokens)
         self.planner: Optional[StepPlanner] = None  # made with the runner's buffers, at the first call
-        self.kept: dict[int, int] = {}
-        """Held slots (kept prefixes of ended sequences), oldest first: slot -> the weight version they hold."""
+        self.kept = KeptSlots()
+        """Held slots (kept prefixes of ended sequences)."""
         self.replica_index = 0  # what KeptPrefix.replica says (the engine's generator sets its replica's)
         self.stats = dict.fromkeys(COUNTERS, 0)
 
@@ -366,18 +442,15 @@ class ReplicaGenerator:
                              "record")
         own = [()] * len(prompts) if request_stops is None else [tuple(r) for r in request_stops]
         results = [GenerationResult(list(p), stop_token_ids=list(r)) for p, r in zip(prompts, own)]
-        if self.kept and weight_version != next(iter(self.kept.values())):
-            self.kept.clear()  # other weights: the kept caches are stale
+        self.kept.forget_stale(weight_version)
         if not prompts and self.lockstep_group is None:  # in lockstep, a replica without prompts steps idle
             return results
         self._ensure_state()
         signature = self.runner.begin(params, vocab_size=vocab_size, tempered_log_probs=tempered_log_probs,
                                       seed=seed)
         stops = set(stop_token_ids) | ({int(params.termination_id)} if params.termination_id is not None else set())
-        resumed = self._continued(prompts, continued or [None] * len(prompts), weight_version)
-        held = [slot for slot in self.kept if slot not in {s for s, _ in resumed.values()}]
-        for slot, _ in resumed.values():
-            del self.kept[slot]
+        resumed, held = self.kept.take(prompts, continued or [None] * len(prompts), replica=self.replica_index,
+                                       weight_version=weight_version, fits=self.planner.continuation_fits)
         self.stats["kept_continued"] += len(resumed)
         schedule = self.planner.schedule(prompts, signature=signature, continued=resumed, held=held)
         call = _Call(results, schedule, stops, [frozenset(r) for r in own], keep=keep or turns is not None,
@@ -411,7 +484,9 @@ class ReplicaGenerator:
                         break
                 self._drain(call, 0)
                 self._leave_unfinished(call)
-                self._book_kept(call, weight_version)
+                self.stats["kept_evicted"] += self.kept.book(
+                    call, replica=self.replica_index, weight_version=weight_version,
+                    keeps_between_calls=getattr(self.runner.memory, "keeps_between_calls", True))
                 if self.lockstep_group is not None:
                     self._idle_until_done()
                 if call.rows:
@@ -481,55 +556,9 @@ class ReplicaGenerator:
                 if not call.closed[seq] and seq in call.schedule.scheduler.slot_of:
                     self._close(call, seq)
 
-    def _continued(self, prompts: Sequence[list[int]], continued: Sequence[Optional[KeptPrefix]],
-                   weight_version: int) -> dict[int, tuple[int, int]]:
-        """The prompts that run on from a kept prefix: sequence -> (slot, positions). One whose prefix is no longer
-        held (another replica's, other weights, evicted, or continued twice) or whose new tokens do not fit a mixed
-        step is prefilled whole (its held slot, if any, is freed)."""
-        out: dict[int, tuple[int, int]] = {}
-        taken: set[int] = set()
-        for seq, (prompt, kept) in enumerate(zip(prompts, continued)):
-            if kept is None:
-                continue
-            if kept.replica != self.replica_index or kept.weight_version != weight_version:
-                continue
-            if self.kept.get(kept.slot) != weight_version or kept.slot in taken:
-                continue
-            if not (0 < kept.positions < len(prompt)) or not self.planner.continuation_fits(len(prompt)
-                                                                                             - kept.positions):
-                self.kept.pop(kept.slot)
-                continue
-            out[seq] = (kept.slot, kept.positions)
-            taken.add(kept.slot)
-        return out
-
-    def _book_kept(self, call: _Call, weight_version: int) -> None:
-        """After a call: evicted slots forgotten; with ``keep``, each ended sequence whose slot is still held gets
-        its :class:`KeptPrefix` and the slot is kept (newest last)."""
-        sched = call.schedule.scheduler
-        if call.keep and not getattr(self.runner.memory, "keeps_between_calls", True):
-            sched.held.clear()  # the cache is given back after the call: nothing to keep
-        self.stats["kept_evicted"] += len(sched.evicted)
-        for slot in sched.evicted:
-            self.kept.pop(slot, None)
-        held = set(sched.held)
-        self.kept = {slot: v for slot, v in self.kept.items() if slot in held}  # earlier holds still standing
-        for seq, slot in call.holds.items():
-            result = call.results[seq]
-            if call.holder[slot] != seq:  # evicted, and taken by a later sequence
-                continue
-            if slot in held and call.ended[seq]:
-                positions = len(result.prompt_tokens) + len(result.generated_tokens) - 1
-                result.kept = KeptPrefix(self.replica_index, slot, positions, weight_version)
-                self.kept[slot] = weight_version
-            elif slot in held:  # held at close, but it did not end (a budget stopped it): free
-                sched.held.remove(slot)
-
     def release(self, kept: Sequence[Optional[KeptPrefix]]) -> None:
         """Free the slots of these kept prefixes (this replica's; others and stale ones are ignored)."""
-        for k in kept:
-            if k is not None and k.replica == self.replica_index and self.kept.get(k.slot) == k.weight_version:
-                del self.kept[k.slot]
+        self.kept.release(kept, replica=self.replica_index)
 
     def _turns(self, call: _Call, *, wait: bool) -> None:
         """Hand the sequences that ended a turn to ``call.turns``; put its answers in the schedule (``wait``: at

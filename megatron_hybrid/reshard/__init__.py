@@ -4,6 +4,7 @@
   dtype; pure arithmetic;
 - :mod:`.exchange`: the plan of every other layout pair (one all-to-all per dtype); pure arithmetic;
 - :mod:`.executor`: the distributed side of both plans, the collectives of a switch;
+- :mod:`.assembly`: an engine's plans, placements and executors, plane by plane, made once;
 - :mod:`.placement`: where every tensor lives and which ranges are backed;
 - :mod:`.binding`: every rollout parameter pointed at its storage once (a view, blocks, a canonical tensor or FP8);
 - :mod:`.aliased`: rollout modules that compute on training shards as blocks;
