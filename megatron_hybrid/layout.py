@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from .constraints import Sizes, check
+
 
 @dataclass(frozen=True)
 class RolloutLayout:
@@ -120,11 +122,8 @@ class ParallelLayout:
                         ("rollout pipeline_model_parallel_size", self.p_g)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
-        world = self.t * self.p * self.d
-        if world % (self.t_g * self.p_g):
-            raise ValueError(f"rollout tensor_model_parallel_size ({self.t_g}) × pipeline_model_parallel_size "
-                             f"({self.p_g}) = {self.t_g * self.p_g} must divide the world "
-                             f"({self.t} × {self.p} × {self.d} = {world} ranks)")
+        check(Sizes(world=self.world_size, t=self.t, p=self.p, d=self.d, t_g=self.t_g, p_g=self.p_g),
+              "rollout_layout_divides_world")
         if not self.gathers_in_place():
             object.__setattr__(self, "exchange", True)
 
@@ -310,8 +309,8 @@ class ExpertLayout:
     e_g: int
     p_g: int
     exchange: bool = False
-    """The experts move in an exchange layout's all-to-all (no micro-EP gather: the divisibility below, which the
-    gather needs, does not apply)."""
+    """The experts move in an exchange layout's all-to-all (no micro-EP gather: the divisibility the gather needs,
+    the in-place rules of :mod:`megatron_hybrid.constraints`, does not apply)."""
 
     def __post_init__(self) -> None:
         for name, v in (("expert_tensor_parallel_size", self.et), ("expert_model_parallel_size", self.e),
@@ -321,17 +320,8 @@ class ExpertLayout:
                         ("rollout pipeline_model_parallel_size", self.p_g)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
-        if self.exchange:
-            return
-        if self.e % self.e_g:
-            raise ValueError(f"rollout expert_model_parallel_size ({self.e_g}) must divide expert_model_parallel_size "
-                             f"({self.e}): a rollout rank's experts are the union of its micro-EP group's")
-        if self.et % self.et_g:
-            raise ValueError(f"rollout expert_tensor_parallel_size ({self.et_g}) must divide "
-                             f"expert_tensor_parallel_size ({self.et})")
-        if self.p % self.p_g:
-            raise ValueError(f"rollout pipeline_model_parallel_size ({self.p_g}) must divide "
-                             f"pipeline_model_parallel_size ({self.p})")
+        check(Sizes(moe=True, exchange=self.exchange, e=self.e, et=self.et, p=self.p, e_g=self.e_g, et_g=self.et_g,
+                    p_g=self.p_g), "e_g_divides_e", "et_g_divides_et", "experts_p_g_divides_p")
 
     @classmethod
     def create(cls, *, training: tuple[int, int, int, int], rollout: RolloutLayout) -> "ExpertLayout":

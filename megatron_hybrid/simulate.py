@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .constraints import Sizes, check
 from .groups import InProcessGroups
 from .layout import ExpertGrid, ExpertLayout, Grid, ParallelLayout, RolloutLayout
 from .megatron.models import GPTArchitecture
@@ -331,12 +332,9 @@ def validate(arch: GPTArchitecture, training: tuple[int, int, int], rollout: Rol
     e, et = expert_sizes(training, expert_parallel, moe=arch.num_experts is not None)
     arch.validate(tensor_model_parallel_size=t, pipeline_model_parallel_size=p, expert_model_parallel_size=e,
                   expert_tensor_parallel_size=et)
-    groups = arch.num_query_groups or arch.num_attention_heads
-    if groups % t:
-        raise ValueError(f"tensor_model_parallel_size ({t}) must divide num_query_groups ({groups})")
-    if (t * d) % (e * et):
-        raise ValueError(f"expert_model_parallel_size ({e}) × expert_tensor_parallel_size ({et}) must divide "
-                         f"tensor × data parallel sizes ({t} × {d})")
+    check(Sizes(moe=arch.num_experts is not None, t=t, d=d, e=e, et=et,
+                num_query_groups=arch.num_query_groups or arch.num_attention_heads),
+          "t_divides_query_groups", "expert_grid_fits_stage")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks ({chunks!r}) must be a positive integer")
     if chunks > 1 and (p < 2 or arch.num_layers % (p * chunks)):

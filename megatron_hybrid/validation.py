@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .constraints import Sizes, check
 from .layout import ExpertLayout, ParallelLayout, RolloutLayout
 from .megatron import compat
 from .megatron.models import moe_layer_pattern
@@ -94,9 +95,7 @@ def check_arguments(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], ro
 
 def check_layout(layout: ParallelLayout, *, world_size: int, num_chunks: int) -> None:
     """The layout that the training groups give, against the world and the model's virtual pipeline chunks."""
-    if layout.t * layout.p * layout.d != world_size:
-        raise ValueError(f"tensor ({layout.t}) × pipeline ({layout.p}) × data ({layout.d}) parallel sizes must cover "
-                         f"the world ({world_size} ranks); context/expert parallelism is not supported yet")
+    check(Sizes(world=world_size, t=layout.t, p=layout.p, d=layout.d), "training_layout_covers_world")
 
 
 def _owner_modules(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -130,26 +129,15 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
     if getattr(config, "mtp_num_layers", None):  # before any collective (the rollout model's build came after some)
         raise ValueError(f"the model's config sets mtp_num_layers ({config.mtp_num_layers}): multi-token prediction "
                          "layers are not resharded (the rollout model has none); build the model without them")
-    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-    if heads % lay.t_g:
-        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_attention_heads "
-                         f"({heads})")
-    if config.ffn_hidden_size % lay.t_g:
-        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide ffn_hidden_size "
-                         f"({config.ffn_hidden_size})")
-    if groups % lay.t_g:  # megatron-core's attention divides the groups over TP (an AssertionError in the build)
-        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide num_query_groups "
-                         f"({groups})")
-    if config.num_layers % lay.p_g:
-        raise ValueError(f"rollout pipeline_model_parallel_size ({lay.p_g}) must divide num_layers "
-                         f"({config.num_layers})")
+    sizes = Sizes(t_g=lay.t_g, p_g=lay.p_g, num_attention_heads=config.num_attention_heads,
+                  num_query_groups=config.num_query_groups or config.num_attention_heads,
+                  ffn_hidden_size=config.ffn_hidden_size, num_layers=config.num_layers,
+                  padded_vocab_size=getattr(modules[0], "vocab_size", None))
+    check(sizes, "t_g_divides_heads", "t_g_divides_ffn", "t_g_divides_query_groups", "p_g_divides_layers")
     if config.tensor_model_parallel_size != lay.t or config.pipeline_model_parallel_size != lay.p:
         raise ValueError(f"the model was built for tensor/pipeline sizes ({config.tensor_model_parallel_size}, "
                          f"{config.pipeline_model_parallel_size}) but the groups are ({lay.t}, {lay.p})")
-    vocab = getattr(modules[0], "vocab_size", None)
-    if vocab is not None and vocab % lay.t_g:
-        raise ValueError(f"rollout tensor_model_parallel_size ({lay.t_g}) must divide the padded vocabulary "
-                         f"({vocab})")
+    check(sizes, "t_g_divides_vocab")
     if weight_mode == WeightMode.ALIASED and (lay.exchange or lay.k > 1 or lay.widens):
         for mod in modules:
             owners = _owner_modules(mod)
@@ -165,29 +153,6 @@ def check_model(modules: Sequence[torch.nn.Module], layout: ParallelLayout, *, w
                     raise ValueError(f"rollout_weights='fp8' cannot run {name} ({type(owners[id(prm)]).__name__}) "
                                      "in FP8: only megatron-core's local-spec ColumnParallelLinear / "
                                      "RowParallelLinear have FP8 twins; use rollout_weights='model'")
-
-
-def _check_exchanged_experts(config: Any, layout: ParallelLayout, rollout: RolloutLayout,
-                             training: tuple[int, int, int]) -> ExpertLayout:
-    """The rollout expert sizes of an MoE exchange layout: each rollout stage's t_g · d_g ranks cut into et_g ·
-    e_g · edp_g (:meth:`~megatron_hybrid.reshard.exchange.Arrangement.expert_coords`); e_g divides the experts, et_g
-    their MLP. No micro-EP groups: the experts move in the exchange's all-to-all."""
-    et_g, e_g = rollout.expert_tp, rollout.expert_model_parallel_size
-    stage_ranks = layout.world_size // layout.p_g
-    if stage_ranks % (et_g * e_g):
-        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) × rollout expert_model_parallel_size ({e_g}) "
-                         f"must divide a rollout stage's ranks ({stage_ranks})")
-    if config.num_moe_experts % e_g:
-        raise ValueError(f"rollout expert_model_parallel_size ({e_g}) must divide num_moe_experts "
-                         f"({config.num_moe_experts})")
-    if config.moe_ffn_hidden_size % et_g:
-        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) must divide moe_ffn_hidden_size "
-                         f"({config.moe_ffn_hidden_size})")
-    if config.add_bias_linear and et_g > 1:  # megatron-core asserts it when the rollout model is built
-        raise ValueError(f"rollout expert_tensor_parallel_size ({et_g}) must be 1 for a model with biases "
-                         "(add_bias_linear): megatron-core supports expert biases only without expert TP")
-    et, e, edp = training
-    return ExpertLayout(et=et, e=e, edp=edp, p=layout.p, et_g=et_g, e_g=e_g, p_g=layout.p_g, exchange=True)
 
 
 def check_stage_patterns(config: Any, layout: ParallelLayout) -> None:
@@ -215,9 +180,7 @@ def check_experts(modules: Sequence[torch.nn.Module], layout: ParallelLayout,
     are :func:`check_expert_layout`'s (which the recipe's argument checks call too)."""
     config = modules[0].config
     if config.num_moe_experts is None:
-        if rollout.expert_model_parallel_size != 1:
-            raise ValueError(f"rollout expert_model_parallel_size ({rollout.expert_model_parallel_size}) needs a "
-                             "model with experts (its num_moe_experts is None)")
+        check(Sizes(moe=False, e_g=rollout.expert_model_parallel_size), "dense_has_no_rollout_ep")
         return None
     et, e, edp = (g.size() for g in expert_groups)
     built = (config.expert_tensor_parallel_size, config.expert_model_parallel_size)
@@ -233,26 +196,22 @@ def check_expert_layout(config: Any, layout: ParallelLayout, rollout: RolloutLay
                         training: tuple[int, int, int], world_size: int) -> ExpertLayout:
     """The one home of the MoE layout rules (no model, no groups: the engine and the recipe's argument checks call
     it). ``config``: the model's megatron-core ``TransformerConfig`` (``num_moe_experts``, ``moe_ffn_hidden_size``,
-    ``add_bias_linear``, ``moe_layer_freq``, ``num_layers``); ``training``: (expert tp, ep, expert dp). In place
-    the experts gather over micro-EP groups (e_g | e, et_g | et); on an exchange layout they move in its
-    all-to-all."""
+    ``add_bias_linear``, ``moe_layer_freq``, ``num_layers``); ``training``: (expert tp, ep, expert dp). The rules
+    are :mod:`megatron_hybrid.constraints`' MoE rules: in place the experts gather over micro-EP groups (e_g | e,
+    et_g | et, checked by :class:`~megatron_hybrid.layout.ExpertLayout`); on an exchange layout they move in its
+    all-to-all, each rollout stage's t_g · d_g ranks cut into et_g · e_g · edp_g
+    (:meth:`~megatron_hybrid.reshard.exchange.Arrangement.expert_coords`)."""
     et, e, edp = training
-    if et * e * edp * layout.p != world_size:
-        raise ValueError(f"expert tensor ({et}) × expert ({e}) × expert data ({edp}) × pipeline ({layout.p}) "
-                         f"parallel sizes must cover the world ({world_size} ranks)")
-    if layout.t_g > layout.t:
-        raise ValueError(f"rollout tensor_model_parallel_size ({layout.t_g}) > tensor_model_parallel_size "
-                         f"({layout.t}) is not supported for MoE models")
-    if layout.exchange:
-        return _check_exchanged_experts(config, layout, rollout, training)
+    sizes = Sizes(moe=True, exchange=layout.exchange, world=world_size, t=layout.t, p=layout.p, et=et, e=e, edp=edp,
+                  t_g=layout.t_g, p_g=layout.p_g, et_g=rollout.expert_tp, e_g=rollout.expert_model_parallel_size,
+                  num_moe_experts=config.num_moe_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                  add_bias_linear=config.add_bias_linear)
+    check(sizes, "expert_grid_covers_world", "moe_rollout_tp_not_wider")
     check_stage_patterns(config, layout)
-    lay = ExpertLayout.create(training=(et, e, edp, layout.p), rollout=rollout)  # e_g | e, et_g | et
-    if config.num_moe_experts % lay.e_g:
-        raise ValueError(f"rollout expert_model_parallel_size ({lay.e_g}) must divide num_moe_experts "
-                         f"({config.num_moe_experts})")
-    if config.moe_ffn_hidden_size % lay.et_g:
-        raise ValueError(f"rollout expert_tensor_parallel_size ({lay.et_g}) must divide moe_ffn_hidden_size "
-                         f"({config.moe_ffn_hidden_size})")
+    lay = ExpertLayout(et=et, e=e, edp=edp, p=layout.p, et_g=sizes.et_g, e_g=sizes.e_g, p_g=layout.p_g,
+                       exchange=layout.exchange)
+    check(sizes, "rollout_expert_grid_fits_stage", "e_g_divides_experts", "et_g_divides_expert_ffn",
+          "rollout_expert_bias_needs_et_g_1")
     return lay
 
 

@@ -244,7 +244,7 @@ def bad_inputs_case():
         for n in saved:
             setattr(dist, n, no_collective)
         cases = [
-            (dict(rollout=RolloutLayout(3, 1)), "rollout tensor_model_parallel_size (3) × "
+            (dict(rollout=RolloutLayout(3, 1)), "rollout tensor_model_parallel_size (3) × rollout "
                                                 "pipeline_model_parallel_size (1) = 3 must divide the world"),
             (dict(rollout=RolloutLayout(4, 2)), "= 8 must divide the world (2 × 1 × 2 = 4 ranks)"),
             (dict(rollout=RolloutLayout(1, 1), weight_mode="fast"), "weight_mode ('fast')"),

@@ -111,14 +111,14 @@ MOE = ("--num-experts", "4", "--sequence-parallel")
     ([*MOE, "--moe-router-topk", "5"], "--moe-router-topk (5) must be between 1 and --num-experts (4)"),
     ([*MOE, "--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq ([1, 0, 1]) must list 0 or 1 for each of the 2 layers"),
     ([*MOE, "--moe-ffn-hidden-size", "33"],
-     "--moe-ffn-hidden-size (33) must be ≥ 1 and divisible by --expert-tensor-parallel-size (2)"),
+     "--expert-tensor-parallel-size (2) must divide --moe-ffn-hidden-size (33)"),
     ([*MOE, "--moe-shared-expert-gate"],
      "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (None: no shared expert to gate)"),
     ([*MOE, "--num-experts", "0"], "--num-experts (0) must be ≥ 1"),
     # The layouts: training, rollout.
     ([*MOE, "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
      "--expert-model-parallel-size (4) × --expert-tensor-parallel-size (2) = 8 must divide "
-     "--tensor-model-parallel-size (2) × data-parallel size (2) = 4, the ranks of a pipeline stage"),
+     "--tensor-model-parallel-size (2) × data_parallel_size (2) = 4: the ranks of a pipeline stage"),
     ([*MOE, "--expert-model-parallel-size", "2", "--rollout-expert-model-parallel-size", "4"],
      "--rollout-expert-model-parallel-size (4) must divide --expert-model-parallel-size (2): a rollout rank's "
      "experts are the union of its micro-EP group's"),
@@ -169,7 +169,7 @@ def test_moe_exchange_and_in_place_layouts_the_engine_serves_are_accepted(argv):
 def test_rollout_layout_that_does_not_fit_the_world_is_refused():
     with pytest.raises(ValueError, match=r"--rollout-tensor-model-parallel-size \(4\) × "
                                          r"--rollout-pipeline-model-parallel-size \(2\) = 8 must divide the world "
-                                         r"size \(4\)"):
+                                         r"\(2 × 1 × 2 = 4 ranks\)"):
         _validate("--rollout-tensor-model-parallel-size", "4", "--rollout-pipeline-model-parallel-size", "2")
 
 

@@ -18,10 +18,10 @@ module ``_LAZY`` names, so it is an edge to that module (and to ``pkg``, whose `
 The rooms above the core import it only through its public names (issue 49). The core is what generation
 (``inference/``) and the recipe (``rl/``) are built on: the packages ``reshard/`` (the reshard plan, its executor and
 the collectives), ``memory/``, ``quant/``, ``kernels/`` and ``megatron/`` (``patches/`` included), and the modules of
-the root that are rooms of one module: ``layout``, ``groups``, ``transport``, ``modes``, ``validation``,
-``core_attention`` and ``checks``. Not in it: ``engine`` (it drives the generator, so it sits above generation),
-``simulate`` and ``report`` (tools over the engine), ``forward`` and the deprecated shims ``arguments`` and ``ppo``, and
-``convert/`` (checkpoint conversion, a room beside generation; the recipe's checkpoint export still reads its file
+the root that are rooms of one module: ``layout``, ``constraints``, ``groups``, ``transport``, ``modes``,
+``validation``, ``core_attention`` and ``checks``. Not in it: ``engine`` (it drives the generator, so it sits above
+generation), ``simulate`` and ``report`` (tools over the engine), ``forward`` and the deprecated shims ``arguments`` and
+``ppo``, and ``convert/`` (checkpoint conversion, a room beside generation; the recipe's checkpoint export still reads its file
 layout from ``convert.layout``). A package's public names are its ``__init__.py``'s ``__all__``; a module's are its
 ``__all__``, or, where it has none, its names without a leading underscore. So ``from ..reshard import agree_max``,
 not ``from ..reshard.communication import agree_max``.
@@ -48,7 +48,7 @@ NOT_LIBRARY = ("tests", "examples", "bench", "tools")
 PATCHES = f"{PACKAGE}.megatron.patches"
 NOT_FOR_PATCHES = (f"{PACKAGE}.rl", f"{PACKAGE}.inference", f"{PACKAGE}.engine")
 #: Rooms at the bottom of the package: they import nothing of it outside themselves.
-SELF_CONTAINED = (f"{PACKAGE}.kernels", f"{PACKAGE}.memory")
+SELF_CONTAINED = (f"{PACKAGE}.kernels", f"{PACKAGE}.memory", f"{PACKAGE}.constraints")
 #: What each room must not import: the layers built on it. The reshard core and the FP8 weights sit below the
 #: engine, generation, the recipe, the simulation and checkpoint conversion; generation below the engine and the
 #: recipe.
@@ -57,8 +57,8 @@ _ABOVE_RESHARD = (f"{PACKAGE}.inference", f"{PACKAGE}.rl", f"{PACKAGE}.engine", 
 #: The core (see the module's docstring): packages, whose public names are their ``__init__``'s ``__all__``, and
 #: modules of the root.
 CORE_PACKAGES = tuple(f"{PACKAGE}.{room}" for room in ("reshard", "memory", "quant", "kernels", "megatron"))
-CORE_MODULES = tuple(f"{PACKAGE}.{room}" for room in ("layout", "groups", "transport", "modes", "validation",
-                                                      "core_attention", "checks"))
+CORE_MODULES = tuple(f"{PACKAGE}.{room}" for room in ("layout", "constraints", "groups", "transport", "modes",
+                                                      "validation", "core_attention", "checks"))
 #: The rooms that import the core only through its public names.
 ABOVE_CORE = (f"{PACKAGE}.inference", f"{PACKAGE}.rl")
 #: The imports of the core that do not go through its public names, (file, what is imported) → why.
@@ -69,7 +69,8 @@ NOT_THROUGH_PUBLIC_NAMES = {
         "compat as a namespace: the call reads compat.te_version_known, marked as a megatron-core version difference",
 }
 NOT_FOR = {
-    # The megatron-core glue: below every room but the root's core_attention, which its models build on.
+    # The megatron-core glue: below every room but the root's core_attention, which its models build on, and
+    # constraints (the table of layout rules, which GPTArchitecture.validate reads; it imports nothing).
     f"{PACKAGE}.megatron": _ABOVE_RESHARD + (f"{PACKAGE}.reshard", f"{PACKAGE}.quant", f"{PACKAGE}.memory",
                                              f"{PACKAGE}.kernels", f"{PACKAGE}.groups", f"{PACKAGE}.layout",
                                              f"{PACKAGE}.validation", f"{PACKAGE}.transport", f"{PACKAGE}.report"),

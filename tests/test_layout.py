@@ -50,8 +50,8 @@ def test_widening_groups_span_dp_replicas():
 
 
 @pytest.mark.parametrize("t,p,d,t_g,p_g,message", [
-    (4, 1, 1, 3, 1, r"rollout tensor_model_parallel_size \(3\) × pipeline_model_parallel_size \(1\) = 3 must divide "
-                    r"the world \(4 × 1 × 1 = 4 ranks\)"),
+    (4, 1, 1, 3, 1, r"rollout tensor_model_parallel_size \(3\) × rollout pipeline_model_parallel_size \(1\) = 3 must "
+                    r"divide the world \(4 × 1 × 1 = 4 ranks\)"),
     (2, 2, 1, 1, 3, r"= 3 must divide the world \(2 × 2 × 1 = 4 ranks\)"),
     (2, 1, 1, 4, 1, r"= 4 must divide the world \(2 × 1 × 1 = 2 ranks\)"),
     (2, 1, 1, 0, 1, r"rollout tensor_model_parallel_size \(0\) must be a positive integer"),

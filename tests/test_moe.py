@@ -61,8 +61,8 @@ _BAD = [
                                                               "moe_router_score_function 'sigmoid'"),
     (dict(num_experts=4, moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff (-1.0)"),
     (dict(num_experts=4, moe_aux_loss_coeff=float("nan")), "moe_aux_loss_coeff (nan)"),
-    (dict(num_experts=4, moe_ffn_hidden_size=33), "moe_ffn_hidden_size (33) must be ≥ 1 and divisible by "
-                                                  "expert_tensor_parallel_size (2)"),  # defaults to the TP size
+    (dict(num_experts=4, moe_ffn_hidden_size=33), "expert_tensor_parallel_size (2) must divide "
+                                                  "moe_ffn_hidden_size (33)"),  # defaults to the TP size
     (dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True),
      "moe_router_pre_softmax needs moe_router_score_function 'softmax'"),
     (dict(num_experts=4, moe_router_topk=1), "moe_router_topk (1) with moe_router_score_function 'softmax' needs "
@@ -91,8 +91,8 @@ def test_expert_parallel_size_must_divide_the_experts():
         tiny_llama(num_experts=4).validate(expert_model_parallel_size=3)
     with pytest.raises(ValueError, match=r"expert_model_parallel_size \(2\) needs num_experts"):
         tiny_llama().validate(expert_model_parallel_size=2)
-    with pytest.raises(ValueError, match=r"ffn_hidden_size \(96\) must be ≥ 1 and divisible by "
-                                         r"expert_tensor_parallel_size \(5\)"):
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(5\) must divide "
+                                         r"ffn_hidden_size \(96\)"):
         tiny_llama(num_experts=4).validate(expert_tensor_parallel_size=5)
     with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(2\) needs num_experts"):
         tiny_llama().validate(expert_tensor_parallel_size=2)

@@ -301,8 +301,8 @@ def test_a_misplaced_block_is_found(monkeypatch):
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32, add_bias_linear=True)),
      r"add_bias_linear with experts needs expert_tensor_parallel_size 1 \(got 2\)"),
     (dict(arch=tiny_llama(num_experts=4, moe_ffn_hidden_size=32), expert_parallel=(4, 2)),
-     r"expert_model_parallel_size \(4\) × expert_tensor_parallel_size \(2\) must divide tensor × data parallel "
-     r"sizes \(2 × 1\)"),
+     r"expert_model_parallel_size \(4\) × expert_tensor_parallel_size \(2\) = 8 must divide "
+     r"tensor_model_parallel_size \(2\) × data_parallel_size \(1\) = 2: the ranks of a pipeline stage"),
     (dict(expert_parallel=(2, 1)), r"expert_parallel \(\(2, 1\)\) needs a model with experts"),
     # The engine's own checks (validation.check_model), and megatron-core's for the training model:
     (dict(arch=tiny_llama(num_layers=3)), r"pipeline_model_parallel_size \(2\) must divide num_layers \(3\)"),

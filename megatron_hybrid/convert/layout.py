@@ -41,6 +41,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..constraints import Sizes, check
 from ..megatron.models import GPTArchitecture
 from ..megatron.sharding import TPSpec, global_name, layer_offset
 from .digests import check_digests, digest_files
@@ -128,12 +129,11 @@ def check_parallel_sizes(arch: GPTArchitecture, *, tensor_model_parallel_size: i
                       expert_tensor_parallel_size=etp)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    if data_parallel_size is not None and (tp * data_parallel_size) % (ep * etp):
-        # megatron-core splits each stage's t·d ranks both ways: t × d for the dense layers, et × e × (expert data
-        # parallel) for the experts.
-        raise CheckpointError(f"expert_model_parallel_size ({ep}) × expert_tensor_parallel_size ({etp}) = "
-                              f"{ep * etp} must divide tensor_model_parallel_size ({tp}) × data_parallel_size "
-                              f"({data_parallel_size}) = {tp * data_parallel_size}: the ranks of a pipeline stage")
+    try:
+        check(Sizes(moe=arch.num_experts is not None, t=tp, d=data_parallel_size, e=ep, et=etp),
+              "expert_grid_fits_stage")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     groups = arch.num_query_groups or arch.num_attention_heads
     if groups % tp and tp % groups:
         raise CheckpointError(f"tensor_model_parallel_size ({tp}) must be a multiple or a divisor of "

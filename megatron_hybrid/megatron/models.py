@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..constraints import Sizes, check
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _DISPATCHERS = ("allgather", "alltoall")
@@ -141,14 +143,10 @@ class GPTArchitecture:
         if self.num_attention_heads % groups:
             raise ValueError(f"num_query_groups ({groups}) must divide num_attention_heads "
                              f"({self.num_attention_heads})")
-        if self.num_attention_heads % t:
-            raise ValueError(f"tensor_model_parallel_size ({t}) must divide num_attention_heads "
-                             f"({self.num_attention_heads})")
-        if self.num_layers % p:
-            raise ValueError(f"pipeline_model_parallel_size ({p}) must divide num_layers ({self.num_layers})")
-        ffn = self.ffn_hidden_size or 4 * self.hidden_size
-        if ffn % t:
-            raise ValueError(f"tensor_model_parallel_size ({t}) must divide ffn_hidden_size ({ffn})")
+        # Not t | num_query_groups: the converter writes checkpoints with TP a multiple of the groups too.
+        check(Sizes(t=t, p=p, num_attention_heads=self.num_attention_heads, num_layers=self.num_layers,
+                    ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size),
+              "t_divides_heads", "p_divides_layers", "t_divides_ffn")
 
     def _validate_moe(self, *, expert_model_parallel_size: int, tensor_model_parallel_size: int,
                       expert_tensor_parallel_size: int) -> None:
@@ -196,22 +194,20 @@ class GPTArchitecture:
             raise ValueError(f"moe_layer_freq ({freq}) must be ≥ 1")
         if isinstance(freq, list) and (len(freq) != self.num_layers or any(v not in (0, 1) for v in freq)):
             raise ValueError(f"moe_layer_freq ({freq}) must list 0 or 1 for each of the {self.num_layers} layers")
-        # Routed experts are split over the expert-tensor-parallel ranks, the shared experts over the TP ranks.
-        expert_ffn = ("moe_ffn_hidden_size", self.moe_ffn_hidden_size) if self.moe_ffn_hidden_size is not None \
-            else ("ffn_hidden_size", self.ffn_hidden_size or 4 * self.hidden_size)
-        for (name, size), axis, ranks in ((expert_ffn, "expert_tensor_parallel_size", et),
-                                          (("moe_shared_expert_intermediate_size",
-                                            self.moe_shared_expert_intermediate_size),
-                                           "tensor_model_parallel_size", t)):
-            if size is not None and (size < 1 or size % ranks):
-                raise ValueError(f"{name} ({size}) must be ≥ 1 and divisible by {axis} ({ranks})")
-        if e < 1 or n % e:
-            raise ValueError(f"expert_model_parallel_size ({e}) must divide num_experts ({n})")
-        if et < 1:
-            raise ValueError(f"expert_tensor_parallel_size ({et}) must be ≥ 1")
-        if self.add_bias_linear and et > 1:  # megatron-core asserts it in TransformerConfig
-            raise ValueError(f"add_bias_linear with experts needs expert_tensor_parallel_size 1 (got {et}): "
-                             "megatron-core supports expert biases only then")
+        # megatron-core's default for the routed experts' MLP is the dense one's.
+        expert_ffn = (self.ffn_hidden_size or 4 * self.hidden_size) if self.moe_ffn_hidden_size is None \
+            else self.moe_ffn_hidden_size
+        for name, value in (("moe_ffn_hidden_size", expert_ffn), ("expert_model_parallel_size", e),
+                            ("expert_tensor_parallel_size", et),
+                            ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} ({value}) must be ≥ 1")
+        check(Sizes(moe=True, t=t, e=e, et=et, num_moe_experts=n, moe_ffn_hidden_size=expert_ffn,
+                    moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+                    add_bias_linear=self.add_bias_linear),
+              "et_divides_expert_ffn", "t_divides_shared_expert", "e_divides_experts", "expert_bias_needs_et_1",
+              rename={"num_moe_experts": "num_experts",
+                      **({"moe_ffn_hidden_size": "ffn_hidden_size"} if self.moe_ffn_hidden_size is None else {})})
 
     def transformer_config(self, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                            expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,

@@ -19,6 +19,7 @@ import re
 import warnings
 
 from ..checks import check_number, flag_name, output_dir_error, with_flag_names
+from ..constraints import Sizes, check
 from ..core_attention import ATTENTION_BACKENDS, TRANSFORMER_ENGINE_BACKENDS, check_attention_backend
 from ..layout import ParallelLayout, RolloutLayout
 from ..megatron import GPTArchitecture
@@ -617,7 +618,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_filter(args)
     _validate_training_layout(args)
     _validate_rollout_fp8(args)
-    _validate_rollout_layout(args, world_size)
+    _validate_rollout_layout(args, data_parallel_size=d)
     _validate_experts(args, data_parallel_size=d)
     _validate_routing_replay(args)
     _validate_tokenizer(args)
@@ -713,9 +714,7 @@ def _validate_batches(args: argparse.Namespace, world_size: int) -> int:
     """The world size against the training layout, and the global batch against the micro-batches and the GRPO
     groups of every data-parallel replica; returns the data-parallel size."""
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (t * p):
-        raise ValueError(f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size ({t}) × "
-                         f"--pipeline-model-parallel-size ({p}) = {t * p}")
+    _check_layout(args, Sizes(world=world_size, t=t, p=p), "training_layout_fits_world")
     d = world_size // (t * p)
     if args.global_batch_size % (args.micro_batch_size * d):
         raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
@@ -736,18 +735,15 @@ def _validate_training_layout(args: argparse.Namespace) -> None:
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
                          f"({args.hidden_size})")
-    if args.num_attention_heads % t:
-        raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --num-attention-heads "
-                         f"({args.num_attention_heads})")
-    if args.ffn_hidden_size is not None and args.ffn_hidden_size % t:  # the default, 4 × hidden, divides
-        raise ValueError(f"--tensor-model-parallel-size ({t}) must divide --ffn-hidden-size ({args.ffn_hidden_size})")
+    # An unset --ffn-hidden-size is skipped: the default, 4 × hidden, divides.
+    _check_layout(args, Sizes(t=t, p=p, num_attention_heads=args.num_attention_heads,
+                              ffn_hidden_size=args.ffn_hidden_size), "t_divides_heads", "t_divides_ffn")
     if args.group_query_attention and args.num_query_groups is None:
         raise ValueError("--group-query-attention needs --num-query-groups")
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
         raise ValueError(f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads "
                          f"({args.num_attention_heads})")
-    if args.num_layers % p:
-        raise ValueError(f"--pipeline-model-parallel-size ({p}) must divide --num-layers ({args.num_layers})")
+    _check_layout(args, Sizes(p=p, num_layers=args.num_layers), "p_divides_layers")
     check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
                     layers_per_stage=args.num_layers // p,
                     layers_from=f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({p})")
@@ -771,19 +767,22 @@ def _validate_rollout_fp8(args: argparse.Namespace) -> None:
                              f"be ≥ 0 and sum to at most --num-layers ({args.num_layers})")
 
 
-def _validate_rollout_layout(args: argparse.Namespace, world_size: int) -> None:
+def _validate_rollout_layout(args: argparse.Namespace, *, data_parallel_size: int) -> None:
     """The rollout layout: any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP
     gathers cannot serve)."""
-    t_g, p_g = args.rollout_tensor_model_parallel_size, args.rollout_pipeline_model_parallel_size
-    if world_size % (t_g * p_g):
-        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) × --rollout-pipeline-model-parallel-size "
-                         f"({p_g}) = {t_g * p_g} must divide the world size ({world_size})")
-    if args.num_layers % p_g:
-        raise ValueError(f"--rollout-pipeline-model-parallel-size ({p_g}) must divide --num-layers "
-                         f"({args.num_layers})")
-    if args.num_attention_heads % t_g:
-        raise ValueError(f"--rollout-tensor-model-parallel-size ({t_g}) must divide --num-attention-heads "
-                         f"({args.num_attention_heads})")
+    t, p, d = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, data_parallel_size
+    _check_layout(args, Sizes(world=t * p * d, t=t, p=p, d=d, t_g=args.rollout_tensor_model_parallel_size,
+                              p_g=args.rollout_pipeline_model_parallel_size, num_layers=args.num_layers,
+                              num_attention_heads=args.num_attention_heads),
+                  "rollout_layout_divides_world", "p_g_divides_layers", "t_g_divides_heads")
+
+
+def _check_layout(args: argparse.Namespace, sizes: Sizes, *rules: str) -> None:
+    """:func:`megatron_hybrid.constraints.check` of ``rules``, its message told with the flags' names."""
+    try:
+        check(sizes, *rules)
+    except ValueError as error:
+        raise ValueError(engine_message_with_flags(str(error), args)) from None
 
 
 def _validate_routing_replay(args: argparse.Namespace) -> None:
@@ -928,11 +927,14 @@ def _validate_experts(args: argparse.Namespace, *, data_parallel_size: int) -> N
             expert_model_parallel_size=e, expert_tensor_parallel_size=et)
     except ValueError as error:
         raise ValueError(with_flag_names(str(error), vars(args))) from None
-    if (t * d) % (e * et):  # megatron-core splits a stage's t·d ranks into et × e × (expert data parallel)
-        raise ValueError(f"--expert-model-parallel-size ({e}) × --expert-tensor-parallel-size ({et}"
-                         f"{'' if args.expert_tensor_parallel_size else ', from --tensor-model-parallel-size'}) = "
-                         f"{e * et} must divide --tensor-model-parallel-size ({t}) × data-parallel size ({d}) = "
-                         f"{t * d}, the ranks of a pipeline stage")
+    try:
+        check(Sizes(moe=True, t=t, d=d, e=e, et=et), "expert_grid_fits_stage")
+    except ValueError as error:
+        message = engine_message_with_flags(str(error), args)
+        if args.expert_tensor_parallel_size is None:
+            message = message.replace(f"--expert-tensor-parallel-size ({et})",
+                                      f"--expert-tensor-parallel-size ({et}, from --tensor-model-parallel-size)")
+        raise ValueError(message) from None
     # The engine's rules for the rollout's expert layout (in place or exchanged), in their one home, told with the
     # flags' names.
     p, p_g = args.pipeline_model_parallel_size, args.rollout_pipeline_model_parallel_size
