@@ -320,7 +320,7 @@ def rotary_case() -> bool:
     replica._ensure_state()
     positions = torch.tensor([0, 1, 17, 2047, 2048, 3000, 4095])
     q = torch.randn(len(positions), 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    ours = replica.attention[0]._rotate(q, *replica.runner._rotary(positions))
+    ours = replica.attention[0]._rotate(q, *replica.runner.forwards.rotary(positions))
     reference = apply_rotary_pos_emb(q, model.rotary_pos_emb(4096)[positions], config=model.config,
                                      cp_group=ps.get_context_parallel_group())
     replica.close()
@@ -370,7 +370,7 @@ def bucketed_case(state: dict, stops: list[int]) -> dict:
     results = generator.generate(prompts, greedy, vocab_size=VOCAB, stop_token_ids=stops)
     seen = sorted(replica.graphs.seen)
     report = generator.report()
-    runner.graphs = None
+    runner.buffers.graphs = None
     engine.switch_to_training()
     generated = [r.generated_tokens for r in results]
     return {"generated": generated, "reference": recompute_greedy(model, prompts, set(stops), 40),

@@ -17,10 +17,8 @@ SOURCES = [PACKAGE, ROOT / "examples", ROOT / "tools", ROOT / "bench"]
 #: ban outright: it counts where the other side of the comparison names ``rollout_weights``).
 MODE_NAMES = {"aliased", "canonical", "fp8"}
 MAX_CLASS, MAX_FUNCTION = 400, 100
-#: Units over the limits (issue 49, step 3 splits them), at their length when the rule came: none may grow.
-OVER = {
-    "megatron_hybrid/inference/runner.py:StageRunner": 584,
-}
+#: Units over the limits, at their length when the rule came: none may grow (issue 49, step 3, split the last).
+OVER: dict[str, int] = {}
 
 
 def python_files(folders: list[Path]) -> list[Path]:

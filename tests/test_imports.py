@@ -531,7 +531,7 @@ def _step_state_writes(root: Path) -> list[str]:
 
 def test_step_state_is_set_on_modules_only_by_the_stage_runner():
     """The modules reach the step through the context the runner gave them once (the install functions); the step
-    itself is set and cleared in one place, the runner's forward (and inside StepContext.step)."""
+    itself is set and cleared in one place, the stage's forward (StageForwards.forward, and inside StepContext.step)."""
     where = {w.split(":")[0] + " in " + w.split(" in ")[1] for w in _step_state_writes(ROOT)}
     assert where == {
         "megatron_hybrid/inference/attention.py in install_kv_attention",
@@ -539,5 +539,5 @@ def test_step_state_is_set_on_modules_only_by_the_stage_runner():
         "megatron_hybrid/inference/moe.py in install_step_moe",
         "megatron_hybrid/inference/context.py in __init__",
         "megatron_hybrid/inference/context.py in step",
-        "megatron_hybrid/inference/runner.py in _forward",
+        "megatron_hybrid/inference/stage_forwards.py in forward",
     }, sorted(_step_state_writes(ROOT))

@@ -11,8 +11,9 @@ Pieces, one module each:
 - :mod:`.scheduler`: continuous batching over decode slots; :mod:`.sampling`: greedy / temperature / top-k /
   top-p on the device; :mod:`.graphs`: step graphs captured once per bucket, replayed across rollouts;
 - the generator of one model replica (tensor and pipeline groups) in three rooms: :mod:`.planner` decides each step
-  (a typed plan, pure Python), :mod:`.runner` executes it on this stage (buffers, forwards, graphs, pipeline
-  exchange), :mod:`.replica` runs the loop, stops and results;
+  (a typed plan, pure Python), :mod:`.runner` executes it on this stage (graphs, sampling, pipeline exchange; its
+  fixed-address buffers in :mod:`.stage_buffers`, its forwards in :mod:`.stage_forwards`), :mod:`.replica` runs the
+  loop, stops and results;
 - :mod:`.generator`: the HybridEngine's micro-DP data flow around it; :mod:`.validation`: argument checks that
   every rank agrees on before any generation collective; :mod:`.host_syncs`: which host lines wait on the device.
 

@@ -3,9 +3,9 @@
 
 The stage runner (:class:`~.runner.StageRunner`) owns a stage's :class:`StepContext`, gives it to the attention
 modules (:class:`~.attention.KVCacheSelfAttention`), norms (:class:`~.norms.StepRMSNorm`) and MoE layers
-(:class:`~.moe.StepMoELayer`) once when it installs them, and sets and clears the step in one place, around each
-forward (:meth:`StepContext.step`). Outside a step the modules are megatron-core's, unchanged. Nothing else writes
-step state onto modules.
+(:class:`~.moe.StepMoELayer`) once when it installs them, and its forwards (:mod:`.stage_forwards`) set and clear the
+step in one place, around each forward (:meth:`StepContext.step`). Outside a step the modules are megatron-core's,
+unchanged. Nothing else writes step state onto modules.
 
 Legend: T packed tokens, B decode slots, N slots of the cache, G key/value heads on this tensor-parallel rank, L
 cached positions per slot, D head dimension.
