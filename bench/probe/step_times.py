@@ -143,13 +143,16 @@ def probe(arch, engine, args) -> None:
     from megatron_hybrid.inference.host_syncs import synchronizing_calls
     from megatron_hybrid.inference.replica import ReplicaGenerator
     from megatron_hybrid.inference.runner import StageRunner
+    from megatron_hybrid.inference.stage_buffers import StageBuffers
 
     rec = Recorder()
     StepGraphs.run = rec.wrap(lambda self, key, step: key[:3], StepGraphs.run)
-    for name in ("_mixed", "_decode", "_prefill", "stage_mixed", "_start", "_advance"):
+    for name in ("_mixed", "_decode", "_prefill"):
         setattr(StageRunner, name, rec.host_only(name, getattr(StageRunner, name)))
+    for label, name in (("stage_mixed", "stage_mixed"), ("_start", "start"), ("_advance", "advance")):
+        setattr(StageBuffers, name, rec.host_only(label, getattr(StageBuffers, name)))
     ReplicaGenerator._in_flight = rec.host_only("_in_flight", ReplicaGenerator._in_flight)
-    StageRunner.move_slots = rec.wrap(lambda self, *a: ("compact",), StageRunner.move_slots)
+    StageBuffers.move_slots = rec.wrap(lambda self, *a: ("compact",), StageBuffers.move_slots)
     StageRunner._eager_prefill = rec.wrap(lambda self, prompts, *a: ("eager_prefill", len(prompts)),
                                           StageRunner._eager_prefill)
     sync = torch.cuda.Event.synchronize
