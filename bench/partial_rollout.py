@@ -10,9 +10,9 @@ time), same seeds and workload: GRPO on the 1.5B-like shape, ``--prompts`` promp
 prompt's own set of k tokens besides the end token, k log-uniform in [1, K], so a response ends after about
 ``--vocab-size`` / k tokens of the random model: most short, a long tail up to 4,096; 0: the end token alone,
 geometric lengths); ``--warmup`` steps, then ``--steps`` measured. The first run is synchronous (a step waits
-for its longest sample); the second adds
-``--partial-rollout --max-staleness 1 --tis-imp-ratio-cap 2`` (a step trains once its quota of groups finished
-and the groups at their staleness bound finished too; the rest resume in the next step), with
+for its longest sample); then one run per ``--max-staleness`` K (1 by default) adds ``--partial-rollout
+--max-staleness K --tis-imp-ratio-cap 2`` (a step trains once its quota of groups finished and the groups at their
+staleness bound finished too; the rest resume in the next step), with
 ``--in-flight-factor`` (4) times the step's prompts in flight. Per run: effective tokens/s (the
 response tokens trained per second of whole steps, the median over measured steps), the share of decode steps with
 at least half the slots decoding, the generation and step seconds, the staleness of the trained tokens, and the
@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 
 from bench.measure import rows_writer  # noqa: E402
 
-PARTIAL = ["--partial-rollout", "--max-staleness", "1", "--tis-imp-ratio-cap", "2"]
+PARTIAL = ["--partial-rollout", "--tis-imp-ratio-cap", "2"]
 KEYS = (("throughput/effective_tokens_per_second", "effective tok/s", ".0f"),
         ("rollout/busy_fraction", "decode steps ≥ half the slots busy", ".2f"),
         ("time/generation", "generation s", ".1f"), ("time/step", "step s", ".1f"),
@@ -71,11 +71,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     for key, label, fmt in KEYS:
         lines.append(f"| {label} | " + " | ".join(format(s[key], fmt) if key in s else "—"
                                                   for s in summaries.values()) + " |")
-    ratio = [r for r in rows if r.get("kind") == "ratio"]
-    if ratio:
-        line = f"\npartial / synchronous effective tokens/s: {ratio[-1]['effective_speedup']:.2f}x (medians of steps)"
-        if "effective_speedup_overall" in ratio[-1]:
-            line += f", {ratio[-1]['effective_speedup_overall']:.2f}x (trained tokens / seconds of all measured steps)"
+    for ratio in [r for r in rows if r.get("kind") == "ratio"][-max(1, len(summaries) - 1):]:
+        line = (f"\n{ratio.get('mode', 'partial')} / synchronous effective tokens/s: {ratio['effective_speedup']:.2f}x "
+                "(medians of steps)")
+        if ratio.get("effective_speedup_overall") is not None:
+            line += f", {ratio['effective_speedup_overall']:.2f}x (trained tokens / seconds of all measured steps)"
         lines.append(line)
     return "\n".join(lines)
 
@@ -100,6 +100,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="stop-token sets drawn per request, k in [1, K] tokens (bench/rl_step.py --stop-sets)")
     parser.add_argument("--in-flight-factor", type=int, default=4,
                         help="the partial run's --partial-rollout-in-flight, in step's prompts (default 4)")
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[1], metavar="K",
+                        help="one partial run per K (--max-staleness K of the recipe; default 1)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     parser.add_argument("--inference-max-requests", type=int, default=None,
                         help="cache slots (default: one step's samples, 4 x --prompts, so that 'half the slots busy' "
@@ -123,15 +125,22 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.inference_max_requests = 4 * args.prompts
     write = rows_writer(args.out)  # the file's earlier rows, then this run's so far
     rows: list[dict[str, Any]] = []
-    for mode in args.modes:
-        extra = PARTIAL + ["--partial-rollout-in-flight", str(args.in_flight_factor * args.prompts)]
-        rows += run(mode, args, extra if mode == "partial" else [])
+    runs = [("sync", [])] if "sync" in args.modes else []
+    if "partial" in args.modes:
+        runs += [("partial" if len(args.max_staleness) == 1 else f"partial K={k}",
+                  PARTIAL + ["--max-staleness", str(k), "--partial-rollout-in-flight",
+                             str(args.in_flight_factor * args.prompts)]) for k in args.max_staleness]
+    for mode, extra in runs:
+        rows += run(mode, args, extra)
         write(rows)
     summaries = {r["mode"]: r for r in rows if r.get("kind") == "summary"}
-    if len(summaries) == 2:
-        key = "throughput/effective_tokens_per_second"
-        sync, partial = overall(rows, "sync"), overall(rows, "partial")
-        rows.append({"kind": "ratio", "effective_speedup": summaries["partial"][key] / summaries["sync"][key],
+    key = "throughput/effective_tokens_per_second"
+    for (mode, _), k in zip(runs[1:] if "sync" in summaries else [], args.max_staleness):
+        if mode not in summaries:
+            continue
+        sync, partial = overall(rows, "sync"), overall(rows, mode)
+        rows.append({"kind": "ratio", "mode": mode, "max_staleness": k,
+                     "effective_speedup": summaries[mode][key] / summaries["sync"][key],
                      "effective_speedup_overall": partial / sync if sync and partial else None,
                      "command": " ".join(sys.argv), "device": summaries["sync"]["device"]})
         write(rows)

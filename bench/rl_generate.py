@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from megatron_hybrid import HybridEngine, RolloutLayout
     from megatron_hybrid.inference import Budget, GenerationConfig, RolloutGenerator
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
     if args.smoke:
         arch = SHAPES["cpu-tiny"]
         args.slots, args.max_new_tokens, args.prompt_range = 4, 16, (4, 12)
