@@ -153,6 +153,20 @@ def test_any_rollout_layout_pair_is_accepted(argv):
     _validate(*argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout-tensor-model-parallel-size", "4", "--ffn-hidden-size", "130"],
+     "--rollout-tensor-model-parallel-size (4) must divide --ffn-hidden-size (130)"),
+    (["--tensor-model-parallel-size", "1", "--rollout-tensor-model-parallel-size", "4", "--group-query-attention",
+      "--num-query-groups", "2"], "--rollout-tensor-model-parallel-size (4) must divide --num-query-groups (2)"),
+])
+def test_a_rollout_model_that_cannot_be_built_is_refused_at_start_up(argv, message):
+    """The constraints table's rollout rules the flags decide (t_g | ffn, t_g | query groups), before any process
+    group: the engine would refuse them only once the model is built."""
+    with pytest.raises(ValueError) as e:
+        _validate(*argv)
+    assert str(e.value) == message
+
+
 @pytest.mark.parametrize("argv", [
     ("--rollout-tensor-model-parallel-size", "1", "--rollout-pipeline-model-parallel-size", "2"),  # TP down, PP up
     ("--expert-model-parallel-size", "2", "--rollout-tensor-model-parallel-size", "1",

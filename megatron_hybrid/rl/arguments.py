@@ -771,10 +771,13 @@ def _validate_rollout_layout(args: argparse.Namespace, *, data_parallel_size: in
     """The rollout layout: any pair whose rollout model can be built (the HybridEngine exchanges what its micro-DP
     gathers cannot serve)."""
     t, p, d = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, data_parallel_size
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     _check_layout(args, Sizes(world=t * p * d, t=t, p=p, d=d, t_g=args.rollout_tensor_model_parallel_size,
                               p_g=args.rollout_pipeline_model_parallel_size, num_layers=args.num_layers,
-                              num_attention_heads=args.num_attention_heads),
-                  "rollout_layout_divides_world", "p_g_divides_layers", "t_g_divides_heads")
+                              num_attention_heads=args.num_attention_heads, num_query_groups=groups,
+                              ffn_hidden_size=args.ffn_hidden_size),
+                  "rollout_layout_divides_world", "p_g_divides_layers", "t_g_divides_heads", "t_g_divides_query_groups",
+                  "t_g_divides_ffn")
 
 
 def _check_layout(args: argparse.Namespace, sizes: Sizes, *rules: str) -> None:
