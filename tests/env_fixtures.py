@@ -25,8 +25,9 @@ EVENTS: list = []
 
 
 class SlowFirstStep(ThreeTurns):
-    """ThreeTurns whose sample with first prompt token ``SLOW`` takes 2 s over its first step (a slow tool); every
-    step is logged in :data:`EVENTS`."""
+    """ThreeTurns whose sample with first prompt token ``SLOW`` takes 4 s over its first step (a slow tool: long
+    enough that the others' turns end first on a slow or busy 2-core machine); every step is logged in
+    :data:`EVENTS`."""
 
     SLOW = None
 
@@ -39,7 +40,7 @@ class SlowFirstStep(ThreeTurns):
 
         EVENTS.append((self.id, self.turn + 1, time.perf_counter()))
         if self.id == SlowFirstStep.SLOW and self.turn == 0:
-            time.sleep(2.0)
+            time.sleep(4.0)
         return super().step(tokens)
 
 

@@ -253,7 +253,7 @@ def engine_state():
 def test_turns_inside_one_call_give_the_turn_by_turn_episodes(engine_state):
     """Issue 47, step 4: every turn inside one generate call, the environments' steps on threads while the other
     samples decode, gives the episodes of a generate call per turn (greedy: the same tokens, masks and rewards; the
-    log-probs to rounding); the later turns continued kept caches. A sample whose first step takes 2 s delays only
+    log-probs to rounding); the later turns continued kept caches. A sample whose first step takes 4 s delays only
     itself: every other sample has taken all its steps before that sample's second step starts. The model tokens'
     log-probs are a full forward's over the final sequences."""
     stops = [193, 187, 1]  # tokens tiny_llama's greedy continuations reach mid-sequence (tests/test_inference.py)
