@@ -430,7 +430,7 @@ def test_a_token_budget_below_the_longest_sequence_is_named_before_any_process_g
 
 # ---------------------------------------------------------------- 2. a stalled rank ends the job in time
 
-TIMEOUT_S = 3.0  # --distributed-timeout-minutes 0.05
+TIMEOUT_S = 6.0  # --distributed-timeout-minutes 0.1 (gloo's connect takes it too: 3 s timed out on a busy machine)
 # torchrun notices a failed worker within a second and stops the others with SIGTERM; the survivors' teardown takes
 # a few seconds more on 2 cores. A group left at megatron-core's default would wait 30 minutes.
 GRACE_S = 30.0
