@@ -84,7 +84,8 @@ def synchronous(args: argparse.Namespace, seed: int, costs: Costs) -> float:
     for _ in range(args.steps):
         groups = [draw(rng) for _ in range(args.prompts)]
         queue = [(g, i) for g in groups for i in range(len(g.lengths))]
-        t = sum(g.prompt * len(g.lengths) for g in groups) * costs.prefill_us / 1e6
+        prompt = sum(g.prompt * len(g.lengths) for g in groups)
+        t = prompt * costs.prefill_us / 1e6
         active, queue = queue[: args.slots], queue[args.slots:]
         while active:
             t += decode(active, costs)
@@ -93,7 +94,7 @@ def synchronous(args: argparse.Namespace, seed: int, costs: Costs) -> float:
                 active.append(queue.pop())
         response = sum(sum(g.lengths) for g in groups)
         tokens += response
-        seconds += t + (response + sum(g.prompt * len(g.lengths) for g in groups)) * costs.train_us / 1e6
+        seconds += t + (response + prompt) * costs.train_us / 1e6
     return tokens / seconds
 
 
@@ -111,8 +112,7 @@ def partial(args: argparse.Namespace, seed: int, costs: Costs, staleness: int,
             due = {id(g) for g in held
                    if not g.finished() and g.oldest() is not None and step - g.oldest() >= staleness}
             queue = [(g, i) for g in held for i in range(len(g.lengths)) if g.done[i] < g.lengths[i]]
-            active, queue = [], queue
-            met = False
+            active, met = [], False
             while True:
                 while queue and len(active) < args.slots and not (args.start_cap and met):
                     g, i = queue.pop(0)

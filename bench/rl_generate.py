@@ -16,7 +16,7 @@ with a tail to 4,096. Calls, each timed after an untimed warm-up of the same cal
 - ``tail``: ``--slots`` RL prompts run to their ends (a synchronous rollout: the longest sequence sets its length);
 - ``quota``: 4 x ``--slots`` RL prompts under ``Budget(finished=--slots)`` (a partial rollout's phase: the slots
   stay full, refilled as sequences end, until the quota has ended);
-- ``resume``: the unfinished sequences of ``quota`` resumed (their prefixes prefilled again) with as many new
+- ``resume``: the unfinished sequences of the ``quota`` call resumed (their prefixes prefilled again) with as many new
   prompts again, under the same budget (the next phase).
 
 Each row: seconds, generated tokens, tok/s, decode steps, ms per decode step, the mean decode batch (slots busy per
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -47,25 +46,11 @@ sys.path.insert(0, ROOT)
 from bench.generate import build_model  # noqa: E402
 from bench.kernel_table import is_attention, is_matmul, kernel_base  # noqa: E402
 from bench.measure import copy_bandwidth, one_rank, rows_writer, sync  # noqa: E402
+from bench.rl_step import draw_prompts  # noqa: E402
 from bench.shapes import SHAPES  # noqa: E402
 
 COUNTERS = ("decode_steps", "busy_steps", "idle_slot_steps", "mixed_steps", "prefill_forwards",
             "prefill_graph_forwards", "slot_moves", "dropped_rows", "cuda_graph_captures")
-
-
-def rl_prompts(count: int, *, lo: int, hi: int, vocab: int, stop_sets: int, seed: int,
-               target: int = 5) -> tuple[list[list[int]], list[list[int]]]:
-    """bench/rl_step.py's prompt rows as token ids: ``count`` prompts of ``lo``-``hi`` tokens (never the end token
-    0) and each one's stop set (k - 1 tokens, k log-uniform in [1, ``stop_sets``], never ``target``)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts, stops = [], []
-    for _ in range(count):
-        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-        prompts.append(torch.randint(1, vocab, (n,), generator=g).tolist())
-        k = min(stop_sets, int(math.exp(float(torch.rand((), generator=g)) * math.log(stop_sets + 1))))
-        others = [t for t in torch.randperm(vocab - 1, generator=g).add(1).tolist() if t != target][: k - 1]
-        stops.append(sorted(others))
-    return prompts, stops
 
 
 def counters(generator: Any) -> dict[str, float]:
@@ -221,22 +206,23 @@ def main(argv: Optional[list[str]] = None) -> None:
             params = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=512 if not args.smoke else 8)
             runs["fixed"] = lambda: generator.generate(fixed, params, vocab_size=vocab, seed=3)
         lo, hi = args.prompt_range
-        tail_p, tail_s = rl_prompts(B, lo=lo, hi=hi, vocab=vocab, stop_sets=args.stop_sets, seed=1)
+        tail_p, tail_s = draw_prompts(B, lo=lo, hi=hi, vocab=vocab, stop_sets=args.stop_sets, seed=1)
         runs["tail"] = lambda: generator.generate(tail_p, rl, vocab_size=vocab, seed=3,
                                                   request_stop_token_ids=tail_s)
-        quota_p, quota_s = rl_prompts(4 * B, lo=lo, hi=hi, vocab=vocab, stop_sets=args.stop_sets, seed=2)
+        quota_p, quota_s = draw_prompts(4 * B, lo=lo, hi=hi, vocab=vocab, stop_sets=args.stop_sets, seed=2)
         budget = Budget(finished=B)
         runs["quota"] = lambda: generator.generate(quota_p, rl, vocab_size=vocab, seed=3, budget=budget,
                                                    request_stop_token_ids=quota_s)
-        new_p, new_s = rl_prompts(4 * B, lo=lo, hi=hi, vocab=vocab, stop_sets=args.stop_sets, seed=4)
+        new_p, new_s = draw_prompts(4 * B, lo=lo, hi=hi, vocab=vocab, stop_sets=args.stop_sets, seed=4)
+        results: dict[str, list] = {}
         for name in args.calls:
             if name == "resume":
-                _, first = call_row("quota (for resume)", generator, runs["quota"], device)
+                first = results.get("quota") or runs["quota"]()  # the unfinished of a quota call resume
                 parked = [r for r in first if not r.finished]
                 fresh = len(first) - len(parked)
                 runs["resume"] = lambda: generator.generate(new_p[:fresh], rl, vocab_size=vocab, seed=5, budget=budget,
                                                             resume=parked, request_stop_token_ids=new_s[:fresh])
-            row, _ = call_row(name, generator, runs[name], device)
+            row, results[name] = call_row(name, generator, runs[name], device)
             rows.append({**row, **meta, "slots": B, "max_new_tokens": args.max_new_tokens})
             write(rows)
             if name in args.profile and device.type == "cuda":

@@ -69,25 +69,38 @@ PHASES = ("generation", "switch", "reward", "actor_log_probs", "reference_log_pr
           "step")
 
 
-def prompt_file(path: str, *, count: int, lo: int, hi: int, vocab: int, seed: int, stop_sets: int = 0,
-                target: int = 5) -> None:
-    """``count`` prompts of ``lo``-``hi`` random token ids (NullTokenizer text: ids separated by spaces), none the
-    end token 0. ``stop_sets`` K > 0: JSONL rows (``--prompt-data``), each with its own ``stop_token_ids``: k - 1
-    random tokens besides the end token (never the reward's ``target``), k log-uniform in [1, K], so that a response
-    ends after about vocab / k tokens: most short, a long tail of those with few stop tokens."""
+def draw_prompts(count: int, *, lo: int, hi: int, vocab: int, seed: int, stop_sets: int = 0,
+                 target: int = 5) -> tuple[list[list[int]], Optional[list[list[int]]]]:
+    """``count`` prompts of ``lo``-``hi`` random token ids, none the end token 0; with ``stop_sets`` K > 0 also each
+    one's stop set: k - 1 random tokens besides the end token (never the reward's ``target``), k log-uniform in
+    [1, K], so that a response ends after about vocab / k tokens: most short, a long tail of those with few stop
+    tokens (None without)."""
     import math
 
     g = torch.Generator().manual_seed(seed)
-    with open(path, "w") as f:
-        for _ in range(count):
-            n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-            text = " ".join(map(str, torch.randint(1, vocab, (n,), generator=g).tolist()))
-            if not stop_sets:
-                f.write(text + "\n")
-                continue
+    prompts, stops = [], []
+    for _ in range(count):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        prompts.append(torch.randint(1, vocab, (n,), generator=g).tolist())
+        if stop_sets:
             k = min(stop_sets, int(math.exp(float(torch.rand((), generator=g)) * math.log(stop_sets + 1))))
             others = [t for t in torch.randperm(vocab - 1, generator=g).add(1).tolist() if t != target][: k - 1]
-            f.write(json.dumps({"prompt": text, "answer": "", "stop_token_ids": sorted(others)}) + "\n")
+            stops.append(sorted(others))
+    return prompts, (stops if stop_sets else None)
+
+
+def prompt_file(path: str, *, count: int, lo: int, hi: int, vocab: int, seed: int, stop_sets: int = 0,
+                target: int = 5) -> None:
+    """:func:`draw_prompts`' prompts as NullTokenizer text (ids separated by spaces), one a line; with ``stop_sets``
+    JSONL rows (``--prompt-data``), each with its own ``stop_token_ids``."""
+    prompts, stops = draw_prompts(count, lo=lo, hi=hi, vocab=vocab, seed=seed, stop_sets=stop_sets, target=target)
+    with open(path, "w") as f:
+        for i, prompt in enumerate(prompts):
+            text = " ".join(map(str, prompt))
+            if stops is None:
+                f.write(text + "\n")
+            else:
+                f.write(json.dumps({"prompt": text, "answer": "", "stop_token_ids": stops[i]}) + "\n")
 
 
 def recipe_argv(args: argparse.Namespace, prompts: str) -> list[str]:
